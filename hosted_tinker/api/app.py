@@ -1,0 +1,78 @@
+"""The FastAPI application: auth, error bodies, metrics, and the routers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import ServerConfig
+from ..server import Server
+from . import service, training
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
+    """Build the app. `server` may be passed in (tests); otherwise it is built at start-up."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        srv = server or Server(config)
+        srv.futures.bind_loop(asyncio.get_running_loop())
+        srv.start()
+        app.state.server = srv
+        pruner = asyncio.create_task(_prune_forever(srv))
+        log.info("hosted-tinker serving %s on http://%s:%d", config.base_model, config.host, config.port)
+        try:
+            yield
+        finally:
+            pruner.cancel()
+            srv.stop()
+
+    app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=lifespan)
+    app.state.metrics = Metrics()
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        app.state.metrics.observe_request(getattr(route, "path", "unmatched"), response.status_code,
+                                          time.perf_counter() - start)
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # Always a non-empty JSON body: the SDK treats an empty 400 as a proxy glitch and retries.
+        return JSONResponse({"detail": exc.detail or "error"}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors())
+        return JSONResponse({"detail": f"invalid request: {problems}"}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse({"detail": f"internal server error: {type(exc).__name__}"}, status_code=500)
+
+    app.include_router(service.router)
+    app.include_router(training.router)
+    return app
+
+
+async def _prune_forever(srv: Server) -> None:
+    while True:
+        await asyncio.sleep(60)
+        srv.futures.prune()
+        srv.store.prune_futures(time.time() - 24 * 3600)

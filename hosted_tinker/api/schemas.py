@@ -1,0 +1,116 @@
+"""Typed request bodies of the Tinker JSON endpoints (the SDK's `tinker.types`, server side).
+
+Unknown fields are ignored (newer SDKs add fields); wrong types and out-of-range values are a
+422 with pydantic's description of what is wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class ClientConfigRequest(Body):
+    sdk_version: str | None = None
+
+
+class CreateSessionRequest(Body):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionHeartbeatRequest(Body):
+    session_id: str
+
+
+class FinishReason(Body):
+    type: str = "success"
+
+
+class FinishSessionRequest(Body):
+    reason: FinishReason | None = None
+    detail: str | None = None
+
+
+class LoraConfigIn(Body):
+    rank: int = Field(32, ge=1)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelRequest(Body):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfigIn | None = None
+    optimizer_config: dict[str, Any] | None = None
+
+
+class ModelRef(Body):
+    model_id: str
+
+
+class AdamParamsIn(Body):
+    learning_rate: float = Field(1e-4, ge=0, allow_inf_nan=False)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(0.0, ge=0, allow_inf_nan=False)
+
+
+class OptimStepRequest(Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    adam_params: AdamParamsIn | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeightsRequest(Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str
+    ttl_seconds: int | None = Field(None, ge=1)
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveWeightsForSamplerRequest(Body):
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+    ttl_seconds: int | None = Field(None, ge=1)
+    user_metadata: dict[str, str] | None = None
+
+
+class LoadWeightsRequest(Body):
+    path: str
+    optimizer: bool = False
+    # mode A: load into an existing model at its next seq_id
+    model_id: str | None = None
+    seq_id: int | None = None
+    # mode B: create a model from the checkpoint (create_training_client_from_state)
+    session_id: str | None = None
+    model_seq_id: int | None = Field(None, ge=0)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+    weights_access_token: str | None = None
+
+
+class RetrieveFutureRequest(Body):
+    request_id: str
+    allow_metadata_only: bool = False

@@ -1,0 +1,102 @@
+"""Service endpoints: client config, sessions, telemetry, health, capabilities, metrics."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi.responses import PlainTextResponse
+
+from ..server import Server
+from .deps import get_server, require_owner
+from .schemas import ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest
+
+router = APIRouter()
+
+# Sessions created per client idempotency key: the SDK's transport layer retries
+# create_session with the same X-Idempotency-Key, which must not make a second session.
+_session_by_idempotency_key: dict[str, str] = {}
+
+
+@router.post("/api/v1/client/config")
+def client_config(body: ClientConfigRequest, server: Server = Depends(get_server)):
+    return {
+        "pjwt_auth_enabled": False,
+        # Chunks may arrive concurrently and out of order: the scheduler orders them by seq_id.
+        "parallel_fwdbwd_chunks": True,
+        "proto_compress_fwdbwd": server.config.compress_fwdbwd,
+        "sample_use_retrieve_futures": False,
+        "custom_loss_server_side": False,
+    }
+
+
+@router.post("/api/v1/client/dynamic_config")
+def dynamic_config(body: ClientConfigRequest):
+    return {"refresh_interval_sec": 300}
+
+
+@router.get("/api/v1/healthz")
+def healthz():
+    return {"status": "ok"}
+
+
+@router.get("/api/v1/get_server_capabilities")
+def capabilities(server: Server = Depends(get_server)):
+    return {"supported_models": [{
+        "model_name": server.config.base_model,
+        "max_context_length": server.runtime.max_context,
+        "trainable": True,
+        "sampleable": False,
+    }]}
+
+
+@router.post("/api/v1/create_session")
+def create_session(body: CreateSessionRequest, owner: str = Depends(require_owner),
+                   x_idempotency_key: str | None = Header(default=None),
+                   server: Server = Depends(get_server)):
+    key = f"{owner}:{x_idempotency_key}" if x_idempotency_key else None
+    if key and key in _session_by_idempotency_key:
+        return {"type": "create_session", "session_id": _session_by_idempotency_key[key]}
+    session_id = f"sess-{uuid.uuid4().hex[:16]}"
+    server.store.create_session(session_id, owner, body.tags, body.user_metadata, body.display_name,
+                                body.project_id)
+    if key:
+        _session_by_idempotency_key[key] = session_id
+    return {"type": "create_session", "session_id": session_id}
+
+
+def _owned_session(server: Server, session_id: str, owner: str):
+    row = server.store.get_session(session_id)
+    if row is None or row["owner"] != owner:
+        raise HTTPException(404, f"session {session_id!r} not found")
+    return row
+
+
+@router.post("/api/v1/session_heartbeat")
+def heartbeat(body: SessionHeartbeatRequest, owner: str = Depends(require_owner),
+              server: Server = Depends(get_server)):
+    row = _owned_session(server, body.session_id, owner)
+    if row["status"] != "active":
+        raise HTTPException(410, f"session {body.session_id!r} has finished")
+    server.store.touch_session(body.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/api/v1/sessions/{session_id}/finish")
+def finish_session(session_id: str, body: FinishSessionRequest, owner: str = Depends(require_owner),
+                   server: Server = Depends(get_server)):
+    _owned_session(server, session_id, owner)
+    server.store.finish_session(session_id, body.reason.type if body.reason else "success")
+    return {}
+
+
+@router.post("/api/v1/telemetry")
+def telemetry(owner: str = Depends(require_owner)):
+    # Accepted and dropped: events can echo request headers (X-API-Key included), so nothing
+    # is stored until there is a redacting store for them.
+    return {"status": "accepted"}
+
+
+@router.get("/metrics")
+def metrics(request: Request, server: Server = Depends(get_server)):
+    return PlainTextResponse(request.app.state.metrics.render(server), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,53 @@
+"""All server settings in one dataclass; `hosted-tinker serve --help` is generated from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .embedded_model import EMBEDDED_MODEL_NAME
+
+
+def _opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    base_model: str = _opt(
+        EMBEDDED_MODEL_NAME,
+        "Hugging Face causal LM id or local path (e.g. Qwen/Qwen3-8B); the default is a tiny "
+        "model built locally, deterministically, with no download")
+    data_dir: Path = _opt(Path("./data"), "where the SQLite database, checkpoints and built models live")
+    device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
+    dtype: str = _opt("auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16")
+    max_tokens_per_micro_batch: int = _opt(
+        8192, "padded tokens per fused forward/backward micro-batch (bounds activation memory)")
+    max_lora_rank: int = _opt(128, "largest LoRA rank a client may ask for")
+    long_poll_s: float = _opt(30.0, "how long retrieve_future holds a pending request before try_again")
+    gap_timeout_s: float = _opt(
+        120.0, "how long a model's later seq_ids wait for a missing earlier one before it is skipped")
+    gather_window_s: float = _opt(
+        0.01, "how long a pipelining client's forward_backward waits for its optim_step, to share a cycle")
+    max_request_bytes: int = _opt(512 << 20, "largest request body accepted (after decompression)")
+    compress_fwdbwd: bool = _opt(False, "ask the SDK to zstd-compress forward_backward bodies (saves bandwidth to remote clients)")
+    log_level: str = _opt("info", "debug, info, warning or error")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in (bool, "bool"):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=f"{f.metadata['help']} (default: %(default)s)")
+                continue
+            kind = f.type if not isinstance(f.type, str) else {"int": int, "float": float, "Path": Path}.get(f.type, str)
+            parser.add_argument(flag, type=kind, default=f.default, help=f"{f.metadata['help']} (default: %(default)s)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

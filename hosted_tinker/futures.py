@@ -1,0 +1,108 @@
+"""`FutureStore`: request ids handed to the SDK, their results, and the waiters long-polling them.
+
+A result is written to SQLite first (so an acknowledged result survives a crash), then kept in
+memory for fast delivery, then every waiter on that id is woken through its asyncio event. No
+waiter ever sleeps and re-checks: `retrieve_future` answers the moment the scheduler resolves
+the future, or after the long-poll window with `try_again`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from .store import Store
+
+
+@dataclass
+class FutureResult:
+    payload: bytes  # JSON text or protobuf bytes
+    is_proto: bool
+    failed: bool
+    resolved_at: float
+
+
+class FutureStore:
+    def __init__(self, store: Store, *, keep_in_memory_s: float = 600.0):
+        self.store = store
+        self.keep_in_memory_s = keep_in_memory_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._results: dict[str, FutureResult] = {}
+        self._events: dict[str, asyncio.Event] = {}
+        self.resolved_total = 0
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    # -- creation / resolution (any thread) ----------------------------------------------------
+    def create(self, owner: str, kind: str, model_id: str | None = None, seq_id: int | None = None
+               ) -> tuple[str, bool]:
+        """Return (request_id, is_new). A repeated (model_id, seq_id) returns the first id."""
+        request_id = f"req-{uuid.uuid4().hex}"
+        got = self.store.insert_future(request_id, owner, kind, model_id, seq_id)
+        return got, got == request_id
+
+    def resolve(self, request_id: str, result: dict | bytes, *, is_proto: bool = False) -> None:
+        payload = result if isinstance(result, bytes) else json.dumps(result, allow_nan=False).encode()
+        self._finish(request_id, payload, is_proto=is_proto, failed=False)
+
+    def fail(self, request_id: str, message: str, category: str = "user") -> None:
+        payload = json.dumps({"error": message, "category": category}).encode()
+        self._finish(request_id, payload, is_proto=False, failed=True)
+
+    def _finish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
+        self.store.complete_future(request_id, payload, is_proto, failed)
+        with self._lock:
+            self._results[request_id] = FutureResult(payload, is_proto, failed, time.time())
+            self.resolved_total += 1
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake, request_id)
+
+    def _wake(self, request_id: str) -> None:
+        event = self._events.pop(request_id, None)
+        if event is not None:
+            event.set()
+
+    # -- retrieval (event-loop thread) ---------------------------------------------------------
+    def lookup(self, request_id: str) -> FutureResult | None:
+        with self._lock:
+            hit = self._results.get(request_id)
+        if hit is not None:
+            return hit
+        rec = self.store.get_future(request_id)
+        if rec is None or rec.status == "pending":
+            return None
+        return FutureResult(rec.result or b"", rec.result_is_proto, rec.status == "failed",
+                            rec.completed_at or time.time())
+
+    async def wait(self, request_id: str, timeout: float) -> FutureResult | None:
+        """The result, or None if it is still pending after `timeout` seconds."""
+        hit = self.lookup(request_id)
+        if hit is not None:
+            return hit
+        event = self._events.get(request_id)
+        if event is None:
+            event = self._events[request_id] = asyncio.Event()
+        # Re-check after registering: a resolve that raced us is either visible now or will
+        # call _wake on this loop later (both steps above run without yielding).
+        with self._lock:
+            hit = self._results.get(request_id)
+        if hit is not None:
+            return hit
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        return self.lookup(request_id)
+
+    def prune(self) -> None:
+        """Drop in-memory results older than the keep window (they stay in SQLite)."""
+        cutoff = time.time() - self.keep_in_memory_s
+        with self._lock:
+            for rid in [r for r, v in self._results.items() if v.resolved_at < cutoff]:
+                del self._results[rid]

@@ -1,0 +1,241 @@
+"""`TrainingRuntime`: the base model, every live adapter, and the fused forward/backward.
+
+One call of `forward_backward` takes the work of many models (each item one request, with its
+own loss function) and runs it as one batch: rows are laid out adapter by adapter, the
+`MultiLoRALinear` layers apply each row's own adapter, every datum's loss is computed with its
+request's loss function, and one backward of the *sum* of all losses leaves each adapter with
+exactly its own gradient (the losses share no parameters). Gradients accumulate on the
+adapters' tensors until that adapter's `optim_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .adapters import AdamParams, LoRAAdapter, LoRAConfig
+from .checkpoints import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
+from .losses import per_token_loss
+from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora
+
+log = logging.getLogger(__name__)
+
+LOSS_INPUT_KEYS = ("weights", "logprobs", "advantages")
+
+
+@dataclass
+class DatumWork:
+    tokens: np.ndarray  # int64 [N]
+    inputs: dict[str, np.ndarray]  # loss_fn_inputs, already validated
+
+
+@dataclass
+class FBWork:
+    """One forward / forward_backward request of one model (already validated)."""
+
+    model_id: str
+    data: list[DatumWork]
+    loss_fn: str
+    loss_config: dict[str, float]
+    forward_only: bool
+
+
+@dataclass
+class FBOutcome:
+    outputs: list[dict[str, np.ndarray]]  # per datum: logprobs, elementwise_loss
+    metrics: dict[str, float]
+
+
+@dataclass
+class PassStats:
+    """What one fused pass did, for metrics and benchmarks."""
+
+    models: int = 0
+    datums: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    micro_batches: int = 0
+    seconds: float = 0.0
+    per_model_datums: dict[str, int] = field(default_factory=dict)
+
+
+class TrainingRuntime:
+    def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
+                 max_tokens_per_micro_batch: int = 8192):
+        self.model = model
+        self.base_model_name = base_model_name
+        self.device = device
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()  # no dropout: training through LoRA must be deterministic
+        self.routing = LoRARouting()
+        self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing)
+        self.adapters: dict[str, LoRAAdapter] = {}
+        cfg = model.config
+        self.vocab_size = int(model.get_output_embeddings().out_features)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 20))
+        self.last_pass = PassStats()
+
+    # -- adapters ------------------------------------------------------------------------------
+    def create_adapter(self, model_id: str, config: LoRAConfig) -> LoRAAdapter:
+        if model_id in self.adapters:
+            raise ValueError(f"model {model_id!r} already has an adapter")
+        adapter = LoRAAdapter(model_id, config, self.layers, self.device)
+        adapter.attach(self.layers)
+        self.adapters[model_id] = adapter
+        return adapter
+
+    def remove_adapter(self, model_id: str) -> None:
+        adapter = self.adapters.pop(model_id, None)
+        if adapter is not None:
+            adapter.detach(self.layers)
+
+    def adapter(self, model_id: str) -> LoRAAdapter:
+        try:
+            return self.adapters[model_id]
+        except KeyError:
+            raise KeyError(f"model {model_id!r} is not loaded") from None
+
+    # -- forward / backward --------------------------------------------------------------------
+    def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
+        """Run all `works` in as few fused passes as the token budget allows."""
+        start = time.perf_counter()
+        stats = PassStats(models=len({w.model_id for w in works}))
+        per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        loss_sums = [0.0] * len(works)
+        # Rows grouped by adapter so each adapter is one contiguous segment of the batch.
+        order = sorted(range(len(works)), key=lambda i: works[i].model_id)
+        for grad in (True, False):
+            rows = [(wi, di) for wi in order if works[wi].forward_only != grad
+                    for di in range(len(works[wi].data))]
+            for batch in self._micro_batches(rows, works):
+                self._run_micro_batch(batch, works, grad, per_datum, loss_sums, stats)
+        outcomes = []
+        for wi, work in enumerate(works):
+            outputs = [per_datum[(wi, di)] for di in range(len(work.data))]
+            outcomes.append(FBOutcome(outputs=outputs, metrics={"loss:sum": loss_sums[wi]}))
+            stats.datums += len(work.data)
+            stats.per_model_datums[work.model_id] = stats.per_model_datums.get(work.model_id, 0) + len(work.data)
+        stats.seconds = time.perf_counter() - start
+        self.last_pass = stats
+        return outcomes
+
+    def _micro_batches(self, rows: list[tuple[int, int]], works: list[FBWork]):
+        """Greedy split in row order so that rows × longest row stays within the token budget."""
+        batch: list[tuple[int, int]] = []
+        longest = 0
+        for wi, di in rows:
+            n = len(works[wi].data[di].tokens)
+            if batch and max(longest, n) * (len(batch) + 1) > self.max_tokens_per_micro_batch:
+                yield batch
+                batch, longest = [], 0
+            batch.append((wi, di))
+            longest = max(longest, n)
+        if batch:
+            yield batch
+
+    def _run_micro_batch(self, batch, works, grad, per_datum, loss_sums, stats: PassStats) -> None:
+        lengths = [len(works[wi].data[di].tokens) for wi, di in batch]
+        rows, width = len(batch), max(lengths)
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        targets = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.zeros(rows, width)
+        inputs = {k: torch.zeros(rows, width) for k in LOSS_INPUT_KEYS}
+        for r, (wi, di) in enumerate(batch):
+            d = works[wi].data[di]
+            n = lengths[r]
+            ids[r, :n] = torch.from_numpy(d.tokens)
+            targets[r, :n] = torch.from_numpy(np.asarray(d.inputs["target_tokens"], dtype=np.int64))
+            mask[r, :n] = 1.0
+            for k in LOSS_INPUT_KEYS:
+                if k in d.inputs:
+                    inputs[k][r, :n] = torch.from_numpy(np.asarray(d.inputs[k], dtype=np.float32))
+        ids, targets, mask = ids.to(self.device), targets.to(self.device), mask.to(self.device)
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+
+        # Contiguous runs of rows that share a request: one adapter segment / one loss each.
+        runs: list[tuple[int, int, int]] = []  # (work index, start, end)
+        for r, (wi, _) in enumerate(batch):
+            if runs and runs[-1][0] == wi:
+                runs[-1] = (wi, runs[-1][1], r + 1)
+            else:
+                runs.append((wi, r, r + 1))
+        segments: list[tuple[str | None, int, int]] = []
+        for wi, s, e in runs:
+            mid = works[wi].model_id
+            if segments and segments[-1][0] == mid:
+                segments[-1] = (mid, segments[-1][1], e)
+            else:
+                segments.append((mid, s, e))
+        self.routing.segments = segments
+        try:
+            with torch.set_grad_enabled(grad):
+                # Right padding and a causal mask: real tokens never see the pads after them.
+                logits = self.model(input_ids=ids, use_cache=False).logits
+                vocab = logits.shape[-1]
+                logprobs = -F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1),
+                                            reduction="none").reshape(rows, width)
+                del logits
+                total = None
+                for wi, s, e in runs:
+                    w = works[wi]
+                    tok_loss = per_token_loss(
+                        w.loss_fn, w.loss_config, logprobs[s:e], {k: v[s:e] for k, v in inputs.items()}
+                    ) * mask[s:e]
+                    run_sum = tok_loss.sum()
+                    total = run_sum if total is None else total + run_sum
+                    lp_cpu = logprobs[s:e].detach().cpu().numpy()
+                    el_cpu = tok_loss.detach().cpu().numpy()
+                    for off, r in enumerate(range(s, e)):
+                        n = lengths[r]
+                        per_datum[batch[r]] = {
+                            "logprobs": lp_cpu[off, :n].astype(np.float32, copy=True),
+                            "elementwise_loss": el_cpu[off, :n].astype(np.float32, copy=True),
+                        }
+                        loss_sums[wi] += float(el_cpu[off, :n].astype(np.float64).sum())
+                if grad and total is not None and total.requires_grad:
+                    total.backward()
+        finally:
+            self.routing.segments = []
+        stats.micro_batches += 1
+        stats.tokens += sum(lengths)
+        stats.padded_tokens += rows * width
+
+    # -- optimizer -----------------------------------------------------------------------------
+    def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
+        return self.adapter(model_id).optim_step(params)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int:
+        return save_adapter(self.adapter(model_id), out_dir, self.base_model_name,
+                            with_optimizer=with_optimizer, overwrite=overwrite)
+
+    def read(self, ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint:
+        ckpt = read_checkpoint(ckpt_dir, with_optimizer=with_optimizer)
+        if ckpt.base_model and ckpt.base_model != self.base_model_name:
+            raise CheckpointError(
+                f"checkpoint was trained on base model {ckpt.base_model!r}; this server serves "
+                f"{self.base_model_name!r}")
+        return ckpt
+
+    def load(self, model_id: str, ckpt: LoadedCheckpoint) -> LoRAAdapter:
+        """(Re)build `model_id`'s adapter from a checkpoint: its LoRA config comes from the files."""
+        old = self.adapters.get(model_id)
+        self.remove_adapter(model_id)
+        try:
+            adapter = self.create_adapter(model_id, ckpt.config)
+            restore_adapter(adapter, ckpt)
+        except Exception:
+            self.remove_adapter(model_id)
+            if old is not None:  # leave the model as it was
+                old.attach(self.layers)
+                self.adapters[model_id] = old
+            raise
+        return adapter

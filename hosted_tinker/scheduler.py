@@ -1,0 +1,268 @@
+"""`ClockCycleScheduler`: per-model `seq_id` order, many models per cycle.
+
+Each model's requests are kept in `seq_id` order (the SDK posts chunks concurrently and out of
+order, and retries). A cycle takes, from every model with ready work, the longest prefix of the
+form
+
+    (forward | forward_backward)*  optim_step?  (create | save | load | unload)*
+
+and runs all the models' compute in one fused pass, then their optimizer steps, then their
+saves/loads. Per-model order is never violated: a model's optim_step runs after all of its
+earlier compute, a save sees exactly the weights its `seq_id` position implies, and compute
+that follows a save/load waits for the next cycle.
+
+The scheduler thread blocks on a condition variable and wakes when work arrives: it never sleeps
+and re-checks. The only timed waits are deadlines: a `seq_id` gap that has been open for
+`gap_timeout_s` is skipped (the SDK advances its counter even when a submission failed for good),
+and a model that pipelines (posts optim_step before its forward_backward finished) gets a short
+`gather_window_s` for that optim_step to arrive, so fb + optim land in the same cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+COMPUTE = frozenset({"forward", "forward_backward"})
+OPTIM = "optim_step"
+
+
+@dataclass
+class Request:
+    request_id: str
+    kind: str  # create_model | forward | forward_backward | optim_step | save_weights | save_weights_for_sampler | load_weights | unload_model
+    model_id: str
+    seq_id: int
+    payload: Any = None
+    arrived_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class CyclePlan:
+    compute: list[Request] = field(default_factory=list)
+    optim: list[Request] = field(default_factory=list)
+    tail: list[Request] = field(default_factory=list)  # per-model order preserved
+
+    def __bool__(self) -> bool:
+        return bool(self.compute or self.optim or self.tail)
+
+    @property
+    def models(self) -> set[str]:
+        return {r.model_id for r in self.compute + self.optim + self.tail}
+
+
+class _ModelQueue:
+    def __init__(self, next_seq: int):
+        self.next_seq = next_seq
+        self.pending: dict[int, Request] = {}
+        self.skipped: set[int] = set()
+        self.gap_since: float | None = None
+        self.pipelined = False  # learned: this client posts optim_step before fb completes
+        self.in_flight_compute = False
+
+    def advance_past_skipped(self) -> None:
+        while self.next_seq in self.skipped:
+            self.skipped.discard(self.next_seq)
+            self.next_seq += 1
+
+    def ready(self) -> list[Request]:
+        out, seq = [], self.next_seq
+        while seq in self.pending:
+            out.append(self.pending[seq])
+            seq += 1
+            while seq in self.skipped:
+                seq += 1
+        return out
+
+
+class ClockCycleScheduler:
+    def __init__(self, run_cycle: Callable[[CyclePlan], None], *, gap_timeout_s: float = 120.0,
+                 gather_window_s: float = 0.01):
+        self._run_cycle = run_cycle
+        self.gap_timeout_s = gap_timeout_s
+        self.gather_window_s = gather_window_s
+        self._cv = threading.Condition()
+        self._queues: dict[str, _ModelQueue] = {}
+        self._rr: list[str] = []  # round-robin order of models, rotated every cycle
+        self._after: list[Request] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # metrics
+        self.cycles = 0
+        self.last_cycle_models = 0
+        self.last_cycle_requests = 0
+        self.last_cycle_seconds = 0.0
+        self.cycle_seconds_total = 0.0
+
+    # -- producer side (API threads) --------------------------------------------------------------
+    def open_model(self, model_id: str, first_seq: int = 0) -> None:
+        with self._cv:
+            if model_id not in self._queues:
+                self._queues[model_id] = _ModelQueue(first_seq)
+                self._rr.append(model_id)
+
+    def has_model(self, model_id: str) -> bool:
+        with self._cv:
+            return model_id in self._queues
+
+    def expected_seq(self, model_id: str) -> int | None:
+        with self._cv:
+            q = self._queues.get(model_id)
+            return None if q is None else q.next_seq
+
+    def submit(self, req: Request) -> None:
+        with self._cv:
+            q = self._queues.get(req.model_id)
+            if q is None:
+                raise KeyError(req.model_id)
+            if req.seq_id < q.next_seq or req.seq_id in q.pending:
+                raise ValueError(f"seq_id {req.seq_id} of model {req.model_id} was already used")
+            if req.kind == OPTIM and q.in_flight_compute:
+                q.pipelined = True
+            q.pending[req.seq_id] = req
+            self._cv.notify()
+
+    def submit_after_queue(self, req: Request) -> None:
+        """A request without a seq_id (unload_model): runs at the end of the next cycle."""
+        with self._cv:
+            self._after.append(req)
+            self._cv.notify()
+
+    def skip(self, model_id: str, seq_id: int) -> None:
+        """A submission with this seq_id was rejected: count the seq_id as consumed."""
+        with self._cv:
+            q = self._queues.get(model_id)
+            if q is None or seq_id < q.next_seq or seq_id in q.pending:
+                return
+            q.skipped.add(seq_id)
+            q.advance_past_skipped()
+            self._cv.notify()
+
+    def queue_depth(self) -> int:
+        with self._cv:
+            return sum(len(q.pending) for q in self._queues.values())
+
+    # -- the cycle thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="clock-cycle", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Finish the running cycle, then stop."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                plan, deadline = self._plan()
+                while not plan and not self._stop:
+                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    self._cv.wait(timeout)
+                    plan, deadline = self._plan()
+                if self._stop:
+                    return
+                for r in plan.compute:
+                    self._queues[r.model_id].in_flight_compute = True
+            start = time.perf_counter()
+            try:
+                self._run_cycle(plan)
+            except Exception:  # the executor fails futures itself; never let the thread die
+                log.exception("clock cycle failed")
+            elapsed = time.perf_counter() - start
+            with self._cv:
+                for mid in plan.models:
+                    q = self._queues.get(mid)
+                    if q is not None:
+                        q.in_flight_compute = False
+                self.cycles += 1
+                self.last_cycle_models = len(plan.models)
+                self.last_cycle_requests = len(plan.compute) + len(plan.optim) + len(plan.tail)
+                self.last_cycle_seconds = elapsed
+                self.cycle_seconds_total += elapsed
+
+    def _plan(self) -> tuple[CyclePlan, float | None]:
+        """Build the next cycle (called with the lock held). Also returns the next deadline."""
+        now = time.monotonic()
+        plan = CyclePlan()
+        deadline: float | None = None
+        held: list[tuple[str, list[Request]]] = []
+        for mid in list(self._rr):
+            q = self._queues[mid]
+            ready = q.ready()
+            if not ready:
+                if q.pending:  # a gap: later seq_ids wait for an earlier one
+                    if q.gap_since is None:
+                        q.gap_since = now
+                    if now - q.gap_since >= self.gap_timeout_s:
+                        lowest = min(q.pending)
+                        log.warning("model %s: seq_id %d..%d never arrived after %.0fs; skipping the gap",
+                                    mid, q.next_seq, lowest - 1, self.gap_timeout_s)
+                        q.next_seq, q.gap_since = lowest, None
+                        ready = q.ready()
+                    else:
+                        d = q.gap_since + self.gap_timeout_s
+                        deadline = d if deadline is None else min(deadline, d)
+                if not ready:
+                    continue
+            q.gap_since = None
+            take = self._prefix(ready)
+            only_compute = all(r.kind in COMPUTE for r in take)
+            if only_compute and q.pipelined:
+                # This client posts optim_step right after forward_backward: give it a moment
+                # so both run in this cycle instead of costing two.
+                d = max(r.arrived_at for r in take) + self.gather_window_s
+                if now < d:
+                    held.append((mid, take))
+                    deadline = d if deadline is None else min(deadline, d)
+                    continue
+            self._add(plan, take)
+        if self._after:
+            plan.tail.extend(self._after)
+            self._after = []
+        if plan:
+            # Held models ride along with the others rather than delaying the cycle.
+            for mid, take in held:
+                self._add(plan, take)
+            if self._rr:
+                self._rr.append(self._rr.pop(0))
+            deadline = None
+        return plan, deadline
+
+    @staticmethod
+    def _prefix(ready: list[Request]) -> list[Request]:
+        take: list[Request] = []
+        phase = 0  # 0: compute, 1: after optim, 2: tail
+        for r in ready:
+            if r.kind in COMPUTE:
+                if phase > 0:
+                    break
+            elif r.kind == OPTIM:
+                if phase > 0:
+                    break
+                phase = 1
+            else:
+                phase = 2
+            take.append(r)
+        return take
+
+    def _add(self, plan: CyclePlan, take: list[Request]) -> None:
+        q = self._queues[take[0].model_id]
+        for r in take:
+            del q.pending[r.seq_id]
+            q.next_seq = r.seq_id + 1
+            q.advance_past_skipped()
+            if r.kind in COMPUTE:
+                plan.compute.append(r)
+            elif r.kind == OPTIM:
+                plan.optim.append(r)
+            else:
+                plan.tail.append(r)

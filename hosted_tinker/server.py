@@ -1,0 +1,58 @@
+"""`Server`: builds and owns the components, in the order a request flows through them.
+
+HTTP route (api/) -> FutureStore (futures.py) + ClockCycleScheduler (scheduler.py)
+-> TrainingWorker (worker.py) -> TrainingRuntime (runtime/trainer.py) -> MultiLoRALinear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+from .config import ServerConfig
+from .futures import FutureStore
+from .model_loading import load_base_model, pick_device, pick_dtype
+from .runtime.trainer import TrainingRuntime
+from .scheduler import ClockCycleScheduler
+from .store import Store
+from .worker import TrainingWorker
+
+log = logging.getLogger(__name__)
+
+
+def owner_of(api_key: str) -> str:
+    """A stable, non-reversible owner id for an API key (keys themselves are never stored)."""
+    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+class Server:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.started_at = time.time()
+        data_dir = Path(config.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(data_dir / "hosted_tinker.sqlite3")
+        interrupted = self.store.fail_interrupted_futures(
+            "the server restarted while this request was running; resubmit it")
+        if interrupted:
+            log.warning("%d request(s) were running when the server last stopped; they failed with "
+                        "category 'server'", interrupted)
+        self.futures = FutureStore(self.store)
+        device = pick_device(config.device)
+        model, self.tokenizer = load_base_model(config.base_model, data_dir, device,
+                                                pick_dtype(config.dtype, device))
+        self.runtime = TrainingRuntime(model, config.base_model, device=device,
+                                       max_tokens_per_micro_batch=config.max_tokens_per_micro_batch)
+        self.worker = TrainingWorker(self.runtime, self.futures, self.store, data_dir / "checkpoints")
+        self.scheduler = ClockCycleScheduler(self.worker.run_cycle, gap_timeout_s=config.gap_timeout_s,
+                                             gather_window_s=config.gather_window_s)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        log.info("shutting down: finishing the running cycle")
+        self.scheduler.stop()
+        self.store.close()

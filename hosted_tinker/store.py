@@ -1,0 +1,236 @@
+"""Durable state in one embedded SQLite file: sessions, models, futures, checkpoints.
+
+WAL journaling with synchronous=NORMAL: a commit survives kill -9 of the server (the WAL is
+in the OS page cache and is replayed at the next open), at the price of one fsync per
+checkpoint of the WAL rather than per commit. Every statement goes through one connection under
+a lock: the API's event loop and the scheduler thread both write, and SQLite serialises writers
+anyway.
+
+Futures are keyed by request id and, for training requests, unique per (model_id, seq_id): a
+resubmitted chunk finds its original request id here, which is what makes retries idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    last_heartbeat REAL NOT NULL,
+    tags TEXT NOT NULL DEFAULT '[]',
+    user_metadata TEXT NOT NULL DEFAULT '{}',
+    display_name TEXT,
+    project_id TEXT,
+    status TEXT NOT NULL DEFAULT 'active'
+);
+CREATE TABLE IF NOT EXISTS models (
+    model_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    lora_config TEXT NOT NULL,
+    optimizer_config TEXT NOT NULL DEFAULT '{"type": "adamw"}',
+    user_metadata TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    last_request_at REAL NOT NULL,
+    status TEXT NOT NULL DEFAULT 'active'
+);
+CREATE TABLE IF NOT EXISTS futures (
+    request_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    model_id TEXT,
+    seq_id INTEGER,
+    status TEXT NOT NULL,            -- pending | done | failed
+    result BLOB,                     -- JSON text or protobuf bytes
+    result_is_proto INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    completed_at REAL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS futures_model_seq ON futures(model_id, seq_id) WHERE seq_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS checkpoints (
+    model_id TEXT NOT NULL,
+    checkpoint_id TEXT NOT NULL,     -- "<kind>/<name>", e.g. "weights/step-10"
+    kind TEXT NOT NULL,              -- training | sampler | external
+    owner TEXT NOT NULL,
+    dir TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL,
+    public INTEGER NOT NULL DEFAULT 0,
+    user_metadata TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (model_id, checkpoint_id)
+);
+"""
+
+
+@dataclass
+class FutureRecord:
+    request_id: str
+    owner: str
+    kind: str
+    model_id: str | None
+    seq_id: int | None
+    status: str
+    result: bytes | None
+    result_is_proto: bool
+    created_at: float
+    completed_at: float | None
+
+
+class Store:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        with self._lock:
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        with self._lock:
+            return self._db.execute(sql, args)
+
+    def _one(self, sql: str, args: tuple = ()) -> sqlite3.Row | None:
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
+
+    def _all(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- start-up -------------------------------------------------------------------------------
+    def fail_interrupted_futures(self, message: str) -> int:
+        """Futures that were pending when the server died fail cleanly (category server)."""
+        body = json.dumps({"error": message, "category": "server"}).encode()
+        cur = self._exec(
+            "UPDATE futures SET status='failed', result=?, result_is_proto=0, completed_at=? "
+            "WHERE status='pending'", (body, time.time()))
+        return cur.rowcount
+
+    # -- sessions -------------------------------------------------------------------------------
+    def create_session(self, session_id: str, owner: str, tags: list[str], user_metadata: dict,
+                       display_name: str | None, project_id: str | None) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT INTO sessions(session_id, owner, created_at, last_heartbeat, tags, user_metadata,"
+            " display_name, project_id) VALUES (?,?,?,?,?,?,?,?)",
+            (session_id, owner, now, now, json.dumps(tags), json.dumps(user_metadata), display_name, project_id))
+
+    def get_session(self, session_id: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM sessions WHERE session_id=?", (session_id,))
+
+    def touch_session(self, session_id: str) -> None:
+        self._exec("UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id))
+
+    def finish_session(self, session_id: str, status: str) -> None:
+        self._exec("UPDATE sessions SET status=? WHERE session_id=?", (status, session_id))
+
+    def count_sessions(self) -> int:
+        return self._one("SELECT COUNT(*) FROM sessions")[0]
+
+    # -- models ---------------------------------------------------------------------------------
+    def create_model(self, model_id: str, session_id: str, owner: str, base_model: str,
+                     lora_config: dict, optimizer_config: dict, user_metadata: dict) -> None:
+        now = time.time()
+        self._exec(
+            "INSERT INTO models(model_id, session_id, owner, base_model, lora_config, optimizer_config,"
+            " user_metadata, created_at, last_request_at) VALUES (?,?,?,?,?,?,?,?,?)",
+            (model_id, session_id, owner, base_model, json.dumps(lora_config), json.dumps(optimizer_config),
+             json.dumps(user_metadata), now, now))
+
+    def get_model(self, model_id: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM models WHERE model_id=?", (model_id,))
+
+    def update_model_lora(self, model_id: str, lora_config: dict) -> None:
+        self._exec("UPDATE models SET lora_config=? WHERE model_id=?", (json.dumps(lora_config), model_id))
+
+    def set_model_status(self, model_id: str, status: str) -> None:
+        self._exec("UPDATE models SET status=? WHERE model_id=?", (status, model_id))
+
+    def touch_model(self, model_id: str) -> None:
+        self._exec("UPDATE models SET last_request_at=? WHERE model_id=?", (time.time(), model_id))
+
+    def session_model_ids(self, session_id: str) -> list[str]:
+        return [r[0] for r in self._all("SELECT model_id FROM models WHERE session_id=?", (session_id,))]
+
+    # -- futures --------------------------------------------------------------------------------
+    def insert_future(self, request_id: str, owner: str, kind: str, model_id: str | None,
+                      seq_id: int | None) -> str:
+        """Insert a pending future; for a (model_id, seq_id) seen before, return its request id."""
+        with self._lock:
+            if seq_id is not None:
+                row = self._db.execute("SELECT request_id FROM futures WHERE model_id=? AND seq_id=?",
+                                       (model_id, seq_id)).fetchone()
+                if row is not None:
+                    return row[0]
+            self._db.execute(
+                "INSERT INTO futures(request_id, owner, kind, model_id, seq_id, status, created_at)"
+                " VALUES (?,?,?,?,?, 'pending', ?)", (request_id, owner, kind, model_id, seq_id, time.time()))
+            return request_id
+
+    def get_future_id(self, model_id: str, seq_id: int) -> str | None:
+        row = self._one("SELECT request_id FROM futures WHERE model_id=? AND seq_id=?", (model_id, seq_id))
+        return None if row is None else row[0]
+
+    def complete_future(self, request_id: str, result: bytes, is_proto: bool, failed: bool) -> None:
+        self._exec(
+            "UPDATE futures SET status=?, result=?, result_is_proto=?, completed_at=? WHERE request_id=?",
+            ("failed" if failed else "done", result, int(is_proto), time.time(), request_id))
+
+    def get_future(self, request_id: str) -> FutureRecord | None:
+        row = self._one("SELECT * FROM futures WHERE request_id=?", (request_id,))
+        if row is None:
+            return None
+        return FutureRecord(
+            request_id=row["request_id"], owner=row["owner"], kind=row["kind"], model_id=row["model_id"],
+            seq_id=row["seq_id"], status=row["status"], result=row["result"],
+            result_is_proto=bool(row["result_is_proto"]), created_at=row["created_at"],
+            completed_at=row["completed_at"])
+
+    def prune_futures(self, older_than: float) -> int:
+        return self._exec("DELETE FROM futures WHERE status!='pending' AND completed_at < ?",
+                          (older_than,)).rowcount
+
+    def max_seq_id(self, model_id: str) -> int:
+        row = self._one("SELECT MAX(seq_id) FROM futures WHERE model_id=?", (model_id,))
+        return -1 if row[0] is None else int(row[0])
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def upsert_checkpoint(self, model_id: str, checkpoint_id: str, kind: str, owner: str, dir: str,
+                          size_bytes: int, expires_at: float | None, user_metadata: dict) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO checkpoints(model_id, checkpoint_id, kind, owner, dir, size_bytes,"
+            " created_at, expires_at, user_metadata) VALUES (?,?,?,?,?,?,?,?,?)",
+            (model_id, checkpoint_id, kind, owner, dir, size_bytes, time.time(), expires_at,
+             json.dumps(user_metadata)))
+
+    def get_checkpoint(self, model_id: str, checkpoint_id: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?", (model_id, checkpoint_id))
+
+    def list_checkpoints(self, model_id: str) -> list[sqlite3.Row]:
+        return self._all("SELECT * FROM checkpoints WHERE model_id=? ORDER BY created_at", (model_id,))
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        self._exec("DELETE FROM checkpoints WHERE model_id=? AND checkpoint_id=?", (model_id, checkpoint_id))
+
+
+def loads(text: str | bytes | None, default: Any = None) -> Any:
+    return default if text is None else json.loads(text)

@@ -1,0 +1,146 @@
+"""`TrainingWorker`: executes one clock cycle against the runtime and resolves its futures.
+
+The scheduler decides *what* runs together; this module runs it: one fused forward/backward
+over every model's compute requests, then each ready optimizer step, then checkpoint saves and
+loads, in per-model order. A failure is confined to the request (and model) it belongs to.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .futures import FutureStore
+from .runtime.adapters import AdamParams, LoRAConfig
+from .runtime.checkpoints import CheckpointError
+from .runtime.trainer import FBWork, TrainingRuntime
+from .scheduler import CyclePlan, Request
+from .store import Store
+from .wire.codec import encode_forward_backward_output
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveSpec:
+    kind: str  # "weights" (training state, with optimizer) | "sampler_weights" (adapter only)
+    name: str
+    owner: str
+    overwrite: bool = False
+    ttl_seconds: int | None = None
+    user_metadata: dict | None = None
+
+
+@dataclass
+class LoadSpec:
+    checkpoint_dir: Path
+    with_optimizer: bool
+    path: str  # the tinker:// path, echoed in the result
+
+
+def tinker_path(model_id: str, kind: str, name: str) -> str:
+    return f"tinker://{model_id}/{kind}/{name}"
+
+
+class TrainingWorker:
+    def __init__(self, runtime: TrainingRuntime, futures: FutureStore, store: Store, checkpoint_root: Path):
+        self.runtime = runtime
+        self.futures = futures
+        self.store = store
+        self.checkpoint_root = checkpoint_root
+        # metrics
+        self.tokens_total = 0
+        self.last_cycle_tokens = 0
+        self.last_cycle_models = 0
+
+    def checkpoint_dir(self, model_id: str, kind: str, name: str) -> Path:
+        return self.checkpoint_root / model_id / kind / name
+
+    def run_cycle(self, plan: CyclePlan) -> None:
+        if plan.compute:
+            self._run_compute(plan.compute)
+        for req in plan.optim:
+            self._guarded(req, self._optim_step)
+        for req in plan.tail:
+            self._guarded(req, getattr(self, f"_{req.kind}"))
+
+    def _guarded(self, req: Request, fn) -> None:
+        try:
+            fn(req)
+        except (CheckpointError, ValueError, KeyError) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            self.futures.fail(req.request_id, f"{req.kind}: {msg}", "user")
+        except Exception as e:  # a bug or a device fault: the user should retry or report it
+            log.exception("%s of model %s failed", req.kind, req.model_id)
+            self.futures.fail(req.request_id, f"{req.kind} failed on the server: {type(e).__name__}: {e}", "server")
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _run_compute(self, reqs: list[Request]) -> None:
+        live = [r for r in reqs if r.model_id in self.runtime.adapters]
+        for r in reqs:
+            if r.model_id not in self.runtime.adapters:
+                self.futures.fail(r.request_id, f"model {r.model_id!r} is not loaded", "user")
+        if not live:
+            return
+        works: list[FBWork] = [r.payload for r in live]
+        try:
+            outcomes = self.runtime.forward_backward(works)
+        except Exception as e:
+            log.exception("fused forward/backward over %d requests failed", len(live))
+            # Whatever partial gradient exists must not be applied later as if it were whole.
+            for mid in {r.model_id for r in live if not r.payload.forward_only}:
+                self.runtime.adapter(mid).zero_grad()
+            for r in live:
+                self.futures.fail(r.request_id, f"forward_backward failed on the server: {type(e).__name__}: {e}",
+                                  "server")
+            return
+        stats = self.runtime.last_pass
+        self.tokens_total += stats.tokens
+        self.last_cycle_tokens = stats.tokens
+        self.last_cycle_models = stats.models
+        for r, out in zip(live, outcomes):
+            body = encode_forward_backward_output(out.outputs, out.metrics)
+            self.futures.resolve(r.request_id, body, is_proto=True)
+
+    def _optim_step(self, req: Request) -> None:
+        params: AdamParams = req.payload
+        metrics = self.runtime.optim_step(req.model_id, params)
+        self.store.touch_model(req.model_id)
+        self.futures.resolve(req.request_id, {"type": "optim_step", "metrics": metrics})
+
+    # -- lifecycle and checkpoints ---------------------------------------------------------------
+    def _create_model(self, req: Request) -> None:
+        config: LoRAConfig = req.payload
+        self.runtime.create_adapter(req.model_id, config)
+        self.futures.resolve(req.request_id, {"type": "create_model", "model_id": req.model_id})
+
+    def _unload_model(self, req: Request) -> None:
+        self.runtime.remove_adapter(req.model_id)
+        self.store.set_model_status(req.model_id, "unloaded")
+        self.futures.resolve(req.request_id, {"type": "unload_model", "model_id": req.model_id})
+
+    def _save_weights(self, req: Request) -> None:
+        self._save(req, with_optimizer=True, result_type="save_weights")
+
+    def _save_weights_for_sampler(self, req: Request) -> None:
+        self._save(req, with_optimizer=False, result_type="save_weights_for_sampler")
+
+    def _save(self, req: Request, *, with_optimizer: bool, result_type: str) -> None:
+        spec: SaveSpec = req.payload
+        out = self.checkpoint_dir(req.model_id, spec.kind, spec.name)
+        size = self.runtime.save(req.model_id, out, with_optimizer=with_optimizer, overwrite=spec.overwrite)
+        expires = time.time() + spec.ttl_seconds if spec.ttl_seconds else None
+        kind = "training" if spec.kind == "weights" else "sampler"
+        self.store.upsert_checkpoint(req.model_id, f"{spec.kind}/{spec.name}", kind, spec.owner, str(out), size,
+                                     expires, spec.user_metadata or {})
+        self.futures.resolve(req.request_id, {"type": result_type,
+                                              "path": tinker_path(req.model_id, spec.kind, spec.name)})
+
+    def _load_weights(self, req: Request) -> None:
+        spec: LoadSpec = req.payload
+        ckpt = self.runtime.read(spec.checkpoint_dir, with_optimizer=spec.with_optimizer)
+        adapter = self.runtime.load(req.model_id, ckpt)
+        self.store.update_model_lora(req.model_id, adapter.config.to_dict())
+        self.futures.resolve(req.request_id, {"type": "load_weights", "path": spec.path, "model_id": req.model_id})
