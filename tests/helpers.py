@@ -1,0 +1,55 @@
+"""Shared helpers for end-to-end tests: batches, and reading a server's checkpoints from disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
+
+BASE_MODEL = EMBEDDED_MODEL_NAME
+VOCAB = 1000  # ids used by tests stay below the embedded tokenizer's size
+
+
+def sft_datum(tokens: list[int], weights: list[float] | None = None):
+    """A cross_entropy datum predicting tokens[1:] from tokens[:-1]."""
+    from tinker import types
+
+    inp, tgt = tokens[:-1], tokens[1:]
+    w = weights if weights is not None else [1.0] * len(tgt)
+    return types.Datum(model_input=types.ModelInput.from_ints(inp),
+                       loss_fn_inputs={"target_tokens": tgt, "weights": w})
+
+
+def sft_batch(n: int, seed: int = 0, min_len: int = 6, max_len: int = 24) -> list:
+    rng = np.random.default_rng(seed)
+    return [sft_datum(rng.integers(0, VOCAB, int(rng.integers(min_len, max_len))).tolist()) for _ in range(n)]
+
+
+def rl_datum(tokens: list[int], sampling_logprobs: list[float], advantages: list[float]):
+    from tinker import types
+
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": sampling_logprobs,
+                                       "advantages": advantages})
+
+
+def checkpoint_dir(server, tinker_path: str) -> Path:
+    run, kind, name = tinker_path[len("tinker://"):].split("/")
+    return server.data_dir / "checkpoints" / run / kind / name
+
+
+def read_adapter(server, tinker_path: str) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint_dir(server, tinker_path) / "adapter_model.safetensors"))
+
+
+def model_dir(server) -> Path:
+    return ensure_embedded_model(server.data_dir / "models")
+
+
+def logprobs_of(result) -> list[np.ndarray]:
+    return [np.asarray(o["logprobs"].to_numpy() if hasattr(o["logprobs"], "to_numpy") else o["logprobs"].data,
+                       dtype=np.float32) for o in result.loss_fn_outputs]
