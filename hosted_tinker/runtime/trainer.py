@@ -65,6 +65,14 @@ class PassStats:
     per_model_datums: dict[str, int] = field(default_factory=dict)
 
 
+def bucket_width(n: int) -> int:
+    """Padded width for a sequence of n tokens: 16, 24, 32, 48, 64, 96, ... (at most 1.5x n)."""
+    width = 16
+    while width < n:
+        width = width * 3 // 2 if (width & (width - 1)) == 0 else width * 4 // 3
+    return width
+
+
 class TrainingRuntime:
     def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
                  max_tokens_per_micro_batch: int = 8192):
@@ -105,16 +113,13 @@ class TrainingRuntime:
 
     # -- forward / backward --------------------------------------------------------------------
     def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
-        """Run all `works` in as few fused passes as the token budget allows."""
+        """Run all `works` fused, in as few micro-batches as the token budget allows."""
         start = time.perf_counter()
         stats = PassStats(models=len({w.model_id for w in works}))
         per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         loss_sums = [0.0] * len(works)
-        # Rows grouped by adapter so each adapter is one contiguous segment of the batch.
-        order = sorted(range(len(works)), key=lambda i: works[i].model_id)
         for grad in (True, False):
-            rows = [(wi, di) for wi in order if works[wi].forward_only != grad
-                    for di in range(len(works[wi].data))]
+            rows = [(wi, di) for wi, w in enumerate(works) if w.forward_only != grad for di in range(len(w.data))]
             for batch in self._micro_batches(rows, works):
                 self._run_micro_batch(batch, works, grad, per_datum, loss_sums, stats)
         outcomes = []
@@ -128,22 +133,37 @@ class TrainingRuntime:
         return outcomes
 
     def _micro_batches(self, rows: list[tuple[int, int]], works: list[FBWork]):
-        """Greedy split in row order so that rows × longest row stays within the token budget."""
-        batch: list[tuple[int, int]] = []
-        longest = 0
-        for wi, di in rows:
-            n = len(works[wi].data[di].tokens)
-            if batch and max(longest, n) * (len(batch) + 1) > self.max_tokens_per_micro_batch:
-                yield batch
-                batch, longest = [], 0
-            batch.append((wi, di))
-            longest = max(longest, n)
-        if batch:
-            yield batch
+        """Bucket rows by padded width, then pack whole per-model groups into micro-batches.
 
-    def _run_micro_batch(self, batch, works, grad, per_datum, loss_sums, stats: PassStats) -> None:
+        Every row is padded to a width that depends on its own length only (`bucket_width`), and
+        a model's rows in a bucket are cut into pieces that depend on its own rows only. So a
+        model's rows go through exactly the same shapes and the same gradient-accumulation order
+        whether it trains alone or fused with other tenants: co-batching changes nothing in its
+        results, bit for bit (the base projections treat rows independently). Bucketing also
+        keeps padding waste low when long and short sequences share a cycle.
+        """
+        buckets: dict[int, dict[str, list[tuple[int, int]]]] = {}
+        for wi, di in rows:
+            width = bucket_width(len(works[wi].data[di].tokens))
+            buckets.setdefault(width, {}).setdefault(works[wi].model_id, []).append((wi, di))
+        for width in sorted(buckets):
+            cap = max(1, self.max_tokens_per_micro_batch // width)
+            batch: list[tuple[int, int]] = []
+            for model_id in sorted(buckets[width]):
+                group = buckets[width][model_id]
+                for i in range(0, len(group), cap):
+                    piece = group[i:i + cap]
+                    if batch and len(batch) + len(piece) > cap:
+                        yield width, batch
+                        batch = []
+                    batch.extend(piece)
+            if batch:
+                yield width, batch
+
+    def _run_micro_batch(self, width_and_batch, works, grad, per_datum, loss_sums, stats: PassStats) -> None:
+        width, batch = width_and_batch
         lengths = [len(works[wi].data[di].tokens) for wi, di in batch]
-        rows, width = len(batch), max(lengths)
+        rows = len(batch)
         ids = torch.zeros(rows, width, dtype=torch.long)
         targets = torch.zeros(rows, width, dtype=torch.long)
         mask = torch.zeros(rows, width)
