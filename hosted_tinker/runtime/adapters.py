@@ -28,12 +28,22 @@ class LoRAConfig:
     train_attn: bool = True
     train_unembed: bool = True
     alpha: float = DEFAULT_LORA_ALPHA
+    # Leaf projection names to adapt (e.g. ("q_proj", "v_proj")), on top of the train_* flags.
+    # None = every projection of the enabled kinds. Set for adapters made elsewhere (PEFT), whose
+    # target_modules are often a subset of a kind.
+    target_modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.target_modules is not None:  # a JSON manifest gives a list
+            object.__setattr__(self, "target_modules", tuple(sorted(self.target_modules)))
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
 
     def adapts(self, module_path: str) -> bool:
+        if self.target_modules is not None and module_path.rsplit(".", 1)[-1] not in self.target_modules:
+            return False
         kind = module_kind(module_path)
         return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[kind]
 

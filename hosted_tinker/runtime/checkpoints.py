@@ -176,7 +176,8 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint
     else:  # an adapter made elsewhere (PEFT): derive the config from its files
         rank = int(peft_cfg["r"])
         config = LoRAConfig(rank=rank, seed=0, train_attn="attn" in kinds, train_mlp="mlp" in kinds,
-                            train_unembed="unembed" in kinds, alpha=float(peft_cfg.get("lora_alpha", rank)))
+                            train_unembed="unembed" in kinds, alpha=float(peft_cfg.get("lora_alpha", rank)),
+                            target_modules=tuple(sorted({p.rsplit(".", 1)[-1] for p in paths})))
         base_model, step = peft_cfg.get("base_model_name_or_path") or "", 0
         if peft_cfg.get("use_dora") or peft_cfg.get("use_rslora"):
             raise CheckpointError("DoRA and rsLoRA adapters are not supported")
