@@ -149,16 +149,24 @@ def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_o
     return sum(f.stat().st_size for f in out_dir.iterdir())
 
 
+def _read_json(ckpt_dir: Path, name: str) -> dict:
+    try:
+        return json.loads((ckpt_dir / name).read_text())
+    except ValueError as e:  # JSONDecodeError / UnicodeDecodeError
+        raise CheckpointError(f"{ckpt_dir.name}/{name}: not valid JSON, the checkpoint is corrupt ({e})") from None
+
+
 def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint:
     """Read a checkpoint written by `save_adapter`, or a plain PEFT adapter directory."""
     if not (ckpt_dir / ADAPTER_WEIGHTS).is_file() or not (ckpt_dir / ADAPTER_CONFIG).is_file():
         raise CheckpointError(f"{ckpt_dir.name}: not a LoRA adapter (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
-    peft_cfg = json.loads((ckpt_dir / ADAPTER_CONFIG).read_text())
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text()) if (ckpt_dir / MANIFEST).is_file() else None
+    # Verify checksums before parsing anything they cover (adapter_config.json included).
+    manifest = _read_json(ckpt_dir, MANIFEST) if (ckpt_dir / MANIFEST).is_file() else None
     if manifest is not None:
         for name, meta in manifest.get("files", {}).items():
             if _sha256(ckpt_dir / name) != meta["sha256"]:
                 raise CheckpointError(f"{ckpt_dir.name}/{name}: checksum mismatch, the checkpoint is corrupt")
+    peft_cfg = _read_json(ckpt_dir, ADAPTER_CONFIG)
     raw = load_file(str(ckpt_dir / ADAPTER_WEIGHTS))
     tensors: dict[str, torch.Tensor] = {}
     for key, value in raw.items():
