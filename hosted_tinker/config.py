@@ -27,6 +27,11 @@ class ServerConfig:
     dtype: str = _opt("auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16")
     max_tokens_per_micro_batch: int = _opt(
         8192, "padded tokens per fused forward/backward micro-batch (bounds activation memory)")
+    max_tokens_per_cycle: int = _opt(
+        65536, "tokens of forward/backward work packed into one clock cycle, shared fairly across models")
+    max_live_adapters: int = _opt(
+        64, "adapters kept on the device; idle ones beyond this are paged out to CPU memory (with their "
+            "optimizer state) and back on their next request")
     max_lora_rank: int = _opt(128, "largest LoRA rank a client may ask for")
     long_poll_s: float = _opt(30.0, "how long retrieve_future holds a pending request before try_again")
     gap_timeout_s: float = _opt(

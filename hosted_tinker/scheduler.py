@@ -16,6 +16,10 @@ and re-checks. The only timed waits are deadlines: a `seq_id` gap that has been 
 `gap_timeout_s` is skipped (the SDK advances its counter even when a submission failed for good),
 and a model that pipelines (posts optim_step before its forward_backward finished) gets a short
 `gather_window_s` for that optim_step to arrive, so fb + optim land in the same cycle.
+
+Fair share: a cycle packs compute up to `max_tokens_per_cycle` tokens and `max_models_per_cycle`
+models, taking models in round-robin order; a model left out (or cut short) for lack of room
+goes first in the next cycle, so a tenant with a huge queue cannot starve small ones.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Request:
     model_id: str
     seq_id: int
     payload: Any = None
+    tokens: int = 0  # compute requests: tokens to run, for the cycle's token budget
     arrived_at: float = field(default_factory=time.monotonic)
 
 
@@ -82,8 +87,11 @@ class _ModelQueue:
 
 class ClockCycleScheduler:
     def __init__(self, run_cycle: Callable[[CyclePlan], None], *, gap_timeout_s: float = 120.0,
-                 gather_window_s: float = 0.01):
+                 gather_window_s: float = 0.01, max_tokens_per_cycle: int = 1 << 16,
+                 max_models_per_cycle: int = 64):
         self._run_cycle = run_cycle
+        self.max_tokens_per_cycle = max_tokens_per_cycle
+        self.max_models_per_cycle = max_models_per_cycle
         self.gap_timeout_s = gap_timeout_s
         self.gather_window_s = gather_window_s
         self._cv = threading.Condition()
@@ -194,34 +202,45 @@ class ClockCycleScheduler:
         now = time.monotonic()
         plan = CyclePlan()
         deadline: float | None = None
-        held: list[tuple[str, list[Request]]] = []
+        held: list[list[Request]] = []
+        deferred: list[str] = []  # models cut short by the budget: first in line next cycle
+        tokens = 0
+        compute_models: set[str] = set()
         for mid in list(self._rr):
             q = self._queues[mid]
             ready = q.ready()
             if not ready:
-                if q.pending:  # a gap: later seq_ids wait for an earlier one
-                    if q.gap_since is None:
-                        q.gap_since = now
-                    if now - q.gap_since >= self.gap_timeout_s:
-                        lowest = min(q.pending)
-                        log.warning("model %s: seq_id %d..%d never arrived after %.0fs; skipping the gap",
-                                    mid, q.next_seq, lowest - 1, self.gap_timeout_s)
-                        q.next_seq, q.gap_since = lowest, None
-                        ready = q.ready()
-                    else:
-                        d = q.gap_since + self.gap_timeout_s
-                        deadline = d if deadline is None else min(deadline, d)
+                ready, gap_deadline = self._handle_gap(mid, q, now)
+                if gap_deadline is not None:
+                    deadline = gap_deadline if deadline is None else min(deadline, gap_deadline)
                 if not ready:
                     continue
             q.gap_since = None
             take = self._prefix(ready)
+            # Fair share of the cycle's budget: whole requests, at least one per cycle overall.
+            n_compute = 0
+            for r in take:
+                if r.kind not in COMPUTE:
+                    break
+                over = (tokens + r.tokens > self.max_tokens_per_cycle
+                        or (mid not in compute_models and len(compute_models) >= self.max_models_per_cycle))
+                if over and (tokens > 0 or n_compute > 0):
+                    break
+                tokens += r.tokens
+                n_compute += 1
+                compute_models.add(mid)
+            if n_compute < sum(r.kind in COMPUTE for r in take):
+                take = take[:n_compute]
+                deferred.append(mid)
+                if not take:
+                    continue
             only_compute = all(r.kind in COMPUTE for r in take)
-            if only_compute and q.pipelined:
+            if only_compute and q.pipelined and mid not in deferred:
                 # This client posts optim_step right after forward_backward: give it a moment
                 # so both run in this cycle instead of costing two.
                 d = max(r.arrived_at for r in take) + self.gather_window_s
                 if now < d:
-                    held.append((mid, take))
+                    held.append(take)
                     deadline = d if deadline is None else min(deadline, d)
                     continue
             self._add(plan, take)
@@ -230,12 +249,28 @@ class ClockCycleScheduler:
             self._after = []
         if plan:
             # Held models ride along with the others rather than delaying the cycle.
-            for mid, take in held:
+            for take in held:
                 self._add(plan, take)
-            if self._rr:
-                self._rr.append(self._rr.pop(0))
+            rest = [m for m in self._rr if m not in deferred]
+            if rest:
+                rest.append(rest.pop(0))
+            self._rr = deferred + rest
             deadline = None
         return plan, deadline
+
+    def _handle_gap(self, mid: str, q: _ModelQueue, now: float) -> tuple[list[Request], float | None]:
+        """A model whose next seq_id is missing: wait for it, up to gap_timeout_s, then skip it."""
+        if not q.pending:
+            return [], None
+        if q.gap_since is None:
+            q.gap_since = now
+        if now - q.gap_since < self.gap_timeout_s:
+            return [], q.gap_since + self.gap_timeout_s
+        lowest = min(q.pending)
+        log.warning("model %s: seq_id %d..%d never arrived after %.0fs; skipping the gap",
+                    mid, q.next_seq, lowest - 1, self.gap_timeout_s)
+        q.next_seq, q.gap_since = lowest, None
+        return q.ready(), None
 
     @staticmethod
     def _prefix(ready: list[Request]) -> list[Request]:

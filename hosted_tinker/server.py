@@ -44,10 +44,13 @@ class Server:
         model, self.tokenizer = load_base_model(config.base_model, data_dir, device,
                                                 pick_dtype(config.dtype, device))
         self.runtime = TrainingRuntime(model, config.base_model, device=device,
-                                       max_tokens_per_micro_batch=config.max_tokens_per_micro_batch)
+                                       max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+                                       max_live_adapters=config.max_live_adapters)
         self.worker = TrainingWorker(self.runtime, self.futures, self.store, data_dir / "checkpoints")
         self.scheduler = ClockCycleScheduler(self.worker.run_cycle, gap_timeout_s=config.gap_timeout_s,
-                                             gather_window_s=config.gather_window_s)
+                                             gather_window_s=config.gather_window_s,
+                                             max_tokens_per_cycle=config.max_tokens_per_cycle,
+                                             max_models_per_cycle=config.max_live_adapters)
 
     def start(self) -> None:
         self.scheduler.start()

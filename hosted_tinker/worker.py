@@ -85,6 +85,7 @@ class TrainingWorker:
         if not live:
             return
         works: list[FBWork] = [r.payload for r in live]
+        self.runtime.ensure_live([r.model_id for r in live])
         try:
             outcomes = self.runtime.forward_backward(works)
         except Exception as e:

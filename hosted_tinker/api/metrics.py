@@ -50,7 +50,11 @@ class Metrics:
                [("", wk.last_cycle_tokens)])
         metric("hosted_tinker_trained_tokens_total", "counter", "tokens through forward/backward", [("", wk.tokens_total)])
         metric("hosted_tinker_queue_depth", "gauge", "training requests waiting", [("", sch.queue_depth())])
-        metric("hosted_tinker_live_adapters", "gauge", "adapters held by the runtime", [("", len(rt.adapters))])
+        metric("hosted_tinker_adapters", "gauge", "adapters held by the runtime (on the device or paged out)",
+               [("", len(rt.adapters))])
+        metric("hosted_tinker_live_adapters", "gauge", "adapters resident on the device", [("", len(rt.live))])
+        metric("hosted_tinker_adapter_page_outs_total", "counter", "adapters paged out to CPU memory",
+               [("", rt.page_outs)])
         metric("hosted_tinker_futures_resolved_total", "counter", "futures resolved", [("", server.futures.resolved_total)])
         if torch.cuda.is_available():
             metric("hosted_tinker_gpu_memory_allocated_bytes", "gauge", "GPU memory held by tensors",

@@ -98,7 +98,8 @@ def _submit(server: Server, owner: str, model_id: str, seq_id: int, kind: str,
                                  f"{expected}; each request needs a new seq_id")
     request_id, is_new = server.futures.create(owner, kind, model_id, seq_id)
     if is_new:  # else a concurrent retry of the same seq_id got there first
-        server.scheduler.submit(WorkRequest(request_id, kind, model_id, seq_id, payload))
+        tokens = sum(len(d.tokens) for d in payload.data) if isinstance(payload, FBWork) else 0
+        server.scheduler.submit(WorkRequest(request_id, kind, model_id, seq_id, payload, tokens=tokens))
         server.store.touch_model(model_id)
     return _future(request_id, model_id)
 

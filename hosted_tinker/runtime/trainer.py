@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def bucket_width(n: int) -> int:
 
 class TrainingRuntime:
     def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
-                 max_tokens_per_micro_batch: int = 8192):
+                 max_tokens_per_micro_batch: int = 8192, max_live_adapters: int = 64):
         self.model = model
         self.base_model_name = base_model_name
         self.device = device
@@ -86,6 +87,10 @@ class TrainingRuntime:
         self.routing = LoRARouting()
         self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing)
         self.adapters: dict[str, LoRAAdapter] = {}
+        # Adapters attached to the layers and resident on `device`, least recently used first.
+        self.max_live_adapters = max_live_adapters
+        self.live: OrderedDict[str, None] = OrderedDict()
+        self.page_outs = 0
         cfg = model.config
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 20))
@@ -96,14 +101,40 @@ class TrainingRuntime:
         if model_id in self.adapters:
             raise ValueError(f"model {model_id!r} already has an adapter")
         adapter = LoRAAdapter(model_id, config, self.layers, self.device)
-        adapter.attach(self.layers)
         self.adapters[model_id] = adapter
+        self.ensure_live([model_id])
         return adapter
 
     def remove_adapter(self, model_id: str) -> None:
         adapter = self.adapters.pop(model_id, None)
         if adapter is not None:
             adapter.detach(self.layers)
+            self.live.pop(model_id, None)
+
+    def ensure_live(self, model_ids) -> None:
+        """Page in the adapters about to run; page out least-recently-used idle ones over the limit.
+
+        Paging moves weights, gradients and AdamW moments to CPU memory and detaches the adapter
+        from the layers, so the device holds at most `max_live_adapters` tenants' state.
+        """
+        needed = [m for m in dict.fromkeys(model_ids) if m in self.adapters]
+        for mid in needed:
+            if mid not in self.live:
+                adapter = self.adapters[mid]
+                adapter.move_to(self.device)
+                adapter.attach(self.layers)
+            self.live[mid] = None
+            self.live.move_to_end(mid)
+        for mid in list(self.live):
+            if len(self.live) <= self.max_live_adapters:
+                break
+            if mid in needed:
+                continue
+            adapter = self.adapters[mid]
+            adapter.detach(self.layers)
+            adapter.move_to(torch.device("cpu"))
+            del self.live[mid]
+            self.page_outs += 1
 
     def adapter(self, model_id: str) -> LoRAAdapter:
         try:
@@ -255,7 +286,7 @@ class TrainingRuntime:
         except Exception:
             self.remove_adapter(model_id)
             if old is not None:  # leave the model as it was
-                old.attach(self.layers)
                 self.adapters[model_id] = old
+                self.ensure_live([model_id])
             raise
         return adapter
