@@ -37,7 +37,8 @@ class ServerConfig:
     gap_timeout_s: float = _opt(
         120.0, "how long a model's later seq_ids wait for a missing earlier one before it is skipped")
     gather_window_s: float = _opt(
-        0.01, "how long a pipelining client's forward_backward waits for its optim_step, to share a cycle")
+        0.05, "how long a pipelining client's forward_backward waits for its optim_step, to share a cycle "
+              "(only clients seen posting optim_step before their forward_backward finished wait)")
     max_request_bytes: int = _opt(512 << 20, "largest request body accepted (after decompression)")
     compress_fwdbwd: bool = _opt(False, "ask the SDK to zstd-compress forward_backward bodies (saves bandwidth to remote clients)")
     log_level: str = _opt("info", "debug, info, warning or error")

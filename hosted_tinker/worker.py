@@ -54,6 +54,7 @@ class TrainingWorker:
         self.tokens_total = 0
         self.last_cycle_tokens = 0
         self.last_cycle_models = 0
+        self.fused_passes = 0  # passes that carried more than one model
 
     def checkpoint_dir(self, model_id: str, kind: str, name: str) -> Path:
         return self.checkpoint_root / model_id / kind / name
@@ -85,7 +86,6 @@ class TrainingWorker:
         if not live:
             return
         works: list[FBWork] = [r.payload for r in live]
-        self.runtime.ensure_live([r.model_id for r in live])
         try:
             outcomes = self.runtime.forward_backward(works)
         except Exception as e:
@@ -101,6 +101,7 @@ class TrainingWorker:
         self.tokens_total += stats.tokens
         self.last_cycle_tokens = stats.tokens
         self.last_cycle_models = stats.models
+        self.fused_passes += stats.models > 1
         for r, out in zip(live, outcomes):
             body = encode_forward_backward_output(out.outputs, out.metrics)
             self.futures.resolve(r.request_id, body, is_proto=True)

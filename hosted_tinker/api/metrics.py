@@ -48,6 +48,8 @@ class Metrics:
                [("", wk.last_cycle_models)])
         metric("hosted_tinker_last_fused_pass_tokens", "gauge", "tokens in the last fused forward/backward",
                [("", wk.last_cycle_tokens)])
+        metric("hosted_tinker_fused_passes_total", "counter", "forward/backward passes that carried several models",
+               [("", wk.fused_passes)])
         metric("hosted_tinker_trained_tokens_total", "counter", "tokens through forward/backward", [("", wk.tokens_total)])
         metric("hosted_tinker_queue_depth", "gauge", "training requests waiting", [("", sch.queue_depth())])
         metric("hosted_tinker_adapters", "gauge", "adapters held by the runtime (on the device or paged out)",

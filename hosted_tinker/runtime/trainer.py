@@ -146,6 +146,7 @@ class TrainingRuntime:
     def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
         """Run all `works` fused, in as few micro-batches as the token budget allows."""
         start = time.perf_counter()
+        self.ensure_live([w.model_id for w in works])
         stats = PassStats(models=len({w.model_id for w in works}))
         per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         loss_sums = [0.0] * len(works)

@@ -1,0 +1,138 @@
+"""Multi-tenant clock cycles through the real SDK (issue 3: tests 1, 3, 4).
+
+Several SDK clients train their own models on one server at once; their requests are fused
+into shared cycles, and each model's results must be exactly those of a solo run.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import httpx
+import pytest
+import tinker
+from safetensors.torch import load_file
+from tinker import types
+
+from helpers import BASE_MODEL, checkpoint_dir, sft_batch
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.e2e
+ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def train(server, key: str, rank: int, seed: int, steps: int, barrier: threading.Barrier | None = None,
+          data_seed: int = 0) -> tuple[list[float], dict]:
+    """One client's loop (pipelined fb + optim); returns its losses and saved training state."""
+    sc = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=rank, seed=seed).result()
+    losses = []
+    for step in range(steps):
+        if barrier is not None:
+            barrier.wait()
+        fb = tc.forward_backward(sft_batch(2 + seed % 3, seed=data_seed * 1000 + step), "cross_entropy")
+        opt = tc.optim_step(ADAM)
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    path = tc.save_state("final").result().path
+    d = checkpoint_dir(server, path)
+    state = {**load_file(str(d / "adapter_model.safetensors")), **load_file(str(d / "optimizer.safetensors"))}
+    return losses, state, tc.model_id
+
+
+def run_concurrently(server, configs: list[tuple[int, int]], steps: int) -> list:
+    barrier = threading.Barrier(len(configs))
+    results: list = [None] * len(configs)
+    errors: list = []
+
+    def worker(i, rank, seed):
+        try:
+            results[i] = train(server, f"tml-tenant-{i}", rank, seed, steps, barrier, data_seed=i)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i, r, s)) for i, (r, s) in enumerate(configs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return results
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].equal(b[k]), k
+
+
+def test_isolation_bit_identical_with_or_without_a_neighbour(server):
+    solo_losses, solo_state, _ = train(server, "tml-iso-a", rank=8, seed=1, steps=5, data_seed=0)
+    fused_before = metric(server, "hosted_tinker_fused_passes_total")
+    (a_losses, a_state, _), (_, _, b_model) = run_concurrently(server, [(8, 1), (4, 2)], steps=5)
+    assert metric(server, "hosted_tinker_fused_passes_total") > fused_before  # they did share passes
+    assert a_losses == solo_losses
+    assert_same_state(a_state, solo_state)  # adapter and AdamW moments, bit for bit
+
+    # unloading B leaves A's served model intact
+    r = httpx.post(f"{server.base_url}/api/v1/unload_model", json={"model_id": b_model},
+                   headers={"X-API-Key": "tml-tenant-1"}, timeout=30)
+    assert r.status_code == 200
+    r = httpx.post(f"{server.base_url}/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]},
+                   headers={"X-API-Key": "tml-tenant-1"}, timeout=60)
+    assert r.json()["model_id"] == b_model
+    again_losses, again_state, _ = train(server, "tml-iso-a", rank=8, seed=1, steps=5, data_seed=0)
+    assert again_losses == solo_losses
+    assert_same_state(again_state, solo_state)
+
+
+def test_eight_concurrent_clients_match_their_solo_runs(server):
+    configs = [(4, 0), (8, 1), (16, 2), (2, 3), (8, 4), (32, 5), (4, 6), (1, 7)]
+    steps = 20
+    fused_before = metric(server, "hosted_tinker_fused_passes_total")
+    concurrent = run_concurrently(server, configs, steps)
+    assert metric(server, "hosted_tinker_fused_passes_total") > fused_before
+    for i, (rank, seed) in enumerate(configs):
+        solo_losses, solo_state, _ = train(server, f"tml-solo-{i}", rank, seed, steps, data_seed=i)
+        losses, state, _ = concurrent[i]
+        assert len(losses) == steps
+        assert losses == solo_losses, i  # every step applied once, in order
+        assert_same_state(state, solo_state)
+
+
+def test_pipelined_client_uses_one_cycle_per_step(tmp_path):
+    # A generous gather window keeps this deterministic on a loaded CI machine.
+    srv = ServerProcess(tmp_path / "srv", args=("--gather-window-s", "1.0")).start()
+    try:
+        sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-cycles")
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        batch = sft_batch(4)
+        for _ in range(2):  # warm-up: the server learns that this client pipelines
+            fb, opt = tc.forward_backward(batch, "cross_entropy"), tc.optim_step(ADAM)
+            fb.result(), opt.result()
+        steps = 8
+        before = metric(srv, "hosted_tinker_cycles_total")
+        for _ in range(steps):
+            fb, opt = tc.forward_backward(batch, "cross_entropy"), tc.optim_step(ADAM)
+            fb.result(), opt.result()
+        pipelined = metric(srv, "hosted_tinker_cycles_total") - before
+
+        naive_tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        before = metric(srv, "hosted_tinker_cycles_total")
+        for _ in range(steps):
+            naive_tc.forward_backward(batch, "cross_entropy").result()
+            naive_tc.optim_step(ADAM).result()
+        naive = metric(srv, "hosted_tinker_cycles_total") - before
+    finally:
+        srv.stop()
+    assert pipelined == steps
+    assert naive == 2 * steps

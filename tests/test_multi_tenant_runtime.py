@@ -1,0 +1,109 @@
+"""Batch invariance of the fused pass (issue 3, test 2), on the runtime in process.
+
+One tenant's logprobs, loss and update are the same whether its request runs alone or in one
+fused forward/backward with 7 other tenants that use other losses and other LoRA ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
+from hosted_tinker.runtime.losses import resolve_loss_config
+from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
+
+TENANTS = [  # (loss, config, rank, train flags)
+    ("cross_entropy", {}, 8, dict()),
+    ("importance_sampling", {}, 4, dict(train_mlp=False)),
+    ("ppo", {}, 16, dict(train_unembed=False)),
+    ("cispo", {}, 2, dict(train_attn=False)),
+    ("dro", {"beta": 0.2}, 8, dict()),
+    ("cross_entropy", {}, 32, dict(train_attn=False, train_unembed=False)),
+    ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, 4, dict()),
+    ("importance_sampling", {}, 1, dict(train_mlp=False, train_unembed=False)),
+]
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    path = ensure_embedded_model(tmp_path_factory.mktemp("models"))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return TrainingRuntime(model, "embedded", device=torch.device("cpu"), max_tokens_per_micro_batch=2048)
+
+
+def _work(i: int, model_id: str, loss_fn: str, cfg: dict) -> FBWork:
+    rng = np.random.default_rng(1000 + i)
+    data = []
+    for _ in range(int(rng.integers(2, 5))):
+        n = int(rng.integers(5, 90))  # lengths cross several padding buckets
+        inputs = {"target_tokens": rng.integers(0, 1000, n)}
+        if loss_fn == "cross_entropy":
+            inputs["weights"] = rng.normal(0, 1, n).astype(np.float32)
+        else:
+            inputs["logprobs"] = rng.normal(-7, 0.3, n).astype(np.float32)
+            inputs["advantages"] = rng.normal(0, 1, n).astype(np.float32)
+        data.append(DatumWork(tokens=rng.integers(0, 1000, n), inputs=inputs))
+    return FBWork(model_id, data, loss_fn, resolve_loss_config(loss_fn, cfg), forward_only=False)
+
+
+def _run(runtime: TrainingRuntime, tenants: list[int], steps: int = 2, fused: bool = True):
+    """Train the given tenants (in one pass, or one pass each) for `steps` steps."""
+    for mid in list(runtime.adapters):
+        runtime.remove_adapter(mid)
+    for i in tenants:
+        loss_fn, cfg, rank, flags = TENANTS[i]
+        runtime.create_adapter(f"t{i}", LoRAConfig(rank=rank, seed=i, **flags))
+    history = {i: [] for i in tenants}
+    for step in range(steps):
+        works = [_work(i * 10 + step, f"t{i}", TENANTS[i][0], TENANTS[i][1]) for i in tenants]
+        outs = runtime.forward_backward(works) if fused else [runtime.forward_backward([w])[0] for w in works]
+        for i, out in zip(tenants, outs):
+            history[i].append(out)
+        for i in tenants:
+            runtime.optim_step(f"t{i}", AdamParams(learning_rate=1e-2, weight_decay=0.01))
+    state = {}
+    for i in tenants:
+        a = runtime.adapter(f"t{i}")
+        state[i] = {k: v.detach().clone() for k, v in a.named_tensors().items()}
+        state[i].update({f"{k}.exp_avg_sq": a.optimizer.state[p]["exp_avg_sq"].clone()
+                         for k, p in zip(a.named_tensors(), a.parameters())})
+    return history, state
+
+
+def test_cobatched_equals_solo_for_every_loss_and_rank(runtime):
+    fused_hist, fused_state = _run(runtime, list(range(8)))
+    assert runtime.last_pass.models == 8  # really one fused pass over all eight
+    for i in range(8):
+        solo_hist, solo_state = _run(runtime, [i])
+        for f, s in zip(fused_hist[i], solo_hist[i]):
+            assert f.metrics["loss:sum"] == s.metrics["loss:sum"]
+            for fo, so in zip(f.outputs, s.outputs):
+                np.testing.assert_array_equal(fo["logprobs"], so["logprobs"])
+        for k in solo_state[i]:
+            assert torch.equal(fused_state[i][k], solo_state[i][k]), (i, k)
+
+
+def test_removing_a_tenant_leaves_the_others_intact(runtime):
+    _, state_before = _run(runtime, [0, 1], steps=1)
+    runtime.remove_adapter("t1")
+    a = runtime.adapter("t0")
+    assert all(torch.equal(v, state_before[0][k]) for k, v in a.named_tensors().items())
+    out = runtime.forward_backward([FBWork("t0", _work(5, "t0", "cross_entropy", {}).data, "cross_entropy", {}, True)])
+    assert len(out[0].outputs) > 0
+
+
+def test_paging_out_and_back_in_changes_nothing(runtime):
+    _, reference = _run(runtime, [0, 2, 4], steps=3, fused=False)
+    runtime.max_live_adapters = 1  # every pass pages the previous tenant out
+    try:
+        _, paged = _run(runtime, [0, 2, 4], steps=3, fused=False)
+    finally:
+        runtime.max_live_adapters = 64
+    assert runtime.page_outs > 0
+    for i in reference:
+        for k in reference[i]:
+            assert torch.equal(reference[i][k], paged[i][k]), (i, k)
