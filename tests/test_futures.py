@@ -1,0 +1,195 @@
+"""Unit tests of `FutureStore` over a real SQLite `Store`: long-poll wake-ups, timeouts,
+durability across a re-open, failure payloads, (model_id, seq_id) idempotency, and the
+start-up sweep of interrupted futures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from hosted_tinker.futures import FutureStore
+from hosted_tinker.store import Store
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return tmp_path / "state" / "server.sqlite"
+
+
+@pytest.fixture
+def store(db_path):
+    s = Store(db_path)
+    yield s
+    s.close()
+
+
+def test_waiter_wakes_as_soon_as_another_thread_resolves(store):
+    """A long-poll waiter returns right after resolve() from a worker thread, not at its timeout."""
+    futures = FutureStore(store)
+    rid, is_new = futures.create("alice", "forward_backward", "m1", 0)
+    assert is_new
+
+    async def main():
+        futures.bind_loop(asyncio.get_running_loop())
+        resolver = threading.Timer(0.1, futures.resolve, args=(rid, {"type": "fb", "loss": 1.5}))
+        t0 = time.monotonic()
+        resolver.start()
+        try:
+            result = await futures.wait(rid, timeout=10.0)
+        finally:
+            resolver.join()
+        return result, time.monotonic() - t0
+
+    result, elapsed = asyncio.run(main())
+    assert result is not None and not result.failed and not result.is_proto
+    assert json.loads(result.payload) == {"type": "fb", "loss": 1.5}
+    assert 0.05 <= elapsed < 2.0  # woken by the resolve, far before the 10 s timeout
+
+
+def test_several_waiters_on_one_id_all_wake(store):
+    """Concurrent waiters on the same request id are all woken by one resolve."""
+    futures = FutureStore(store)
+    rid, _ = futures.create("alice", "optim_step", "m1", 1)
+
+    async def main():
+        futures.bind_loop(asyncio.get_running_loop())
+        waiters = [asyncio.create_task(futures.wait(rid, timeout=10.0)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        threading.Thread(target=futures.resolve, args=(rid, {"ok": True})).start()
+        return await asyncio.wait_for(asyncio.gather(*waiters), 5.0)
+
+    results = asyncio.run(main())
+    assert [json.loads(r.payload) for r in results] == [{"ok": True}] * 3
+
+
+def test_wait_returns_none_after_timeout(store):
+    """With nothing resolving, wait() gives None once its timeout has passed."""
+    futures = FutureStore(store)
+    rid, _ = futures.create("alice", "forward", "m1", 0)
+
+    async def main():
+        futures.bind_loop(asyncio.get_running_loop())
+        t0 = time.monotonic()
+        result = await futures.wait(rid, timeout=0.2)
+        return result, time.monotonic() - t0
+
+    result, elapsed = asyncio.run(main())
+    assert result is None
+    assert 0.18 <= elapsed < 2.0
+    assert futures.lookup(rid) is None
+
+
+def test_already_resolved_future_returns_immediately(store):
+    """wait() on a resolved id answers without waiting."""
+    futures = FutureStore(store)
+    rid, _ = futures.create("alice", "forward", "m1", 0)
+    futures.resolve(rid, b"\x08\x01", is_proto=True)  # no loop bound yet: must not fail
+
+    async def main():
+        futures.bind_loop(asyncio.get_running_loop())
+        t0 = time.monotonic()
+        return await futures.wait(rid, timeout=10.0), time.monotonic() - t0
+
+    result, elapsed = asyncio.run(main())
+    assert result.payload == b"\x08\x01" and result.is_proto and elapsed < 1.0
+
+
+def test_results_survive_reopening_the_store(db_path):
+    """Resolved and failed results are read back from SQLite by a new Store + FutureStore."""
+    store = Store(db_path)
+    futures = FutureStore(store)
+    ok, _ = futures.create("alice", "forward_backward", "m1", 0)
+    proto, _ = futures.create("alice", "forward_backward", "m1", 1)
+    bad, _ = futures.create("alice", "optim_step", "m1", 2)
+    futures.resolve(ok, {"type": "fb", "metrics": {"loss:sum": 3.0}})
+    futures.resolve(proto, b"\x00\x01\x02", is_proto=True)
+    futures.fail(bad, "no gradients", category="user")
+    store.close()
+
+    store2 = Store(db_path)
+    try:
+        futures2 = FutureStore(store2)
+        r = futures2.lookup(ok)
+        assert r is not None and not r.failed and not r.is_proto
+        assert json.loads(r.payload) == {"type": "fb", "metrics": {"loss:sum": 3.0}}
+        r = futures2.lookup(proto)
+        assert r.is_proto and r.payload == b"\x00\x01\x02"
+        r = futures2.lookup(bad)
+        assert r.failed and json.loads(r.payload) == {"error": "no gradients", "category": "user"}
+        # The idempotency key survives too.
+        assert futures2.create("alice", "forward_backward", "m1", 0) == (ok, False)
+    finally:
+        store2.close()
+
+
+def test_fail_payload_is_error_and_category(store):
+    """fail() stores {"error", "category"} JSON, default category user, and marks it failed."""
+    futures = FutureStore(store)
+    a, _ = futures.create("alice", "forward", "m1", 0)
+    b, _ = futures.create("alice", "forward", "m1", 1)
+    futures.fail(a, "datum 3: loss_fn_inputs['weights'] has shape [2], expected [3]")
+    futures.fail(b, "CUDA out of memory", category="server")
+    ra, rb = futures.lookup(a), futures.lookup(b)
+    assert ra.failed and rb.failed and not ra.is_proto
+    assert json.loads(ra.payload) == {"error": "datum 3: loss_fn_inputs['weights'] has shape [2], expected [3]",
+                                      "category": "user"}
+    assert json.loads(rb.payload) == {"error": "CUDA out of memory", "category": "server"}
+    assert store.get_future(a).status == "failed"
+
+
+def test_model_seq_idempotency_returns_first_request_id(store):
+    """A repeated (model_id, seq_id) gets the first request id back; other keys get new ids."""
+    futures = FutureStore(store)
+    first, new1 = futures.create("alice", "forward_backward", "m1", 5)
+    again, new2 = futures.create("alice", "forward_backward", "m1", 5)
+    assert new1 and not new2 and again == first
+    other_seq, new3 = futures.create("alice", "forward_backward", "m1", 6)
+    other_model, new4 = futures.create("alice", "forward_backward", "m2", 5)
+    assert new3 and new4 and len({first, other_seq, other_model}) == 3
+    # Requests without a seq_id (e.g. unload_model) are never deduplicated.
+    u1, n1 = futures.create("alice", "unload_model", "m1", None)
+    u2, n2 = futures.create("alice", "unload_model", "m1", None)
+    assert n1 and n2 and u1 != u2
+    # Still the same id after the first one resolved.
+    futures.resolve(first, {"done": True})
+    assert futures.create("alice", "forward_backward", "m1", 5) == (first, False)
+
+
+def test_fail_interrupted_futures_marks_pending_as_server_failures(db_path):
+    """At start-up every still-pending future fails with category "server"; finished ones stay."""
+    store = Store(db_path)
+    futures = FutureStore(store)
+    p1, _ = futures.create("alice", "forward_backward", "m1", 0)
+    p2, _ = futures.create("bob", "save_weights", "m2", 0)
+    done, _ = futures.create("alice", "forward_backward", "m1", 1)
+    futures.resolve(done, {"ok": 1})
+    store.close()
+
+    store2 = Store(db_path)
+    try:
+        assert store2.fail_interrupted_futures("server restarted") == 2
+        futures2 = FutureStore(store2)
+        for rid in (p1, p2):
+            r = futures2.lookup(rid)
+            assert r is not None and r.failed
+            assert json.loads(r.payload) == {"error": "server restarted", "category": "server"}
+        r = futures2.lookup(done)
+        assert not r.failed and json.loads(r.payload) == {"ok": 1}
+        assert store2.fail_interrupted_futures("again") == 0
+    finally:
+        store2.close()
+
+
+def test_prune_keeps_results_reachable_through_sqlite(store):
+    """prune() drops old in-memory results, but lookup still finds them in SQLite."""
+    futures = FutureStore(store, keep_in_memory_s=0.0)
+    rid, _ = futures.create("alice", "forward", "m1", 0)
+    futures.resolve(rid, {"v": 1})
+    time.sleep(0.01)
+    futures.prune()
+    assert rid not in futures._results
+    assert json.loads(futures.lookup(rid).payload) == {"v": 1}

@@ -1,0 +1,286 @@
+"""Unit tests of the loss contract (shared/reference/losses.md): config resolution, datum
+validation messages, hand-computed per-token losses and gradients, and sum semantics."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hosted_tinker.runtime.losses import (
+    KNOWN_UNSUPPORTED,
+    LOSSES,
+    LossInputError,
+    per_token_loss,
+    resolve_loss_config,
+    validate_datum,
+)
+
+# ---------------------------------------------------------------------------------------------
+# resolve_loss_config
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_defaults():
+    """Documented defaults: ppo 0.8/1.2 ratio bounds, cispo 0/4, no config for CE and IS."""
+    assert resolve_loss_config("cross_entropy", {}) == {}
+    assert resolve_loss_config("importance_sampling", {}) == {}
+    assert resolve_loss_config("ppo", {}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert resolve_loss_config("cispo", {}) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    assert resolve_loss_config("ppo", {"clip_high_threshold": 1.5}) == {
+        "clip_low_threshold": 0.8, "clip_high_threshold": 1.5}
+    assert resolve_loss_config("dro", {"beta": 2}) == {"beta": 2.0}
+
+
+def test_config_unknown_keys_are_rejected():
+    """A key the loss does not use is an error that names the key and the loss's own keys."""
+    with pytest.raises(LossInputError, match=r"\['epsilon'\].*'ppo'.*clip_high_threshold"):
+        resolve_loss_config("ppo", {"epsilon": 0.2})
+    with pytest.raises(LossInputError, match=r"\['beta'\].*'cross_entropy'.*none"):
+        resolve_loss_config("cross_entropy", {"beta": 0.1})
+
+
+def test_dro_needs_beta():
+    """dro has no default beta: omitting it is an error naming loss_fn_config['beta']."""
+    with pytest.raises(LossInputError, match=r"'dro' needs loss_fn_config\['beta'\]"):
+        resolve_loss_config("dro", {})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "0.5"])
+def test_config_values_must_be_finite_numbers(bad):
+    """Non-finite or string config values are rejected with the key named."""
+    with pytest.raises(LossInputError, match=r"clip_low_threshold.*finite number"):
+        resolve_loss_config("ppo", {"clip_low_threshold": bad})
+
+
+def test_unknown_loss_name():
+    """An unknown loss name lists the supported ones."""
+    with pytest.raises(LossInputError, match=r"unknown loss_fn 'mse'; expected one of \['cispo', 'cross_entropy'"):
+        resolve_loss_config("mse", {})
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_UNSUPPORTED))
+def test_known_unsupported_losses_are_refused_not_mapped(name):
+    """gspo, stable_reinforce and custom get their explicit refusal message, never a fallback."""
+    with pytest.raises(LossInputError) as exc:
+        resolve_loss_config(name, {})
+    assert str(exc.value) == KNOWN_UNSUPPORTED[name]
+    assert f"'{name}'" in str(exc.value) or name == "custom"
+
+
+def test_clip_low_above_high_is_rejected():
+    """clip_low_threshold > clip_high_threshold is an error; equal bounds are allowed."""
+    with pytest.raises(LossInputError, match="clip_low_threshold 1.3 is above clip_high_threshold 1.2"):
+        resolve_loss_config("ppo", {"clip_low_threshold": 1.3})
+    with pytest.raises(LossInputError, match="above"):
+        resolve_loss_config("cispo", {"clip_low_threshold": 2.0, "clip_high_threshold": 1.0})
+    assert resolve_loss_config("ppo", {"clip_low_threshold": 1.0, "clip_high_threshold": 1.0})
+
+
+# ---------------------------------------------------------------------------------------------
+# validate_datum
+# ---------------------------------------------------------------------------------------------
+
+V, CTX, IDX = 50, 16, 7
+
+
+def ce_inputs(n: int) -> dict[str, np.ndarray]:
+    return {"target_tokens": np.arange(n, dtype=np.int64) % V, "weights": np.ones(n, np.float32)}
+
+
+def rl_inputs(n: int) -> dict[str, np.ndarray]:
+    return {"target_tokens": np.arange(n, dtype=np.int64) % V, "logprobs": -np.ones(n, np.float32),
+            "advantages": np.ones(n, np.float32)}
+
+
+def check(tokens, inputs, loss_fn="cross_entropy"):
+    validate_datum(IDX, np.asarray(tokens, dtype=np.int64), inputs, loss_fn, V, CTX)
+
+
+def test_valid_datums_pass():
+    """Good CE and RL datums validate; RL needs no weights; weights may be negative."""
+    check([1, 2, 3], ce_inputs(3))
+    for name in ("importance_sampling", "ppo", "cispo", "dro"):
+        check([1, 2, 3], rl_inputs(3), name)
+    inputs = ce_inputs(3)
+    inputs["weights"] = np.array([-2.5, 0.0, 3.0], np.float32)  # forward_backward_custom sends these
+    check([1, 2, 3], inputs)
+    inputs["target_tokens"] = np.array([1.0, 2.0, 3.0])  # integral floats are fine
+    check([1, 2, 3], inputs)
+
+
+@pytest.mark.parametrize("loss_fn, tokens, mutate, field_name, fragment", [
+    ("cross_entropy", [], lambda d: {}, "model_input", "is empty"),
+    ("cross_entropy", list(range(CTX + 1)), lambda d: ce_inputs(CTX + 1), "model_input", "above the model's context of 16"),
+    ("cross_entropy", [1, V, 2], None, "model_input", f"token {V} at position 1 is outside the vocabulary [0, {V})"),
+    ("cross_entropy", [-1, 2, 3], None, "model_input", "token -1 at position 0"),
+    ("cross_entropy", [1, 2, 3], lambda d: {k: v for k, v in d.items() if k != "weights"}, "weights", "needs"),
+    ("cross_entropy", [1, 2, 3], lambda d: {k: v for k, v in d.items() if k != "target_tokens"}, "target_tokens", "needs"),
+    ("ppo", [1, 2, 3], lambda d: {k: v for k, v in d.items() if k != "advantages"}, "advantages", "needs"),
+    ("ppo", [1, 2, 3], lambda d: {k: v for k, v in d.items() if k != "logprobs"}, "logprobs", "needs"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "weights": np.ones(2, np.float32)}, "weights", "has shape [2], expected [3]"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "weights": np.ones((3, 1), np.float32)}, "weights", "has shape [3, 1], expected [3]"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "target_tokens": np.arange(4)}, "target_tokens", "has shape [4], expected [3]"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "target_tokens": np.array([1.0, 2.5, 3.0])}, "target_tokens", "must be integers"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "target_tokens": np.array([1, 2, V + 4])}, "target", f"target token {V + 4} at position 2"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "target_tokens": np.array([-3, 2, 1])}, "target", "target token -3 at position 0"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "weights": np.array([1, np.nan, 1], np.float32)}, "weights", "non-finite value at position 1"),
+    ("ppo", [1, 2, 3], lambda d: {**d, "logprobs": np.array([-1, -1, -np.inf], np.float32)}, "logprobs", "non-finite value at position 2"),
+    ("dro", [1, 2, 3], lambda d: {**d, "advantages": np.array([np.inf, 0, 0], np.float32)}, "advantages", "non-finite value at position 0"),
+    ("importance_sampling", [1, 2, 3], lambda d: {**d, "advantages": np.ones(5, np.float32)}, "advantages", "expected [3]"),
+])
+def test_validate_datum_errors_name_datum_and_field(loss_fn, tokens, mutate, field_name, fragment):
+    """Every validation failure is a LossInputError naming the datum index and the field."""
+    base = ce_inputs(len(tokens)) if loss_fn == "cross_entropy" else rl_inputs(len(tokens))
+    inputs = base if mutate is None else mutate(base)
+    with pytest.raises(LossInputError) as exc:
+        check(tokens, inputs, loss_fn)
+    msg = str(exc.value)
+    assert msg.startswith(f"datum {IDX}:"), msg
+    assert field_name in msg and fragment in msg, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# per_token_loss against hand-computed values
+# ---------------------------------------------------------------------------------------------
+
+LP = [-1.0, -2.0, -0.5, -0.3, -3.0]     # target_logprobs (current policy)
+SLP = [-1.2, -1.5, -0.5, -1.0, -2.5]    # sampler's logprobs
+ADV = [1.0, -2.0, 0.5, -1.0, 1.0]
+RATIO = [math.exp(a - b) for a, b in zip(LP, SLP)]  # 1.2214, 0.6065, 1.0, 2.0138, 0.6065
+
+
+def t(x, grad=False):
+    return torch.tensor(x, dtype=torch.float64, requires_grad=grad)
+
+
+def loss_and_grad(loss_fn, config, inputs):
+    lp = t(LP, grad=True)
+    tok = per_token_loss(loss_fn, config, lp, inputs)
+    (g,) = torch.autograd.grad(tok.sum(), lp)
+    return tok.detach().tolist(), g.tolist()
+
+
+def test_cross_entropy_values_and_gradient():
+    """CE per-token loss is -weights*logprob (negative weights included); d/dlp = -weights."""
+    w = [1.0, 0.5, -2.0, 0.0, 3.0]
+    tok, g = loss_and_grad("cross_entropy", {}, {"weights": t(w)})
+    assert tok == pytest.approx([-(a * b) for a, b in zip(LP, w)])
+    assert tok[:3] == pytest.approx([1.0, 1.0, -1.0])
+    assert g == pytest.approx([-x for x in w])
+
+
+def test_importance_sampling_values_and_gradient():
+    """IS per-token loss is -ratio*A; d/dlp = -ratio*A."""
+    tok, g = loss_and_grad("importance_sampling", {}, {"logprobs": t(SLP), "advantages": t(ADV)})
+    expected = [-(r * a) for r, a in zip(RATIO, ADV)]
+    assert tok == pytest.approx(expected, rel=1e-12)
+    assert g == pytest.approx(expected, rel=1e-12)
+
+
+def test_ppo_clipping_both_sides_with_both_advantage_signs():
+    """PPO takes min(r*A, clip(r)*A): clipped (zero grad) when the ratio moves in A's favour
+    past a bound, unclipped (grad -r*A) otherwise."""
+    cfg = resolve_loss_config("ppo", {})  # ratio bounds 0.8 / 1.2
+    tok, g = loss_and_grad("ppo", cfg, {"logprobs": t(SLP), "advantages": t(ADV)})
+    # token 0: r=1.221 > 1.2, A>0  -> clipped high: objective 1.2*1 ; no gradient
+    # token 1: r=0.607 < 0.8, A<0  -> clipped low:  objective 0.8*(-2) = -1.6 ; no gradient
+    # token 2: r=1 inside, A>0      -> r*A = 0.5 ; grad -0.5
+    # token 3: r=2.014 > 1.2, A<0   -> unclipped (min picks r*A = -2.014) ; grad +2.014
+    # token 4: r=0.607 < 0.8, A>0   -> unclipped (min picks r*A = 0.607) ; grad -0.607
+    expected = [-1.2, 1.6, -0.5, RATIO[3], -RATIO[4]]
+    assert tok == pytest.approx(expected, rel=1e-12)
+    assert g == pytest.approx([0.0, 0.0, -0.5, RATIO[3], -RATIO[4]], rel=1e-12, abs=1e-15)
+
+
+def test_ppo_custom_bounds_are_ratio_bounds_not_epsilons():
+    """clip_low/high_threshold are used as ratio bounds directly (0.5..1.1, not 1±eps)."""
+    cfg = resolve_loss_config("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.1})
+    tok, _ = loss_and_grad("ppo", cfg, {"logprobs": t(SLP), "advantages": t(ADV)})
+    assert tok[0] == pytest.approx(-1.1)  # r=1.22 clipped to 1.1 with A=1
+    assert tok[1] == pytest.approx(RATIO[1] * 2.0)  # r=0.607 inside [0.5, 1.1]: unclipped
+
+
+def test_cispo_values_and_stop_gradient():
+    """CISPO is -stopgrad(clip(r))*lp*A: d/dlp equals -clip(r)*A (no gradient through r)."""
+    cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    tok, g = loss_and_grad("cispo", cfg, {"logprobs": t(SLP), "advantages": t(ADV)})
+    clipped = [min(max(r, 0.8), 1.2) for r in RATIO]
+    assert clipped[:2] == pytest.approx([1.2, 0.8])
+    assert tok == pytest.approx([-(c * lp * a) for c, lp, a in zip(clipped, LP, ADV)], rel=1e-12)
+    assert g == pytest.approx([-(c * a) for c, a in zip(clipped, ADV)], rel=1e-12)
+    # Default bounds 0..4 clip a large ratio to 4.
+    cfg = resolve_loss_config("cispo", {})
+    lp = t([0.0], grad=True)
+    tok = per_token_loss("cispo", cfg, lp, {"logprobs": t([-3.0]), "advantages": t([2.0])})
+    (g,) = torch.autograd.grad(tok.sum(), lp)
+    assert g.item() == pytest.approx(-4.0 * 2.0)
+
+
+def test_dro_values_and_gradient():
+    """DRO is -(lp*A - beta/2*(lp - slp)^2); d/dlp = -(A - beta*(lp - slp))."""
+    beta = 0.7
+    tok, g = loss_and_grad("dro", {"beta": beta}, {"logprobs": t(SLP), "advantages": t(ADV)})
+    assert tok == pytest.approx(
+        [-(lp * a - 0.5 * beta * (lp - s) ** 2) for lp, s, a in zip(LP, SLP, ADV)], rel=1e-12)
+    assert g == pytest.approx([-(a - beta * (lp - s)) for lp, s, a in zip(LP, SLP, ADV)], rel=1e-12)
+
+
+def test_zero_advantage_and_zero_weight_contribute_exactly_zero():
+    """Padding/masking relies on zero weights/advantages giving exactly 0 loss and gradient."""
+    zeros = t([0.0] * len(LP))
+    for name in ("importance_sampling", "ppo", "cispo"):
+        cfg = resolve_loss_config(name, {})
+        tok, g = loss_and_grad(name, cfg, {"logprobs": t(SLP), "advantages": zeros})
+        assert all(x == 0.0 for x in tok) and all(x == 0.0 for x in g)
+    tok, g = loss_and_grad("cross_entropy", {}, {"weights": zeros})
+    assert all(x == 0.0 for x in tok) and all(x == 0.0 for x in g)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sum semantics
+# ---------------------------------------------------------------------------------------------
+
+CONFIGS = {"cross_entropy": {}, "importance_sampling": {}, "ppo": resolve_loss_config("ppo", {}),
+           "cispo": resolve_loss_config("cispo", {}), "dro": {"beta": 0.3}}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_loss_of_concatenation_is_sum_of_parts(name):
+    """Loss and gradient of a concatenated sequence equal the sums over its parts (no mean)."""
+    gen = torch.Generator().manual_seed(0)
+    n1, n2 = 3, 5
+    lp = -torch.rand(n1 + n2, generator=gen, dtype=torch.float64)
+    inputs = {"weights": torch.randn(n1 + n2, generator=gen, dtype=torch.float64),
+              "logprobs": -torch.rand(n1 + n2, generator=gen, dtype=torch.float64),
+              "advantages": torch.randn(n1 + n2, generator=gen, dtype=torch.float64)}
+    cfg = CONFIGS[name]
+
+    whole_lp = lp.clone().requires_grad_(True)
+    whole = per_token_loss(name, cfg, whole_lp, inputs).sum()
+    (g_whole,) = torch.autograd.grad(whole, whole_lp)
+
+    parts, grads = [], []
+    for sl in (slice(0, n1), slice(n1, n1 + n2)):
+        part_lp = lp[sl].clone().requires_grad_(True)
+        part = per_token_loss(name, cfg, part_lp, {k: v[sl] for k, v in inputs.items()}).sum()
+        (g,) = torch.autograd.grad(part, part_lp)
+        parts.append(part.item())
+        grads.append(g)
+    assert whole.item() == pytest.approx(sum(parts), rel=1e-12)
+    assert torch.allclose(g_whole, torch.cat(grads), rtol=1e-12, atol=0)
+
+    # A padded [rows, T] block with zero weights/advantages in the padding gives the same sum.
+    block_lp = torch.zeros(2, n2, dtype=torch.float64)
+    block_lp[0, :n1], block_lp[1] = lp[:n1], lp[n1:]
+    block_in = {}
+    for k, v in inputs.items():
+        b = torch.zeros(2, n2, dtype=torch.float64)
+        b[0, :n1], b[1] = v[:n1], v[n1:]
+        block_in[k] = b
+    mask = torch.zeros(2, n2, dtype=torch.float64)
+    mask[0, :n1], mask[1] = 1, 1
+    block = (per_token_loss(name, cfg, block_lp, block_in) * mask).sum()
+    assert block.item() == pytest.approx(sum(parts), rel=1e-12)
