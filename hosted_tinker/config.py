@@ -32,6 +32,12 @@ class ServerConfig:
     max_live_adapters: int = _opt(
         64, "adapters kept on the device; idle ones beyond this are paged out to CPU memory (with their "
             "optimizer state) and back on their next request")
+    max_sampler_snapshots: int = _opt(
+        64, "sampler adapter snapshots kept loaded; others are reloaded from disk when sampled again")
+    max_num_samples: int = _opt(128, "largest num_samples per sample request")
+    default_max_tokens: int = _opt(512, "max_tokens when a sample request leaves it unset")
+    ephemeral_sampler_ttl_s: int = _opt(
+        7 * 24 * 3600, "how long snapshots made by save_weights_and_get_sampling_client are kept on disk")
     max_lora_rank: int = _opt(128, "largest LoRA rank a client may ask for")
     long_poll_s: float = _opt(30.0, "how long retrieve_future holds a pending request before try_again")
     gap_timeout_s: float = _opt(

@@ -88,8 +88,10 @@ class _ModelQueue:
 class ClockCycleScheduler:
     def __init__(self, run_cycle: Callable[[CyclePlan], None], *, gap_timeout_s: float = 120.0,
                  gather_window_s: float = 0.01, max_tokens_per_cycle: int = 1 << 16,
-                 max_models_per_cycle: int = 64):
+                 max_models_per_cycle: int = 64, side_work: Callable[[], bool] = lambda: False):
         self._run_cycle = run_cycle
+        # Work outside the seq_id queues (sampling): it keeps the thread cycling while it lasts.
+        self._side_work = side_work
         self.max_tokens_per_cycle = max_tokens_per_cycle
         self.max_models_per_cycle = max_models_per_cycle
         self.gap_timeout_s = gap_timeout_s
@@ -135,6 +137,15 @@ class ClockCycleScheduler:
             q.pending[req.seq_id] = req
             self._cv.notify()
 
+    def wake(self) -> None:
+        """New side work (a sampling request) arrived."""
+        with self._cv:
+            self._cv.notify()
+
+    def has_training_work(self) -> bool:
+        with self._cv:
+            return any(q.ready() for q in self._queues.values()) or bool(self._after)
+
     def submit_after_queue(self, req: Request) -> None:
         """A request without a seq_id (unload_model): runs at the end of the next cycle."""
         with self._cv:
@@ -172,7 +183,7 @@ class ClockCycleScheduler:
         while True:
             with self._cv:
                 plan, deadline = self._plan()
-                while not plan and not self._stop:
+                while not plan and not self._stop and not self._side_work():
                     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                     self._cv.wait(timeout)
                     plan, deadline = self._plan()
@@ -191,6 +202,8 @@ class ClockCycleScheduler:
                     q = self._queues.get(mid)
                     if q is not None:
                         q.in_flight_compute = False
+                if not plan:  # a sampling-only round: not a training clock cycle
+                    continue
                 self.cycles += 1
                 self.last_cycle_models = len(plan.models)
                 self.last_cycle_requests = len(plan.compute) + len(plan.optim) + len(plan.tail)

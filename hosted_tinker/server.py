@@ -15,6 +15,9 @@ from .config import ServerConfig
 from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
 from .runtime.trainer import TrainingRuntime
+from .sampling.engine import SamplingEngine
+from .sampling.service import SamplingService
+from .sampling.snapshots import SnapshotCache
 from .scheduler import ClockCycleScheduler
 from .store import Store
 from .worker import TrainingWorker
@@ -25,6 +28,18 @@ log = logging.getLogger(__name__)
 def owner_of(api_key: str) -> str:
     """A stable, non-reversible owner id for an API key (keys themselves are never stored)."""
     return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token that ends a generation by default (tokenizer eos + generation_config eos)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
 
 
 class Server:
@@ -46,8 +61,15 @@ class Server:
         self.runtime = TrainingRuntime(model, config.base_model, device=device,
                                        max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
                                        max_live_adapters=config.max_live_adapters)
-        self.worker = TrainingWorker(self.runtime, self.futures, self.store, data_dir / "checkpoints")
+        self.eos_token_ids = eos_token_ids(model, self.tokenizer)
+        engine = SamplingEngine(model, self.runtime.routing, self.tokenizer, device)
+        self.snapshots = SnapshotCache(self.runtime.layers, device, capacity=config.max_sampler_snapshots)
+        self.sampler = SamplingService(engine, self.snapshots, self.futures,
+                                       wake=lambda: self.scheduler.wake(),
+                                       training_waiting=lambda: self.scheduler.has_training_work())
+        self.worker = TrainingWorker(self.runtime, self.futures, self.store, data_dir / "checkpoints", self.sampler)
         self.scheduler = ClockCycleScheduler(self.worker.run_cycle, gap_timeout_s=config.gap_timeout_s,
+                                             side_work=self.sampler.has_work,
                                              gather_window_s=config.gather_window_s,
                                              max_tokens_per_cycle=config.max_tokens_per_cycle,
                                              max_models_per_cycle=config.max_live_adapters)

@@ -73,6 +73,19 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 """
 
 
+SAMPLING_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sampling_sessions (
+    sampling_session_id TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    owner TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    model_path TEXT,                 -- tinker:// path it samples from; NULL = the base model
+    checkpoint_dir TEXT,             -- the adapter snapshot on disk; NULL = the base model
+    created_at REAL NOT NULL
+);
+"""
+
+
 @dataclass
 class FutureRecord:
     request_id: str
@@ -99,6 +112,7 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=30000")
         with self._lock:
             self._db.executescript(SCHEMA)
+            self._db.executescript(SAMPLING_SCHEMA)
 
     def close(self) -> None:
         with self._lock:
@@ -212,6 +226,18 @@ class Store:
     def max_seq_id(self, model_id: str) -> int:
         row = self._one("SELECT MAX(seq_id) FROM futures WHERE model_id=?", (model_id,))
         return -1 if row[0] is None else int(row[0])
+
+    # -- sampling sessions ----------------------------------------------------------------------
+    def create_sampling_session(self, sampling_session_id: str, session_id: str, owner: str, base_model: str,
+                                model_path: str | None, checkpoint_dir: str | None) -> None:
+        """Idempotent: a retried creation with the same id keeps the first record."""
+        self._exec(
+            "INSERT OR IGNORE INTO sampling_sessions(sampling_session_id, session_id, owner, base_model,"
+            " model_path, checkpoint_dir, created_at) VALUES (?,?,?,?,?,?,?)",
+            (sampling_session_id, session_id, owner, base_model, model_path, checkpoint_dir, time.time()))
+
+    def get_sampling_session(self, sampling_session_id: str) -> sqlite3.Row | None:
+        return self._one("SELECT * FROM sampling_sessions WHERE sampling_session_id=?", (sampling_session_id,))
 
     # -- checkpoints ----------------------------------------------------------------------------
     def upsert_checkpoint(self, model_id: str, checkpoint_id: str, kind: str, owner: str, dir: str,

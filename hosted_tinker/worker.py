@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from .futures import FutureStore
@@ -19,6 +20,9 @@ from .runtime.trainer import FBWork, TrainingRuntime
 from .scheduler import CyclePlan, Request
 from .store import Store
 from .wire.codec import encode_forward_backward_output
+
+if TYPE_CHECKING:
+    from .sampling.service import SamplingService
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,7 @@ class SaveSpec:
     overwrite: bool = False
     ttl_seconds: int | None = None
     user_metadata: dict | None = None
+    sampling_session_id: str | None = None  # set for the ephemeral save_weights_and_get_sampling_client
 
 
 @dataclass
@@ -45,8 +50,10 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
 
 
 class TrainingWorker:
-    def __init__(self, runtime: TrainingRuntime, futures: FutureStore, store: Store, checkpoint_root: Path):
+    def __init__(self, runtime: TrainingRuntime, futures: FutureStore, store: Store, checkpoint_root: Path,
+                 sampler: "SamplingService | None" = None):
         self.runtime = runtime
+        self.sampler = sampler
         self.futures = futures
         self.store = store
         self.checkpoint_root = checkpoint_root
@@ -66,6 +73,8 @@ class TrainingWorker:
             self._guarded(req, self._optim_step)
         for req in plan.tail:
             self._guarded(req, getattr(self, f"_{req.kind}"))
+        if self.sampler is not None:
+            self.sampler.run_round()
 
     def _guarded(self, req: Request, fn) -> None:
         try:
@@ -127,9 +136,21 @@ class TrainingWorker:
         self._save(req, with_optimizer=True, result_type="save_weights")
 
     def _save_weights_for_sampler(self, req: Request) -> None:
-        self._save(req, with_optimizer=False, result_type="save_weights_for_sampler")
+        spec: SaveSpec = req.payload
+        out = self._save(req, with_optimizer=False)
+        if spec.sampling_session_id is None:
+            self.futures.resolve(req.request_id, {"type": "save_weights_for_sampler",
+                                                  "path": tinker_path(req.model_id, spec.kind, spec.name)})
+            return
+        # The ephemeral form: a sampling session on this exact snapshot of the weights.
+        model = self.store.get_model(req.model_id)
+        self.store.create_sampling_session(spec.sampling_session_id, model["session_id"], spec.owner,
+                                           model["base_model"], tinker_path(req.model_id, spec.kind, spec.name),
+                                           str(out))
+        self.futures.resolve(req.request_id, {"type": "save_weights_for_sampler",
+                                              "sampling_session_id": spec.sampling_session_id})
 
-    def _save(self, req: Request, *, with_optimizer: bool, result_type: str) -> None:
+    def _save(self, req: Request, *, with_optimizer: bool, result_type: str | None = None) -> Path:
         spec: SaveSpec = req.payload
         out = self.checkpoint_dir(req.model_id, spec.kind, spec.name)
         size = self.runtime.save(req.model_id, out, with_optimizer=with_optimizer, overwrite=spec.overwrite)
@@ -137,8 +158,10 @@ class TrainingWorker:
         kind = "training" if spec.kind == "weights" else "sampler"
         self.store.upsert_checkpoint(req.model_id, f"{spec.kind}/{spec.name}", kind, spec.owner, str(out), size,
                                      expires, spec.user_metadata or {})
-        self.futures.resolve(req.request_id, {"type": result_type,
-                                              "path": tinker_path(req.model_id, spec.kind, spec.name)})
+        if result_type is not None:
+            self.futures.resolve(req.request_id, {"type": result_type,
+                                                  "path": tinker_path(req.model_id, spec.kind, spec.name)})
+        return out
 
     def _load_weights(self, req: Request) -> None:
         spec: LoadSpec = req.payload

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerConfig
 from ..server import Server
-from . import service, training
+from . import sampling, service, training
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
 
     app.include_router(service.router)
     app.include_router(training.router)
+    app.include_router(sampling.router)
     return app
 
 

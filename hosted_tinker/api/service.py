@@ -46,7 +46,7 @@ def capabilities(server: Server = Depends(get_server)):
         "model_name": server.config.base_model,
         "max_context_length": server.runtime.max_context,
         "trainable": True,
-        "sampleable": False,
+        "sampleable": True,
     }]}
 
 

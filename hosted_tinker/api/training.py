@@ -235,11 +235,17 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, owner: str = De
     _active_model(server, body.model_id, owner)
 
     def spec() -> SaveSpec:
-        if body.path is None:
-            raise HTTPException(400, "sampling sessions are not available on this server yet: "
-                                     "save_weights_for_sampler needs a name")
-        return SaveSpec(kind="sampler_weights", name=check_name(body.path), owner=owner, overwrite=True,
-                        ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata)
+        if body.path is not None:
+            return SaveSpec(kind="sampler_weights", name=check_name(body.path), owner=owner, overwrite=True,
+                            ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata)
+        if body.sampling_session_seq_id is None:
+            raise HTTPException(400, "save_weights_for_sampler needs a name (path) or a sampling_session_seq_id")
+        # save_weights_and_get_sampling_client: a snapshot of the weights as of this seq_id,
+        # served by a new sampling session. ("inflight" is served as a snapshot too.)
+        session_id = server.store.get_model(body.model_id)["session_id"]
+        return SaveSpec(kind="sampler_weights", name=f"ephemeral-{body.seq_id}", owner=owner, overwrite=True,
+                        ttl_seconds=body.ttl_seconds or server.config.ephemeral_sampler_ttl_s,
+                        sampling_session_id=f"{session_id}:sample:{body.sampling_session_seq_id}")
 
     return _submit(server, owner, body.model_id, body.seq_id, "save_weights_for_sampler", spec)
 

@@ -1,0 +1,174 @@
+"""Sampling endpoints: sampling sessions, `samplers/{id}`, and `asample` (sample + compute_logprobs)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException
+from pydantic import Field
+
+from ..sampling.engine import SampleJob
+from ..server import Server
+from .deps import get_server, require_owner
+from .schemas import Body
+from .service import _owned_session
+from .training import _checkpoint_for_load
+
+router = APIRouter()
+
+
+class CreateSamplingSessionRequest(Body):
+    session_id: str
+    sampling_session_seq_id: int = Field(ge=0)
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class SamplingParamsIn(Body):
+    max_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_k: int = -1
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class AsampleRequest(Body):
+    sampling_session_id: str
+    seq_id: int = Field(ge=0)
+    num_samples: int = Field(1, ge=1)
+    prompt: dict[str, Any]
+    sampling_params: SamplingParamsIn
+    prompt_logprobs: bool | None = False
+    topk_prompt_logprobs: int = Field(0, ge=0, le=100)
+    topk_sample_logprobs: int = Field(0, ge=0, le=100)
+    prompt_alt_tokens_k: int = Field(0, ge=0)
+    prompt_logprobs_last_n: int | None = Field(None, ge=1)
+    target_prompt_logprobs: dict | None = None
+    record_stability_info: bool | None = False
+
+
+def sampling_session_id(session_id: str, seq: int) -> str:
+    return f"{session_id}:sample:{seq}"
+
+
+@router.post("/api/v1/create_sampling_session")
+def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Depends(require_owner),
+                            server: Server = Depends(get_server)):
+    _owned_session(server, body.session_id, owner)
+    sid = sampling_session_id(body.session_id, body.sampling_session_seq_id)
+    if body.model_path is not None:
+        spec = _checkpoint_for_load(server, owner, body.model_path, with_optimizer=False)
+        ckpt_dir, path = str(spec.checkpoint_dir), body.model_path
+    elif body.base_model is not None:
+        ckpt_dir, path = None, None
+    else:
+        raise HTTPException(400, "create_sampling_session needs model_path or base_model")
+    if body.base_model is not None and body.base_model != server.config.base_model:
+        raise HTTPException(400, f"base model {body.base_model!r} is not served here; this server serves "
+                                 f"{server.config.base_model!r}")
+    server.store.create_sampling_session(sid, body.session_id, owner, server.config.base_model, path, ckpt_dir)
+    return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+
+def _owned_sampler(server: Server, sampler_id: str, owner: str):
+    row = server.store.get_sampling_session(sampler_id)
+    if row is None or row["owner"] != owner:
+        raise HTTPException(404, f"sampling session {sampler_id!r} not found")
+    return row
+
+
+@router.get("/api/v1/samplers/{sampler_id}")
+def get_sampler(sampler_id: str, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+    row = _owned_sampler(server, sampler_id, owner)
+    return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
+
+
+def _prompt_tokens(prompt: dict) -> list[int]:
+    tokens: list[int] = []
+    for i, chunk in enumerate(prompt.get("chunks") or []):
+        kind = chunk.get("type", "encoded_text")
+        if kind != "encoded_text":
+            raise HTTPException(400, f"prompt chunk {i} is {kind!r}: this server hosts text-only models")
+        toks = chunk.get("tokens")
+        if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
+            raise HTTPException(400, f"prompt chunk {i}: tokens must be a list of integers")
+        tokens.extend(toks)
+    return tokens
+
+
+def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
+    """Validate a sample request against the model and the server's limits."""
+    cfg, runtime = server.config, server.runtime
+    if body.record_stability_info:
+        raise HTTPException(400, "record_stability_info is not supported by this server (it serves no "
+                                 "stable_reinforce loss); sample without it")
+    if body.prompt_alt_tokens_k:
+        raise HTTPException(400, "prompt_alt_tokens_k is not supported by this server")
+    if body.target_prompt_logprobs is not None:
+        raise HTTPException(400, "target_prompt_logprobs is not supported by this server; use topk_prompt_logprobs")
+    if body.num_samples > cfg.max_num_samples:
+        raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples}")
+    prompt = _prompt_tokens(body.prompt)
+    if not prompt:
+        raise HTTPException(400, "the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < runtime.vocab_size]
+    if bad:
+        raise HTTPException(400, f"prompt token {bad[0]} is outside the vocabulary [0, {runtime.vocab_size})")
+    n_last = body.prompt_logprobs_last_n
+    if n_last is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs):
+        raise HTTPException(400, "prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs")
+    if n_last is not None and n_last > len(prompt) - 1:
+        raise HTTPException(400, f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}")
+    sp = body.sampling_params
+    room = runtime.max_context - len(prompt)
+    if room < 1:
+        raise HTTPException(400, f"the prompt has {len(prompt)} tokens: no room left in the model's context "
+                                 f"of {runtime.max_context}")
+    max_tokens = sp.max_tokens if sp.max_tokens is not None else min(cfg.default_max_tokens, room)
+    if max_tokens > room:
+        raise HTTPException(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                                 f"context of {runtime.max_context}")
+    if sp.top_k == 0 or sp.top_k < -1:
+        raise HTTPException(400, f"top_k must be -1 (no limit) or >= 1, got {sp.top_k}")
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    if sp.stop is None:  # implicit end of sequence
+        stop_ids = frozenset(server.eos_token_ids)
+    elif isinstance(sp.stop, str):
+        stop_strings = (sp.stop,)
+    elif all(isinstance(s, int) for s in sp.stop):
+        stop_ids = frozenset(sp.stop)  # [] = no stopping at all, not even at EOS
+    elif all(isinstance(s, str) for s in sp.stop):
+        stop_strings = tuple(sp.stop)
+    else:
+        raise HTTPException(400, "stop must be a string, a list of strings, or a list of token ids")
+    if any(s == "" for s in stop_strings):
+        raise HTTPException(400, "stop strings must not be empty")
+    return SampleJob(
+        prompt=prompt, num_samples=body.num_samples, max_tokens=max_tokens, adapter_id=adapter_dir,
+        temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
+        stop_token_ids=stop_ids, stop_strings=stop_strings, prompt_logprobs=bool(body.prompt_logprobs),
+        topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
+        prompt_logprobs_last_n=n_last)
+
+
+@router.post("/api/v1/asample")
+def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+    row = _owned_sampler(server, body.sampling_session_id, owner)
+    existing = server.store.get_future_id(body.sampling_session_id, body.seq_id)
+    if existing is None:
+        job = build_job(server, body, row["checkpoint_dir"])
+        if row["checkpoint_dir"] is not None and not Path(row["checkpoint_dir"]).is_dir():
+            raise HTTPException(404, f"the weights of sampling session {body.sampling_session_id!r} were deleted")
+        request_id, is_new = server.futures.create(owner, "sample", body.sampling_session_id, body.seq_id)
+        if is_new:
+            server.sampler.submit(request_id, job)
+    else:
+        request_id = existing
+    # Stable per request, so a resubmitted sample hands out the same sequence ids.
+    digest = hashlib.sha256(request_id.encode()).hexdigest()[:12]
+    return {"request_id": request_id,
+            "sample_sequence_ids": [f"seq-{digest}-{i}" for i in range(body.num_samples)]}

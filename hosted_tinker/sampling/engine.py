@@ -1,0 +1,346 @@
+"""`SamplingEngine`: batched autoregressive generation with a KV cache, many adapters per batch.
+
+Runs on the clock-cycle thread, after each cycle's training work, on the same model and the
+same `MultiLoRALinear` layers: each row of a batch goes through its own adapter snapshot (or
+none, for the base model). Requests that arrive while others decode are admitted between
+decode steps as a new group (prefilled once, with `num_samples` rows sharing that prefill), and
+every group advances one token per step. The engine hands control back to training whenever
+training work is waiting, keeping its state (KV caches) for the next cycle.
+
+Returned logprobs are the model's own: log-softmax of the raw logits, with no temperature,
+top-k or top-p applied, so they equal the training forward's logprobs of the same tokens.
+Temperature, top-k and top-p shape only the choice of the next token.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from ..runtime.multi_lora import LoRARouting
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleJob:
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    adapter_id: str | None  # None = base model
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    on_done: Callable[["SampleResult"], None] = lambda r: None
+    on_error: Callable[[str], None] = lambda msg: None
+
+
+@dataclass
+class SequenceResult:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SequenceResult]
+    prompt_logprobs: np.ndarray | None  # float32 [len(prompt)], NaN at 0 and at unscored positions
+    topk_prompt_ids: np.ndarray | None  # int [len(prompt), k]
+    topk_prompt_logprobs: np.ndarray | None
+
+
+@dataclass
+class _Row:
+    job: "_JobState"
+    index: int
+    generator: torch.Generator
+    adapter_id: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_lps: list[list[float]] = field(default_factory=list)
+    stop_reason: str | None = None
+
+
+@dataclass
+class _JobState:
+    job: SampleJob
+    rows_left: int
+    results: list[SequenceResult | None]
+    prompt_info: tuple = (None, None, None)
+    failed: bool = False
+
+
+@dataclass
+class _Group:
+    rows: list[_Row]
+    cache: DynamicCache
+    mask: torch.Tensor  # [rows, total_len] 1 = real token
+    positions: torch.Tensor  # [rows] position of the last token
+    next_logits: torch.Tensor  # [rows, vocab] logits for the next token
+
+
+class SamplingEngine:
+    def __init__(self, model: torch.nn.Module, routing: LoRARouting, tokenizer, device: torch.device,
+                 *, max_rows_per_group: int = 256, max_prefill_tokens: int = 16384):
+        self.model = model
+        self.routing = routing
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_rows_per_group = max_rows_per_group
+        self.max_prefill_tokens = max_prefill_tokens
+        self._pending: list[SampleJob] = []
+        self._groups: list[_Group] = []
+        self.tokens_generated = 0
+        self.requests_done = 0
+
+    # -- producer side (any thread; list.append/pop are atomic under the GIL) ------------------------
+    def submit(self, job: SampleJob) -> None:
+        self._pending.append(job)
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._groups)
+
+    def active_adapter_ids(self) -> set[str]:
+        return {row.adapter_id for g in self._groups for row in g.rows if row.adapter_id is not None}
+
+    @property
+    def active_rows(self) -> int:
+        return sum(len(g.rows) for g in self._groups)
+
+    # -- the cycle thread -----------------------------------------------------------------------------
+    def run(self, should_yield: Callable[[], bool], max_seconds: float = 0.5,
+            resolve_adapter: Callable[[SampleJob], str | None] = lambda j: j.adapter_id) -> None:
+        """Admit and decode until idle, until training is waiting, or for at most max_seconds.
+
+        Always makes at least one round of progress, so sampling never starves.
+        """
+        deadline = time.perf_counter() + max_seconds
+        with torch.no_grad():
+            while self.has_work():
+                self._admit(resolve_adapter)
+                for group in list(self._groups):
+                    self._decode_step(group)
+                if should_yield() or time.perf_counter() > deadline:
+                    return
+
+    def _admit(self, resolve_adapter) -> None:
+        if not self._pending:
+            return
+        jobs: list[SampleJob] = []
+        rows = tokens = 0
+        while self._pending:
+            job = self._pending[0]
+            if jobs and (rows + job.num_samples > self.max_rows_per_group
+                         or tokens + len(job.prompt) > self.max_prefill_tokens):
+                break
+            jobs.append(self._pending.pop(0))
+            rows += job.num_samples
+            tokens += len(job.prompt)
+        states: list[tuple[_JobState, str | None]] = []
+        for job in jobs:
+            try:
+                states.append((_JobState(job, job.num_samples, [None] * job.num_samples), resolve_adapter(job)))
+            except Exception as e:  # e.g. an unreadable snapshot: only this request fails
+                job.on_error(f"cannot load the sampler weights: {e}")
+        if not states:
+            return
+        try:
+            self._prefill(states)
+        except Exception as e:
+            log.exception("prefill of %d sampling requests failed", len(states))
+            for st, _ in states:
+                st.job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+
+    def _prefill(self, states: list[tuple[_JobState, str | None]]) -> None:
+        states.sort(key=lambda s: (s[1] or ""))  # rows of one adapter together: fewer segments
+        width = max(len(st.job.prompt) for st, _ in states)
+        n = len(states)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        mask = torch.zeros(n, width, dtype=torch.long)
+        for r, (st, _) in enumerate(states):
+            p = st.job.prompt
+            ids[r, width - len(p):] = torch.tensor(p)  # left padding: every row ends at the same column
+            mask[r, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        need_prompt = any(st.job.prompt_logprobs or st.job.topk_prompt_logprobs for st, _ in states)
+        cache = DynamicCache()
+        self.routing.segments = _segments([aid for _, aid in states])
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                             use_cache=True, logits_to_keep=0 if need_prompt else 1)
+        finally:
+            self.routing.segments = []
+        logits = out.logits.float()
+        for r, (st, _) in enumerate(states):
+            if st.job.prompt_logprobs or st.job.topk_prompt_logprobs:
+                st.prompt_info = _prompt_logprobs(st.job, logits[r, width - len(st.job.prompt):])
+        # Share the prefill across num_samples: repeat each prompt's cache row.
+        expand = torch.tensor([r for r, (st, _) in enumerate(states) for _ in range(st.job.num_samples)],
+                              device=self.device)
+        cache.batch_select_indices(expand)
+        rows = []
+        for st, aid in states:
+            job = st.job
+            for i in range(job.num_samples):
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(_row_seed(job.seed, i))
+                rows.append(_Row(job=st, index=i, generator=gen, adapter_id=aid))
+        group = _Group(rows=rows, cache=cache, mask=mask[expand], positions=positions[expand, -1],
+                       next_logits=logits[expand, -1])
+        self._groups.append(group)
+        self._choose(group)
+
+    def _decode_step(self, group: _Group) -> None:
+        if not group.rows:
+            self._groups.remove(group)
+            return
+        try:
+            last = torch.tensor([row.tokens[-1] for row in group.rows], device=self.device)[:, None]
+            group.mask = torch.cat([group.mask, group.mask.new_ones(len(group.rows), 1)], dim=1)
+            group.positions = group.positions + 1
+            self.routing.segments = _segments([row.adapter_id for row in group.rows])
+            try:
+                out = self.model(input_ids=last, attention_mask=group.mask, position_ids=group.positions[:, None],
+                                 past_key_values=group.cache, use_cache=True)
+            finally:
+                self.routing.segments = []
+            group.next_logits = out.logits[:, -1].float()
+            self._choose(group)
+        except Exception as e:
+            log.exception("decode step failed")
+            self._groups.remove(group)
+            for row in group.rows:
+                if not row.job.failed:
+                    row.job.failed = True
+                    row.job.job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+
+    def _choose(self, group: _Group) -> None:
+        """Pick each row's next token, record it, retire finished rows and jobs."""
+        logprobs_all = torch.log_softmax(group.next_logits, dim=-1)
+        keep: list[int] = []
+        for r, row in enumerate(group.rows):
+            job = row.job.job
+            token = _pick(group.next_logits[r], job, row.generator)
+            row.tokens.append(token)
+            row.logprobs.append(float(logprobs_all[r, token]))
+            if job.topk_sample_logprobs:
+                top = torch.topk(logprobs_all[r], job.topk_sample_logprobs)
+                row.topk_ids.append(top.indices.tolist())
+                row.topk_lps.append(top.values.tolist())
+            self.tokens_generated += 1
+            if token in job.stop_token_ids or (job.stop_strings and self._hit_stop_string(row, job)):
+                row.stop_reason = "stop"
+            elif len(row.tokens) >= job.max_tokens:
+                row.stop_reason = "length"
+            if row.stop_reason is None:
+                keep.append(r)
+            else:
+                self._finish_row(row)
+        if len(keep) < len(group.rows):
+            if not keep:
+                self._groups.remove(group)
+                return
+            idx = torch.tensor(keep, device=self.device)
+            group.cache.batch_select_indices(idx)
+            group.mask, group.positions = group.mask[idx], group.positions[idx]
+            group.rows = [group.rows[r] for r in keep]
+
+    def _hit_stop_string(self, row: _Row, job: SampleJob) -> bool:
+        text = self.tokenizer.decode(row.tokens, skip_special_tokens=False)
+        return any(s in text for s in job.stop_strings)
+
+    def _finish_row(self, row: _Row) -> None:
+        st = row.job
+        job = st.job
+        st.results[row.index] = SequenceResult(
+            tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason or "length",
+            topk_ids=row.topk_ids if job.topk_sample_logprobs else None,
+            topk_logprobs=row.topk_lps if job.topk_sample_logprobs else None)
+        st.rows_left -= 1
+        if st.rows_left == 0 and not st.failed:
+            lp, ids, lps = st.prompt_info
+            self.requests_done += 1
+            try:
+                job.on_done(SampleResult(sequences=st.results, prompt_logprobs=lp, topk_prompt_ids=ids,
+                                         topk_prompt_logprobs=lps))
+            except Exception as e:  # encoding the answer failed: the request fails, others go on
+                log.exception("delivering a sample result failed")
+                job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+
+
+def _segments(adapter_ids: list[str | None]) -> list[tuple[str | None, int, int]]:
+    segs: list[tuple[str | None, int, int]] = []
+    for r, aid in enumerate(adapter_ids):
+        if segs and segs[-1][0] == aid:
+            segs[-1] = (aid, segs[-1][1], r + 1)
+        else:
+            segs.append((aid, r, r + 1))
+    return segs
+
+
+def _row_seed(seed: int | None, index: int) -> int:
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    # Same seed, same samples; each of num_samples gets its own stream.
+    return (int(seed) * 1_000_003 + index) & ((1 << 63) - 1)
+
+
+def _pick(logits: torch.Tensor, job: SampleJob, generator: torch.Generator) -> int:
+    if job.temperature <= 0.0:
+        return int(torch.argmax(logits))
+    scaled = logits / job.temperature
+    if 0 < job.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, job.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    if job.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = (probs.cumsum(-1) - probs) >= job.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+        scaled = torch.full_like(scaled, -math.inf).scatter(0, order, sorted_logits)
+    probs = torch.softmax(scaled, dim=-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _prompt_logprobs(job: SampleJob, logits: torch.Tensor):
+    """Per-position logprob of each prompt token given its prefix; NaN at 0 and outside last_n."""
+    n = len(job.prompt)
+    lps_all = torch.log_softmax(logits, dim=-1)  # [n, vocab]; row i predicts token i+1
+    targets = torch.tensor(job.prompt[1:], device=logits.device)
+    lp = np.full(n, np.nan, dtype=np.float32)
+    if n > 1:
+        lp[1:] = lps_all[:-1].gather(-1, targets[:, None])[:, 0].cpu().numpy()
+    first_scored = 1 if job.prompt_logprobs_last_n is None else max(1, n - job.prompt_logprobs_last_n)
+    lp[:first_scored] = np.nan
+    ids = vals = None
+    if job.topk_prompt_logprobs:
+        k = job.topk_prompt_logprobs
+        ids = np.zeros((n, k), dtype=np.int64)
+        vals = np.full((n, k), -99999.0, dtype=np.float32)
+        if n > 1:
+            top = torch.topk(lps_all[:-1], k, dim=-1)
+            ids[1:] = top.indices.cpu().numpy()
+            vals[1:] = top.values.cpu().numpy()
+        ids[:first_scored], vals[:first_scored] = 0, -99999.0
+    return (lp if job.prompt_logprobs else None), ids, vals

@@ -1,0 +1,69 @@
+"""`SamplingService`: turns validated sample requests into engine jobs and results into futures.
+
+The API thread builds jobs and wakes the clock-cycle thread; the cycle thread runs the engine
+(`run_round`) after its training work and encodes each finished request as the protobuf
+`SampleResponse` the SDK expects.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..futures import FutureStore
+from ..wire.codec import SampledSequenceOut, TopkOut, encode_sample_response
+from .engine import SampleJob, SampleResult, SamplingEngine
+from .snapshots import SnapshotCache
+
+log = logging.getLogger(__name__)
+
+
+class SamplingService:
+    def __init__(self, engine: SamplingEngine, snapshots: SnapshotCache, futures: FutureStore,
+                 wake: Callable[[], None], training_waiting: Callable[[], bool], *, round_seconds: float = 0.25):
+        self.engine = engine
+        self.snapshots = snapshots
+        self.futures = futures
+        self._wake = wake
+        self._training_waiting = training_waiting
+        self.round_seconds = round_seconds
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def submit(self, request_id: str, job: SampleJob) -> None:
+        job.on_done = lambda result: self.futures.resolve(request_id, encode_result(result), is_proto=True)
+        job.on_error = lambda message: self.futures.fail(request_id, message, "server")
+        self.engine.submit(job)
+        self._wake()
+
+    def run_round(self) -> None:
+        """Called on the cycle thread after each cycle's training work."""
+        if not self.engine.has_work():
+            return
+        active = self.engine.active_adapter_ids()
+
+        def resolve(job: SampleJob) -> str | None:
+            if job.adapter_id is None:
+                return None
+            return self.snapshots.ensure(Path(job.adapter_id), keep=active)
+
+        self.engine.run(self._training_waiting, self.round_seconds, resolve)
+
+
+def encode_result(result: SampleResult) -> bytes:
+    seqs = []
+    for s in result.sequences:
+        topk = None
+        if s.topk_ids is not None:
+            topk = TopkOut(token_ids=np.asarray(s.topk_ids, dtype=np.int64),
+                           logprobs=np.asarray(s.topk_logprobs, dtype=np.float32))
+        seqs.append(SampledSequenceOut(tokens=s.tokens, logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                                       stop_reason=s.stop_reason, topk_sampled_logprobs=topk))
+    topk_prompt = None
+    if result.topk_prompt_ids is not None:
+        topk_prompt = TopkOut(token_ids=result.topk_prompt_ids, logprobs=result.topk_prompt_logprobs)
+    return encode_sample_response(seqs, prompt_logprobs=result.prompt_logprobs, topk_prompt_logprobs=topk_prompt)
