@@ -46,6 +46,9 @@ class ServerConfig:
         0.05, "how long a pipelining client's forward_backward waits for its optim_step, to share a cycle "
               "(only clients seen posting optim_step before their forward_backward finished wait)")
     max_request_bytes: int = _opt(512 << 20, "largest request body accepted (after decompression)")
+    api_keys_file: Path | None = _opt(
+        None, "file of accepted API keys, one 'owner: tml-key' per line (also read: $HOSTED_TINKER_API_KEYS, "
+              "comma-separated); with neither, dev mode accepts any tml- key")
     compress_fwdbwd: bool = _opt(False, "ask the SDK to zstd-compress forward_backward bodies (saves bandwidth to remote clients)")
     log_level: str = _opt("info", "debug, info, warning or error")
 
@@ -57,7 +60,8 @@ class ServerConfig:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=f"{f.metadata['help']} (default: %(default)s)")
                 continue
-            kind = f.type if not isinstance(f.type, str) else {"int": int, "float": float, "Path": Path}.get(f.type, str)
+            kind = f.type if not isinstance(f.type, str) else {"int": int, "float": float, "Path": Path,
+                                                                 "Path | None": Path}.get(f.type, str)
             parser.add_argument(flag, type=kind, default=f.default, help=f"{f.metadata['help']} (default: %(default)s)")
 
     @classmethod

@@ -6,11 +6,11 @@ HTTP route (api/) -> FutureStore (futures.py) + ClockCycleScheduler (scheduler.p
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
 
+from .auth import ENV_VAR, KeyRing, anonymous_owner
 from .config import ServerConfig
 from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
@@ -25,9 +25,7 @@ from .worker import TrainingWorker
 log = logging.getLogger(__name__)
 
 
-def owner_of(api_key: str) -> str:
-    """A stable, non-reversible owner id for an API key (keys themselves are never stored)."""
-    return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+owner_of = anonymous_owner  # the owner id of a key in dev mode
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:
@@ -46,6 +44,14 @@ class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.started_at = time.time()
+        self.keyring = KeyRing.load(config.api_keys_file)
+        if self.keyring.dev_mode:
+            log.warning("=" * 78)
+            log.warning("DEV MODE: no API keys configured, so ANY key starting with 'tml-' is accepted.")
+            log.warning("Set %s or --api-keys-file before exposing this server to anyone.", ENV_VAR)
+            log.warning("=" * 78)
+        else:
+            log.info("%d API key(s) configured", len(self.keyring))
         data_dir = Path(config.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(data_dir / "hosted_tinker.sqlite3")

@@ -1,0 +1,79 @@
+"""API keys (issue 6): configured keys only, owners from the keys file, dev mode, redaction."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from helpers import BASE_MODEL, sft_batch
+from hosted_tinker.auth import KeyRing, anonymous_owner, redact
+from server_process import ServerProcess
+
+
+def test_keyring_from_env_and_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nalice: tml-alice-1\n\nbob:tml-bob-1  # laptop\ntml-bare-key\n")
+    ring = KeyRing.load(f, env={"HOSTED_TINKER_API_KEYS": "tml-env-a, tml-env-b"})
+    assert not ring.dev_mode and len(ring) == 5
+    assert ring.owner("tml-alice-1") == "alice" and ring.owner("tml-bob-1") == "bob"
+    assert ring.owner("tml-bare-key") == anonymous_owner("tml-bare-key")
+    assert ring.owner("tml-env-b") == anonymous_owner("tml-env-b")
+    for bad in ("tml-alice-2", "tml-", "", None, "alice", "sk-tml-alice-1"):
+        assert ring.owner(bad) is None
+    assert "tml-alice-1" not in repr(ring.__dict__)  # only digests are held
+
+
+def test_keys_file_rejects_non_tinker_keys(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("carol: sk-not-a-tinker-key\n")
+    with pytest.raises(ValueError, match="must start with 'tml-'"):
+        KeyRing.load(f, env={})
+
+
+def test_dev_mode_accepts_any_tinker_key():
+    ring = KeyRing.load(None, env={})
+    assert ring.dev_mode
+    assert ring.owner("tml-anything") == anonymous_owner("tml-anything")
+    assert ring.owner("not-tml") is None
+
+
+def test_redact_blanks_credentials_everywhere():
+    event = {"event_data": {"request_headers": {"X-API-Key": "tml-secret", "Accept": "x"},
+                            "note": ["tml-secret-2", {"Authorization": "Bearer tml-3"}]}}
+    out = redact(event)
+    assert "tml-" not in str(out) and out["event_data"]["request_headers"]["Accept"] == "x"
+
+
+@pytest.mark.e2e
+def test_server_with_configured_keys(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("alice: tml-alice-secret\n")
+    srv = ServerProcess(tmp_path / "srv", env={"HOSTED_TINKER_API_KEYS": "tml-ci-key"},
+                        args=("--api-keys-file", str(keys))).start()
+    try:
+        assert "DEV MODE" not in srv.log()
+        for key in ("tml-alice-secret", "tml-ci-key"):
+            sc = tinker.ServiceClient(base_url=srv.base_url, api_key=key)
+            tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+            tc.forward_backward(sft_batch(2), "cross_entropy").result()
+            tc.optim_step(types.AdamParams()).result()
+        for headers in ({"X-API-Key": "tml-unknown"}, {}, {"Authorization": "Bearer tml-unknown"}):
+            r = httpx.post(f"{srv.base_url}/api/v1/create_session", json={"tags": []}, headers=headers, timeout=10)
+            assert r.status_code == 401 and r.json()["detail"]
+        # telemetry that echoes the key is stored redacted
+        event = {"events": [{"event": "GENERIC_EVENT", "event_data": {"request_headers": {
+            "X-API-Key": "tml-alice-secret"}}}], "session_id": "s", "platform": "Linux", "sdk_version": "0.38.0"}
+        r = httpx.post(f"{srv.base_url}/api/v1/telemetry", json=event, headers={"X-API-Key": "tml-alice-secret"})
+        assert r.json() == {"status": "accepted"}
+        stored = (srv.data_dir / "telemetry.jsonl").read_text()
+        assert "GENERIC_EVENT" in stored and "tml-alice-secret" not in stored
+        assert "tml-alice-secret" not in srv.log() and "tml-ci-key" not in srv.log()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.e2e
+def test_dev_mode_is_announced(server):
+    assert "DEV MODE" in server.log()
