@@ -113,6 +113,7 @@ class Store:
         with self._lock:
             self._db.executescript(SCHEMA)
             self._db.executescript(SAMPLING_SCHEMA)
+        self._migrate_rest()
 
     def close(self) -> None:
         with self._lock:
@@ -256,6 +257,90 @@ class Store:
 
     def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
         self._exec("DELETE FROM checkpoints WHERE model_id=? AND checkpoint_id=?", (model_id, checkpoint_id))
+
+    # -- REST: runs and checkpoints -------------------------------------------------------------
+    # Listings never show an expired checkpoint, even before the sweeper has removed it.
+    _LIVE = "(c.expires_at IS NULL OR c.expires_at > ?)"
+
+    def _migrate_rest(self) -> None:
+        with self._lock:
+            self._db.executescript(
+                "CREATE INDEX IF NOT EXISTS checkpoints_expiry ON checkpoints(expires_at)"
+                " WHERE expires_at IS NOT NULL;"
+                "CREATE INDEX IF NOT EXISTS checkpoints_owner ON checkpoints(owner, created_at);"
+                "CREATE INDEX IF NOT EXISTS models_owner ON models(owner, created_at);"
+                "CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, created_at);")
+
+    def list_runs(self, owner: str, *, accessible: bool, project_id: str | None, limit: int,
+                  offset: int) -> tuple[list[sqlite3.Row], int]:
+        """Runs owned by `owner` (plus, if `accessible`, others' runs with a public checkpoint), newest first."""
+        where = (f"(m.owner = ? OR (? AND EXISTS (SELECT 1 FROM checkpoints c WHERE c.model_id = m.model_id"
+                 f" AND c.public = 1 AND {self._LIVE})))"
+                 " AND (? IS NULL OR m.session_id IN (SELECT session_id FROM sessions WHERE project_id = ?))")
+        args = (owner, int(accessible), time.time(), project_id, project_id)
+        total = self._one(f"SELECT COUNT(*) FROM models m WHERE {where}", args)[0]
+        rows = self._all(f"SELECT m.* FROM models m WHERE {where} ORDER BY m.created_at DESC, m.model_id"
+                         " LIMIT ? OFFSET ?", args + (limit, offset))
+        return rows, total
+
+    def run_has_public_checkpoint(self, model_id: str) -> bool:
+        return self._one(f"SELECT 1 FROM checkpoints c WHERE c.model_id = ? AND c.public = 1 AND {self._LIVE}",
+                         (model_id, time.time())) is not None
+
+    def live_checkpoints(self, model_id: str, *, public_only: bool = False) -> list[sqlite3.Row]:
+        """A run's unexpired checkpoints, oldest first."""
+        return self._all(f"SELECT * FROM checkpoints c WHERE c.model_id = ? AND {self._LIVE}"
+                         f"{' AND c.public = 1' if public_only else ''} ORDER BY c.created_at, c.checkpoint_id",
+                         (model_id, time.time()))
+
+    def owner_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[sqlite3.Row], int]:
+        """Every unexpired checkpoint of `owner`, newest first."""
+        now = time.time()
+        total = self._one(f"SELECT COUNT(*) FROM checkpoints c WHERE c.owner = ? AND {self._LIVE}", (owner, now))[0]
+        rows = self._all(f"SELECT * FROM checkpoints c WHERE c.owner = ? AND {self._LIVE}"
+                         " ORDER BY c.created_at DESC, c.model_id, c.checkpoint_id LIMIT ? OFFSET ?",
+                         (owner, now, limit, offset))
+        return rows, total
+
+    def set_checkpoint_public(self, model_id: str, checkpoint_id: str, public: bool) -> None:
+        self._exec("UPDATE checkpoints SET public=? WHERE model_id=? AND checkpoint_id=?",
+                   (int(public), model_id, checkpoint_id))
+
+    def set_checkpoint_expiry(self, model_id: str, checkpoint_id: str, expires_at: float | None) -> None:
+        self._exec("UPDATE checkpoints SET expires_at=? WHERE model_id=? AND checkpoint_id=?",
+                   (expires_at, model_id, checkpoint_id))
+
+    def set_checkpoint_files(self, model_id: str, checkpoint_id: str, size_bytes: int, created_at: float) -> None:
+        self._exec("UPDATE checkpoints SET size_bytes=?, created_at=? WHERE model_id=? AND checkpoint_id=?",
+                   (size_bytes, created_at, model_id, checkpoint_id))
+
+    def expired_checkpoints(self, now: float) -> list[sqlite3.Row]:
+        return self._all("SELECT * FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+
+    def delete_checkpoint_if(self, model_id: str, checkpoint_id: str, *, expired_before: float | None = None) -> bool:
+        """Delete the record (only if it expired before `expired_before`, when given); True if one went."""
+        sql = "DELETE FROM checkpoints WHERE model_id=? AND checkpoint_id=?"
+        args: tuple = (model_id, checkpoint_id)
+        if expired_before is not None:
+            sql += " AND expires_at IS NOT NULL AND expires_at <= ?"
+            args += (expired_before,)
+        return self._exec(sql, args).rowcount > 0
+
+    def all_checkpoints(self) -> list[sqlite3.Row]:
+        return self._all("SELECT * FROM checkpoints")
+
+    def list_sessions(self, owner: str, limit: int, offset: int) -> tuple[list[str], int]:
+        total = self._one("SELECT COUNT(*) FROM sessions WHERE owner=?", (owner,))[0]
+        rows = self._all("SELECT session_id FROM sessions WHERE owner=? ORDER BY created_at DESC, session_id"
+                         " LIMIT ? OFFSET ?", (owner, limit, offset))
+        return [r[0] for r in rows], total
+
+    def set_session_project(self, session_id: str, project_id: str | None) -> None:
+        self._exec("UPDATE sessions SET project_id=? WHERE session_id=?", (project_id, session_id))
+
+    def session_sampler_ids(self, session_id: str) -> list[str]:
+        return [r[0] for r in self._all("SELECT sampling_session_id FROM sampling_sessions WHERE session_id=?"
+                                        " ORDER BY created_at", (session_id,))]
 
 
 def loads(text: str | bytes | None, default: Any = None) -> Any:

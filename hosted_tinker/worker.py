@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from pathlib import Path
 
+from .checkpoint_admin import CHECKPOINT_LOCK, KIND_TYPES, dir_size, is_expired
 from .futures import FutureStore
 from .runtime.adapters import AdamParams, LoRAConfig
 from .runtime.checkpoints import CheckpointError
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SaveSpec:
-    kind: str  # "weights" (training state, with optimizer) | "sampler_weights" (adapter only)
+    kind: str  # "weights" (training state, with optimizer) | "sampler_weights" | "external_weights" (adapter only)
     name: str
     owner: str
     overwrite: bool = False
@@ -153,15 +154,27 @@ class TrainingWorker:
     def _save(self, req: Request, *, with_optimizer: bool, result_type: str | None = None) -> Path:
         spec: SaveSpec = req.payload
         out = self.checkpoint_dir(req.model_id, spec.kind, spec.name)
-        size = self.runtime.save(req.model_id, out, with_optimizer=with_optimizer, overwrite=spec.overwrite)
-        expires = time.time() + spec.ttl_seconds if spec.ttl_seconds else None
-        kind = "training" if spec.kind == "weights" else "sampler"
-        self.store.upsert_checkpoint(req.model_id, f"{spec.kind}/{spec.name}", kind, spec.owner, str(out), size,
-                                     expires, spec.user_metadata or {})
+        checkpoint_id = f"{spec.kind}/{spec.name}"
+        with CHECKPOINT_LOCK:  # the record and the directory change together (vs. REST deletes, TTL sweeps)
+            existing = self.store.get_checkpoint(req.model_id, checkpoint_id)
+            if existing is not None and not spec.overwrite and not is_expired(existing):
+                raise CheckpointError(f"checkpoint {tinker_path(req.model_id, spec.kind, spec.name)} already exists; "
+                                      "save with overwrite=True to replace it")
+            # No live record: whatever is on disk under that name is unlisted and may be replaced.
+            size = self.runtime.save(req.model_id, out, with_optimizer=with_optimizer, overwrite=True)
+            expires = time.time() + spec.ttl_seconds if spec.ttl_seconds else None
+            self.store.upsert_checkpoint(req.model_id, checkpoint_id, KIND_TYPES[spec.kind], spec.owner, str(out),
+                                         size, expires, spec.user_metadata or {})
         if result_type is not None:
             self.futures.resolve(req.request_id, {"type": result_type,
                                                   "path": tinker_path(req.model_id, spec.kind, spec.name)})
         return out
+
+    def _save_weights_external(self, req: Request) -> None:
+        spec: SaveSpec = req.payload
+        out = self._save(req, with_optimizer=False)
+        self.futures.resolve(req.request_id, {"type": "save_weights_external", "size_bytes": dir_size(out),
+                                              "path": tinker_path(req.model_id, spec.kind, spec.name)})
 
     def _load_weights(self, req: Request) -> None:
         spec: LoadSpec = req.payload

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerConfig
 from ..server import Server
-from . import sampling, service, training
+from . import rest, sampling, service, training
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -27,14 +27,17 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         srv = server or Server(config)
         srv.futures.bind_loop(asyncio.get_running_loop())
+        rest.on_startup(app, srv)  # checkpoint crash recovery, before any work runs
         srv.start()
         app.state.server = srv
         pruner = asyncio.create_task(_prune_forever(srv))
+        sweeper = asyncio.create_task(rest.sweep_expired_forever(srv))  # checkpoint TTLs
         log.info("hosted-tinker serving %s on http://%s:%d", config.base_model, config.host, config.port)
         try:
             yield
         finally:
             pruner.cancel()
+            sweeper.cancel()
             srv.stop()
 
     app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=lifespan)
@@ -69,6 +72,7 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
     app.include_router(service.router)
     app.include_router(training.router)
     app.include_router(sampling.router)
+    app.include_router(rest.router)
     return app
 
 

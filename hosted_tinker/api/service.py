@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
 
 from ..server import Server
 from .deps import get_server, require_owner
@@ -88,6 +90,49 @@ def finish_session(session_id: str, body: FinishSessionRequest, owner: str = Dep
     _owned_session(server, session_id, owner)
     server.store.finish_session(session_id, body.reason.type if body.reason else "success")
     return {}
+
+
+# -- REST: sessions (RestClient.list_sessions / get_session) -----------------------------------------
+
+def _str_dict(text: str | None) -> dict[str, str]:
+    value = json.loads(text) if text else {}
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (value or {}).items()}
+
+
+def _scope(access_scope: str) -> None:
+    if access_scope not in ("owned", "accessible"):
+        raise HTTPException(400, f"invalid access_scope {access_scope!r}: expected 'owned' or 'accessible'")
+
+
+@router.get("/api/v1/sessions")
+def list_sessions(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0), access_scope: str = "owned",
+                  owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+    """The caller's sessions, newest first (sessions are never shared, whatever the scope)."""
+    _scope(access_scope)
+    ids, _ = server.store.list_sessions(owner, limit, offset)
+    return {"sessions": ids}
+
+
+@router.get("/api/v1/sessions/{session_id}")
+def get_session(session_id: str, access_scope: str = "owned", owner: str = Depends(require_owner),
+                server: Server = Depends(get_server)):
+    _scope(access_scope)
+    row = _owned_session(server, session_id, owner)
+    return {"training_run_ids": server.store.session_model_ids(session_id),
+            "sampler_ids": server.store.session_sampler_ids(session_id),
+            "user_metadata": _str_dict(row["user_metadata"]), "display_name": row["display_name"]}
+
+
+class ProjectBody(BaseModel):
+    project_id: str | None = None
+
+
+@router.put("/api/v1/sessions/{session_id}/project")
+def assign_session_project(session_id: str, body: ProjectBody, owner: str = Depends(require_owner),
+                           server: Server = Depends(get_server)):
+    _owned_session(server, session_id, owner)
+    server.store.set_session_project(session_id, body.project_id)
+    return {"session_id": session_id, "project_id": body.project_id}
 
 
 @router.post("/api/v1/telemetry")

@@ -16,6 +16,7 @@ from typing import Callable
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..runtime.adapters import AdamParams, LoRAConfig
 from ..runtime.checkpoints import MANIFEST
@@ -248,6 +249,32 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, owner: str = De
                         sampling_session_id=f"{session_id}:sample:{body.sampling_session_seq_id}")
 
     return _submit(server, owner, body.model_id, body.seq_id, "save_weights_for_sampler", spec)
+
+
+class SaveWeightsExternalRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_id: str
+    seq_id: int = Field(ge=1)
+    path: str
+    ttl_seconds: int | None = Field(None, ge=1)
+    age_encryption_recipients: list[str] | None = None
+
+
+@router.post("/api/v1/save_weights_external")
+def save_weights_external(body: SaveWeightsExternalRequest, owner: str = Depends(require_owner),
+                          server: Server = Depends(get_server)):
+    """The adapter as a standard PEFT directory, downloadable through signed URLs
+    (`GET .../external_weights_urls`). Saving again under the same name replaces it."""
+    _active_model(server, body.model_id, owner)
+
+    def spec() -> SaveSpec:
+        if body.age_encryption_recipients:
+            raise HTTPException(400, "age encryption of exported weights is not supported by this server; "
+                                     "save without age_encryption_recipients")
+        return SaveSpec(kind="external_weights", name=check_name(body.path), owner=owner, overwrite=True,
+                        ttl_seconds=body.ttl_seconds)
+
+    return _submit(server, owner, body.model_id, body.seq_id, "save_weights_external", spec)
 
 
 def _checkpoint_for_load(server: Server, owner: str, path: str, with_optimizer: bool) -> LoadSpec:
