@@ -45,6 +45,10 @@ class ServerConfig:
     gather_window_s: float = _opt(
         0.05, "how long a pipelining client's forward_backward waits for its optim_step, to share a cycle "
               "(only clients seen posting optim_step before their forward_backward finished wait)")
+    max_datums_per_request: int = _opt(1024, "datums per forward_backward request (the SDK chunks to this)")
+    max_pending_per_key: int = _opt(
+        4096, "unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)")
+    max_models_per_key: int = _opt(64, "live training models one API key may hold (unload one to make room)")
     max_request_bytes: int = _opt(512 << 20, "largest request body accepted (after decompression)")
     api_keys_file: Path | None = _opt(
         None, "file of accepted API keys, one 'owner: tml-key' per line (also read: $HOSTED_TINKER_API_KEYS, "

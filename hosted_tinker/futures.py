@@ -35,6 +35,9 @@ class FutureStore:
         self._results: dict[str, FutureResult] = {}
         self._events: dict[str, asyncio.Event] = {}
         self.resolved_total = 0
+        # Unfinished requests per owner, for per-key back-pressure.
+        self._pending_owner: dict[str, str] = {}
+        self.pending_by_owner: dict[str, int] = {}
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -45,7 +48,15 @@ class FutureStore:
         """Return (request_id, is_new). A repeated (model_id, seq_id) returns the first id."""
         request_id = f"req-{uuid.uuid4().hex}"
         got = self.store.insert_future(request_id, owner, kind, model_id, seq_id)
+        if got == request_id:
+            with self._lock:
+                self._pending_owner[request_id] = owner
+                self.pending_by_owner[owner] = self.pending_by_owner.get(owner, 0) + 1
         return got, got == request_id
+
+    def pending(self, owner: str) -> int:
+        with self._lock:
+            return self.pending_by_owner.get(owner, 0)
 
     def resolve(self, request_id: str, result: dict | bytes, *, is_proto: bool = False) -> None:
         payload = result if isinstance(result, bytes) else json.dumps(result, allow_nan=False).encode()
@@ -60,6 +71,9 @@ class FutureStore:
         with self._lock:
             self._results[request_id] = FutureResult(payload, is_proto, failed, time.time())
             self.resolved_total += 1
+            owner = self._pending_owner.pop(request_id, None)
+            if owner is not None:
+                self.pending_by_owner[owner] -= 1
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake, request_id)
 

@@ -60,6 +60,7 @@ class Server:
         if interrupted:
             log.warning("%d request(s) were running when the server last stopped; they failed with "
                         "category 'server'", interrupted)
+        self.store.mark_models_unloaded()
         self.futures = FutureStore(self.store)
         device = pick_device(config.device)
         model, self.tokenizer = load_base_model(config.base_model, data_dir, device,

@@ -183,6 +183,13 @@ class Store:
     def touch_model(self, model_id: str) -> None:
         self._exec("UPDATE models SET last_request_at=? WHERE model_id=?", (time.time(), model_id))
 
+    def count_active_models(self, owner: str) -> int:
+        return self._one("SELECT COUNT(*) FROM models WHERE owner=? AND status='active'", (owner,))[0]
+
+    def mark_models_unloaded(self) -> int:
+        """At start-up: no adapter survives a restart, so no model is live."""
+        return self._exec("UPDATE models SET status='unloaded' WHERE status='active'").rowcount
+
     def session_model_ids(self, session_id: str) -> list[str]:
         return [r[0] for r in self._all("SELECT model_id FROM models WHERE session_id=?", (session_id,))]
 

@@ -76,4 +76,4 @@ def test_server_with_configured_keys(tmp_path):
 
 @pytest.mark.e2e
 def test_dev_mode_is_announced(server):
-    assert "DEV MODE" in server.log()
+    assert "DEV MODE" in server.log_path.read_text()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
+from ..auth import redact
 from ..server import Server
 from .deps import get_server, require_owner
 from .schemas import ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest
@@ -26,6 +29,7 @@ def client_config(body: ClientConfigRequest, server: Server = Depends(get_server
         "pjwt_auth_enabled": False,
         # Chunks may arrive concurrently and out of order: the scheduler orders them by seq_id.
         "parallel_fwdbwd_chunks": True,
+        "fwdbwd_max_chunk_len": server.config.max_datums_per_request,
         "proto_compress_fwdbwd": server.config.compress_fwdbwd,
         "sample_use_retrieve_futures": False,
         "custom_loss_server_side": False,
@@ -136,9 +140,16 @@ def assign_session_project(session_id: str, body: ProjectBody, owner: str = Depe
 
 
 @router.post("/api/v1/telemetry")
-def telemetry(owner: str = Depends(require_owner)):
-    # Accepted and dropped: events can echo request headers (X-API-Key included), so nothing
-    # is stored until there is a redacting store for them.
+async def telemetry(request: Request, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+    # Events can echo request headers, X-API-Key included: credentials are blanked before the
+    # batch is written (one JSON line per batch, under the data directory).
+    try:
+        body = await request.json()
+    except ValueError:
+        raise HTTPException(400, "telemetry body must be JSON") from None
+    line = json.dumps({"owner": owner, "received_at": time.time(), "batch": redact(body)})
+    with open(Path(server.config.data_dir) / "telemetry.jsonl", "a") as f:
+        f.write(line + "\n")
     return {"status": "accepted"}
 
 

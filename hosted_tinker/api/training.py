@@ -93,6 +93,10 @@ def _submit(server: Server, owner: str, model_id: str, seq_id: int, kind: str,
     except (LossInputError, WireError, ValueError) as e:
         server.scheduler.skip(model_id, seq_id)
         raise HTTPException(400, str(e)) from None
+    if server.futures.pending(owner) >= server.config.max_pending_per_key:
+        server.scheduler.skip(model_id, seq_id)
+        raise HTTPException(429, f"this API key has {server.config.max_pending_per_key} unfinished requests; "
+                                 "wait for some to finish", headers={"Retry-After": "1"})
     expected = server.scheduler.expected_seq(model_id)
     if expected is not None and seq_id < expected:
         raise HTTPException(400, f"seq_id {seq_id} of model {model_id!r} is below the next expected seq_id "
@@ -137,6 +141,10 @@ def _create(server: Server, owner: str, model_id: str, session_id: str, kind: st
         existing = server.store.get_future_id(model_id, 0)  # a retried create: same future
         if existing is not None:
             return _future(existing, model_id)
+    live = server.store.count_active_models(owner)
+    if live >= server.config.max_models_per_key:
+        raise HTTPException(400, f"this API key already has {live} live models (limit "
+                                 f"{server.config.max_models_per_key}); unload one before creating another")
     server.store.create_model(model_id, session_id, owner, server.config.base_model, lora, opt, user_metadata)
     server.scheduler.open_model(model_id, 0)
     request_id, is_new = server.futures.create(owner, kind, model_id, 0)
@@ -197,6 +205,9 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
     def validate() -> FBWork:
         if not call.data:
             raise LossInputError("forward_backward needs at least one datum")
+        if len(call.data) > server.config.max_datums_per_request:
+            raise LossInputError(f"{len(call.data)} datums in one request; this server takes at most "
+                                 f"{server.config.max_datums_per_request} (the SDK splits larger batches itself)")
         config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
         for i, d in enumerate(call.data):
             validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context)
