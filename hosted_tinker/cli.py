@@ -1,10 +1,11 @@
-"""`hosted-tinker` command line: `serve` runs the server."""
+"""`hosted-tinker` command line: `serve` runs the server; `export` / `import` move checkpoints out and in."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from .config import ServerConfig
 
@@ -23,6 +24,38 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(args.tinker_path, args.out, data_dir=args.data_dir, base_url=args.base_url,
+                                api_key=args.api_key, merged=args.merged, base_model=args.base_model,
+                                dtype=args.dtype, force=args.force)
+    except ExportError as e:
+        print(f"hosted-tinker export: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from .export import ExportError, import_adapter
+
+    try:
+        answer = import_adapter(args.adapter_dir, name=args.name, base_url=args.base_url, api_key=args.api_key,
+                                training_run_id=args.run_id, overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"hosted-tinker import: {e}", file=sys.stderr)
+        return 1
+    print(answer["tinker_path"])
+    return 0
+
+
+def _add_remote(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", help="server URL (default: $TINKER_BASE_URL)")
+    p.add_argument("--api-key", help="API key (default: $TINKER_API_KEY)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hosted-tinker", description="Self-hosted server for the Tinker training API")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,6 +63,33 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ServerConfig.add_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    export = sub.add_parser(
+        "export", help="write a checkpoint as a PEFT adapter directory (or a merged model) without the SDK",
+        description="Export tinker://RUN/KIND/NAME from a running server (--base-url, --api-key) or from a "
+                    "server's data directory (--data-dir) as a PEFT adapter directory, or with --merged as a "
+                    "full model with the LoRA weights merged in (safetensors).")
+    export.add_argument("tinker_path", help="tinker://<run>/<weights|sampler_weights|external_weights>/<name>")
+    export.add_argument("--out", type=Path, required=True, help="output directory (created; must be empty)")
+    export.add_argument("--merged", action="store_true", help="save the base model with the adapter merged in")
+    export.add_argument("--data-dir", type=Path, help="read a server's data directory instead of asking a server")
+    _add_remote(export)
+    export.add_argument("--base-model", help="with --merged: base model id or path (default: the checkpoint's)")
+    export.add_argument("--dtype", default="float32", help="with --merged: float32, bfloat16 or float16")
+    export.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
+    export.set_defaults(func=_export)
+
+    imp = sub.add_parser(
+        "import", help="upload a PEFT adapter directory to a running server as a loadable checkpoint",
+        description="Upload an adapter directory (adapter_config.json + adapter_model.safetensors, e.g. from "
+                    "peft's save_pretrained or from `hosted-tinker export`). Prints its tinker:// path, for "
+                    "ServiceClient.create_training_client_from_state.")
+    imp.add_argument("adapter_dir", type=Path)
+    imp.add_argument("--name", required=True, help="checkpoint name (letters, digits, '.', '_', '-')")
+    imp.add_argument("--run-id", help="put it in this training run (yours, or a new id); default: a new run")
+    imp.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
+    _add_remote(imp)
+    imp.set_defaults(func=_import)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,209 @@
+"""`hosted-tinker export` and `hosted-tinker import`: checkpoints out and in as plain files.
+
+Export, from a running server (`--base-url`/`$TINKER_BASE_URL` and `--api-key`/`$TINKER_API_KEY`;
+the caller's own or published checkpoints) or straight from a server's `--data-dir` (the server
+may be running or not):
+
+    hosted-tinker export tinker://RUN/weights/NAME --out DIR            # PEFT adapter directory
+    hosted-tinker export tinker://RUN/weights/NAME --out DIR --merged   # full model, LoRA merged in
+
+Import, into a running server (the adapter is checked against the served model first):
+
+    hosted-tinker import DIR --name NAME                                # prints tinker://import-.../weights/NAME
+
+An exported adapter directory holds `adapter_config.json` + `adapter_model.safetensors` (load it
+with `peft.PeftModel.from_pretrained`), plus `manifest.json` and, for training state,
+`optimizer.safetensors`; importing it elsewhere keeps the optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from .checkpoint_admin import CHECKPOINT_FILES, checkpoint_files, extract_checkpoint_tar
+from .runtime.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, CheckpointError, read_checkpoint
+
+TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+
+class ExportError(RuntimeError):
+    """A user-facing failure of export or import (printed without a traceback)."""
+
+
+def _parse(tinker_path: str) -> tuple[str, str, str]:
+    if not tinker_path.startswith("tinker://"):
+        raise ExportError(f"invalid checkpoint path {tinker_path!r}: expected tinker://<run>/<kind>/<name>")
+    parts = tinker_path[len("tinker://"):].split("/")
+    if len(parts) != 3 or not all(parts) or ".." in tinker_path:
+        raise ExportError(f"invalid checkpoint path {tinker_path!r}: expected tinker://<run>/<kind>/<name>")
+    return parts[0], parts[1], parts[2]
+
+
+def _remote(base_url: str | None, api_key: str | None) -> tuple[str, dict]:
+    base_url = base_url or os.environ.get("TINKER_BASE_URL")
+    api_key = api_key or os.environ.get("TINKER_API_KEY")
+    if not base_url:
+        raise ExportError("no server given: pass --base-url (or set TINKER_BASE_URL), or --data-dir to read a "
+                          "server's data directory directly")
+    if not api_key:
+        raise ExportError("no API key: pass --api-key or set TINKER_API_KEY")
+    return base_url.rstrip("/"), {"X-API-Key": api_key}
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        return str(r.json().get("detail", r.text))
+    except ValueError:
+        return r.text or r.reason_phrase
+
+
+def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: str | None) -> None:
+    run, kind, name = _parse(tinker_path)
+    url, headers = _remote(base_url, api_key)
+    archive = dest / ".download.tar"
+    with httpx.Client(timeout=TIMEOUT) as http:
+        with http.stream("GET", f"{url}/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/archive",
+                         headers=headers) as r:
+            if r.status_code != 200:
+                r.read()
+                raise ExportError(f"{tinker_path}: the server answered {r.status_code}: {_detail(r)}")
+            with open(archive, "wb") as f:
+                for block in r.iter_bytes(1 << 20):
+                    f.write(block)
+    try:
+        extract_checkpoint_tar(archive, dest)
+    finally:
+        archive.unlink()
+
+
+def _fetch_local(tinker_path: str, dest: Path, data_dir: Path) -> None:
+    run, kind, name = _parse(tinker_path)
+    db = data_dir / "hosted_tinker.sqlite3"
+    if not db.is_file():
+        raise ExportError(f"{data_dir} is not a hosted-tinker data directory (no {db.name})")
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        conn.row_factory = sqlite3.Row
+        row = conn.execute("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?",
+                           (run, f"{kind}/{name}")).fetchone()
+    if row is None or (row["expires_at"] is not None and row["expires_at"] <= time.time()):
+        raise ExportError(f"checkpoint {tinker_path} not found in {data_dir}")
+    src = data_dir / "checkpoints" / run / kind / name
+    src = src if src.is_dir() else Path(row["dir"])
+    for attempt in range(3):  # a save may replace the directory while we copy: verify, retry
+        for f in dest.iterdir():
+            f.unlink()
+        try:
+            for f in checkpoint_files(src):
+                if f.name in CHECKPOINT_FILES:
+                    shutil.copyfile(f, dest / f.name)
+            read_checkpoint(dest, with_optimizer=False)  # verifies the manifest checksums
+            return
+        except (OSError, CheckpointError) as e:
+            if attempt == 2:
+                raise ExportError(f"cannot copy {tinker_path} out of {data_dir}: {e}") from None
+            time.sleep(0.2)
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise ExportError(f"{out} exists and is not empty (use --force to replace its contents)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = None, base_url: str | None = None,
+                      api_key: str | None = None, merged: bool = False, base_model: str | None = None,
+                      dtype: str = "float32", force: bool = False) -> Path:
+    """Write the checkpoint's adapter directory (or, `merged`, the full merged model) into `out`."""
+    out = Path(out)
+    _prepare_out(out, force)
+    target = Path(tempfile.mkdtemp(prefix="adapter-", dir=out.parent)) if merged else out
+    try:
+        if data_dir is not None:
+            _fetch_local(tinker_path, target, Path(data_dir))
+        else:
+            _fetch_remote(tinker_path, target, base_url, api_key)
+        if not (target / ADAPTER_CONFIG).is_file() or not (target / ADAPTER_WEIGHTS).is_file():
+            raise ExportError(f"{tinker_path} holds no LoRA adapter")
+        if merged:
+            manifest = json.loads((target / MANIFEST).read_text()) if (target / MANIFEST).is_file() else {}
+            name = base_model or manifest.get("base_model") or json.loads(
+                (target / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+            if not name:
+                raise ExportError("the checkpoint does not name its base model; pass --base-model")
+            merge_adapter(target, out, base_model=name, model_dir=Path(data_dir) if data_dir else None, dtype=dtype)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # it was empty before: leave no half export
+        raise
+    finally:
+        if merged:
+            shutil.rmtree(target, ignore_errors=True)
+    return out
+
+
+def merge_adapter(adapter_dir: Path, out: Path, *, base_model: str, model_dir: Path | None,
+                  dtype: str = "float32") -> None:
+    """Load the base model like the server does, merge the LoRA weights in, save safetensors."""
+    import torch
+    from peft import PeftModel
+
+    from .model_loading import load_base_model, pick_dtype
+
+    device = torch.device("cpu")
+    with tempfile.TemporaryDirectory() as scratch:
+        model, tokenizer = load_base_model(base_model, model_dir or Path(scratch), device, pick_dtype(dtype, device))
+        adapted = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("target_modules") or []
+        out_emb = model.get_output_embeddings()
+        if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in adapted and out_emb is not None:
+            # A LoRA on a tied lm_head must not leak into the input embeddings: untie first.
+            out_emb.weight = torch.nn.Parameter(out_emb.weight.detach().clone())
+            model.config.tie_word_embeddings = False
+        merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+        merged.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+
+
+def _tar_dir(src: Path, archive: Path) -> list[str]:
+    import tarfile
+
+    names = [n for n in CHECKPOINT_FILES if (src / n).is_file()]
+    if ADAPTER_CONFIG not in names or ADAPTER_WEIGHTS not in names:
+        if (src / "adapter_model.bin").is_file():
+            raise ExportError(f"{src} holds adapter_model.bin (pickle); save the adapter with safetensors")
+        raise ExportError(f"{src} is not an adapter directory: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+    with tarfile.open(archive, "w") as tar:
+        for n in names:
+            tar.add(src / n, arcname=n, recursive=False)
+    return names
+
+
+def import_adapter(src: Path, *, name: str, base_url: str | None = None, api_key: str | None = None,
+                   training_run_id: str | None = None, overwrite: bool = False) -> dict:
+    """Upload an adapter directory to a running server; return its answer (with `tinker_path`)."""
+    url, headers = _remote(base_url, api_key)
+    src = Path(src)
+    if not src.is_dir():
+        raise ExportError(f"{src} is not a directory")
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "adapter.tar"
+        _tar_dir(src, archive)
+        params: dict[str, str] = {"name": name}
+        if training_run_id:
+            params["training_run_id"] = training_run_id
+        if overwrite:
+            params["overwrite"] = "true"
+        with open(archive, "rb") as f, httpx.Client(timeout=TIMEOUT) as http:
+            r = http.post(f"{url}/api/v1/checkpoints/import", params=params, content=f,
+                          headers={**headers, "Content-Type": "application/x-tar"})
+    if r.status_code != 200:
+        raise ExportError(f"the server refused the import ({r.status_code}): {_detail(r)}")
+    return r.json()
