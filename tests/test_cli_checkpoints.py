@@ -25,7 +25,7 @@ TINKER = str(Path(sys.executable).with_name("tinker"))
 
 def run_cli(server, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0",
-           "HOME": str(tmp_path)}  # no ~/.tinker credentials from the machine
+           "HOME": str(tmp_path), "COLUMNS": "250"}  # no ~/.tinker credentials; no cut table cells
     out = subprocess.run([TINKER, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, f"tinker {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
     return out

@@ -309,3 +309,12 @@ def test_bad_identifiers_are_clear_400s(server, world, method, path, needle):
 def test_bad_tinker_paths(world, tinker_path, needle):
     with pytest.raises(tinker.BadRequestError, match=needle):
         world["alice"].get_weights_info_by_tinker_path(tinker_path).result()
+
+
+def test_wrong_kind_for_load_is_a_clear_400(world):
+    sc = world["sc"]
+    with pytest.raises(tinker.BadRequestError, match="with optimizer"):
+        sc.create_training_client_from_state_with_optimizer(world["smp"]).result()
+    external = world["tc"].save_weights_external("not-loadable").result().path
+    with pytest.raises(tinker.BadRequestError, match="cannot load"):
+        sc.create_training_client_from_state(external).result()

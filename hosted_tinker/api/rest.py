@@ -16,6 +16,7 @@ Beyond the SDK, two endpoints move files in and out without it:
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint_admin import (
@@ -257,7 +258,9 @@ def external_weights_urls(run_id: str, kind: str, name: str, request: Request,
     signer: UrlSigner = request.app.state.url_signer
     base = str(request.base_url).rstrip("/")
     urls = {}
-    for f in checkpoint_files(Path(row["dir"])):
+    with CHECKPOINT_LOCK:  # not in the middle of an overwrite's two renames
+        files = checkpoint_files(Path(row["dir"]))
+    for f in files:
         target = f"{run_id}/{kind}/{name}/{f.name}"
         urls[f.name] = (f"{base}/api/v1/signed_files/{target}?expires={expires}"
                         f"&signature={signer.signature(target, expires)}")
@@ -281,10 +284,20 @@ def signed_file(run_id: str, kind: str, name: str, filename: str, request: Reque
     row = server.store.get_checkpoint(run_id, checkpoint_id)
     if row is None or is_expired(row):
         raise HTTPException(404, f"checkpoint tinker://{run_id}/{checkpoint_id} no longer exists")
-    for f in checkpoint_files(Path(row["dir"])):
-        if f.name == filename:
-            return FileResponse(f, media_type="application/octet-stream", filename=filename)
-    raise HTTPException(404, f"checkpoint tinker://{run_id}/{checkpoint_id} has no file {filename!r}")
+    with CHECKPOINT_LOCK:  # open it while no overwrite is between its renames; then it reads to the end
+        found = [f for f in checkpoint_files(Path(row["dir"])) if f.name == filename]
+        if not found:
+            raise HTTPException(404, f"checkpoint tinker://{run_id}/{checkpoint_id} has no file {filename!r}")
+        handle = open(found[0], "rb")
+    size = os.fstat(handle.fileno()).st_size
+
+    def body():
+        with handle:
+            while block := handle.read(1 << 20):
+                yield block
+
+    return StreamingResponse(body(), media_type="application/octet-stream", headers={
+        "Content-Length": str(size), "Content-Disposition": f'attachment; filename="{filename}"'})
 
 
 @router.get(_ONE + "/archive")
@@ -307,12 +320,13 @@ class WeightsInfoBody(BaseModel):
 def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     run_id, kind, name = parse_tinker_path(body.tinker_path)
     row = _checkpoint(server, owner, run_id, kind, name, write=False)
-    try:
-        manifest = json.loads((Path(row["dir"]) / MANIFEST).read_text())
-        lora, base_model = manifest["lora_config"], manifest["base_model"]
-    except (OSError, ValueError, KeyError):  # a bare PEFT directory: its adapter_config says enough
-        peft_cfg = json.loads((Path(row["dir"]) / ADAPTER_CONFIG).read_text())
-        lora, base_model = {"rank": peft_cfg.get("r")}, server.config.base_model
+    with CHECKPOINT_LOCK:
+        try:
+            manifest = json.loads((Path(row["dir"]) / MANIFEST).read_text())
+            lora, base_model = manifest["lora_config"], manifest["base_model"]
+        except (OSError, ValueError, KeyError):  # a bare PEFT directory: its adapter_config says enough
+            peft_cfg = json.loads((Path(row["dir"]) / ADAPTER_CONFIG).read_text())
+            lora, base_model = {"rank": peft_cfg.get("r")}, server.config.base_model
     model = server.store.get_model(run_id)
     return {
         "base_model": base_model,
