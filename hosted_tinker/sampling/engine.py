@@ -48,6 +48,10 @@ class SampleJob:
     prompt_logprobs_last_n: int | None = None
     on_done: Callable[["SampleResult"], None] = lambda r: None
     on_error: Callable[[str], None] = lambda msg: None
+    # Streaming (optional): called on the cycle thread for every chosen token, before on_done, as
+    # on_token(index, token, logprob, topk_ids | None, topk_logprobs | None, stop_reason | None);
+    # stop_reason is set on a sequence's last token. None (the default) costs one check per token.
+    on_token: Callable[[int, int, float, list[int] | None, list[float] | None, str | None], None] | None = None
 
 
 @dataclass
@@ -252,6 +256,8 @@ class SamplingEngine:
                 row.stop_reason = "stop"
             elif len(row.tokens) >= job.max_tokens:
                 row.stop_reason = "length"
+            if job.on_token is not None:
+                _report_token(job, row)
             if row.stop_reason is None:
                 keep.append(r)
             else:
@@ -286,6 +292,16 @@ class SamplingEngine:
             except Exception as e:  # encoding the answer failed: the request fails, others go on
                 log.exception("delivering a sample result failed")
                 job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+
+
+def _report_token(job: SampleJob, row: _Row) -> None:
+    """Hand a streaming consumer the token just chosen; its failure never stops the batch."""
+    top = bool(job.topk_sample_logprobs)
+    try:
+        job.on_token(row.index, row.tokens[-1], row.logprobs[-1], row.topk_ids[-1] if top else None,
+                     row.topk_lps[-1] if top else None, row.stop_reason)
+    except Exception:
+        log.exception("a streaming on_token callback failed")
 
 
 def _segments(adapter_ids: list[str | None]) -> list[tuple[str | None, int, int]]:

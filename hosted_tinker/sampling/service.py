@@ -40,6 +40,14 @@ class SamplingService:
         self.engine.submit(job)
         self._wake()
 
+    def submit_job(self, job: SampleJob) -> None:
+        """Queue a job with the caller's own callbacks (on_done, on_error, on_token), left untouched.
+
+        They run on the cycle thread: keep them short and hand results to other threads.
+        """
+        self.engine.submit(job)
+        self._wake()
+
     def run_round(self) -> None:
         """Called on the cycle thread after each cycle's training work."""
         if not self.engine.has_work():
