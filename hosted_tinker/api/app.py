@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerConfig
 from ..server import Server
-from . import rest, sampling, service, training
+from . import openai_compat, rest, sampling, service, training
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
     app.include_router(service.router)
     app.include_router(training.router)
     app.include_router(sampling.router)
+    app.include_router(openai_compat.router)
     app.include_router(rest.router)
     return app
 
