@@ -324,7 +324,8 @@ def _row_seed(seed: int | None, index: int) -> int:
 def _pick(logits: torch.Tensor, job: SampleJob, generator: torch.Generator) -> int:
     if job.temperature <= 0.0:
         return int(torch.argmax(logits))
-    scaled = logits / job.temperature
+    # float64: a tiny temperature must sharpen the distribution, not overflow it to inf/NaN.
+    scaled = logits.double() / job.temperature
     if 0 < job.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, job.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, -math.inf)
