@@ -37,6 +37,7 @@ from ..checkpoint_admin import (
 from ..runtime.checkpoints import ADAPTER_CONFIG, MANIFEST, CheckpointError
 from ..server import Server
 from .deps import get_server, require_owner
+from .schemas import INT64_MAX
 from .training import check_name, parse_tinker_path
 
 router = APIRouter()
@@ -162,7 +163,7 @@ def run_json(server: Server, row, is_owner: bool) -> dict:
 # -- training runs ---------------------------------------------------------------------------------------
 
 @router.get("/api/v1/training_runs")
-def list_training_runs(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0),
+def list_training_runs(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
                        access_scope: str = "owned", project_id: str | None = None,
                        owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     rows, total = server.store.list_runs(owner, accessible=_check_scope(access_scope), project_id=project_id,
@@ -186,7 +187,7 @@ def list_run_checkpoints(run_id: str, owner: str = Depends(require_owner), serve
 
 
 @router.get("/api/v1/checkpoints")
-def list_user_checkpoints(limit: int = Query(100, ge=0, le=10000), offset: int = Query(0, ge=0),
+def list_user_checkpoints(limit: int = Query(100, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
                           owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     rows, total = server.store.owner_checkpoints(owner, limit, offset)
     return {"checkpoints": [checkpoint_json(r) for r in rows],

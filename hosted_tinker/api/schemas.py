@@ -1,18 +1,29 @@
 """Typed request bodies of the Tinker JSON endpoints (the SDK's `tinker.types`, server side).
 
 Unknown fields are ignored (newer SDKs add fields); wrong types and out-of-range values are a
-422 with pydantic's description of what is wrong.
+422 with pydantic's description of what is wrong. Every integer field must fit in a signed 64-bit
+integer, what SQLite and torch hold: JSON integers are unbounded, and a seq_id of 10**30 used to
+reach SQLite and come back as a 500 (OverflowError).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_int64(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"{value} does not fit in a signed 64-bit integer")
+        return value
 
 
 class ClientConfigRequest(Body):

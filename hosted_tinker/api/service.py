@@ -14,7 +14,9 @@ from pydantic import BaseModel
 from ..auth import redact
 from ..server import Server
 from .deps import get_server, require_owner
-from .schemas import ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest
+from .schemas import (
+    INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest,
+)
 
 router = APIRouter()
 
@@ -109,8 +111,8 @@ def _scope(access_scope: str) -> None:
 
 
 @router.get("/api/v1/sessions")
-def list_sessions(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0), access_scope: str = "owned",
-                  owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+def list_sessions(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
+                  access_scope: str = "owned", owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     """The caller's sessions, newest first (sessions are never shared, whatever the scope)."""
     _scope(access_scope)
     ids, _ = server.store.list_sessions(owner, limit, offset)

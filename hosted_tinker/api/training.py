@@ -16,7 +16,7 @@ from typing import Callable
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ..runtime.adapters import AdamParams, LoRAConfig
 from ..runtime.checkpoints import MANIFEST
@@ -28,7 +28,7 @@ from ..wire.codec import WireError, decode_forward_backward_request
 from ..worker import LoadSpec, SaveSpec
 from .deps import get_server, require_owner
 from .schemas import (
-    CreateModelRequest, LoadWeightsRequest, LoraConfigIn, ModelRef, OptimStepRequest,
+    Body, CreateModelRequest, LoadWeightsRequest, LoraConfigIn, ModelRef, OptimStepRequest,
     RetrieveFutureRequest, SaveWeightsForSamplerRequest, SaveWeightsRequest,
 )
 from .service import _owned_session
@@ -262,8 +262,7 @@ def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, owner: str = De
     return _submit(server, owner, body.model_id, body.seq_id, "save_weights_for_sampler", spec)
 
 
-class SaveWeightsExternalRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+class SaveWeightsExternalRequest(Body):
     model_id: str
     seq_id: int = Field(ge=1)
     path: str
