@@ -1,0 +1,456 @@
+"""Fuzzing a real server: schemathesis over its OpenAPI schema, and a protobuf fuzzer for
+`forward_backward`. Thousands of malformed requests; never a 5xx, every 4xx a JSON body with a
+non-empty "detail", and afterwards the server still trains exactly as it did before.
+
+Run with `pytest tests/test_fuzz.py -s` to see how many requests each fuzzer sent.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import time
+from collections import Counter
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import zstandard
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from helpers import BASE_MODEL, sft_batch
+from server_process import ServerProcess
+
+# The SDK's own encoder warns when a hostile float does not fit in float32; that is the point.
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")]
+schemathesis = pytest.importorskip("schemathesis")
+
+FUZZ_KEY = "tml-fuzz"  # the schemathesis fuzzer's key (it owns a few real objects, see `fuzz_world`)
+PB_KEY = "tml-fuzz-pb"  # the protobuf fuzzer's key; it owns one throwaway model
+OTHER_KEY = "tml-fuzz-bystander"  # owns a model the fuzzers name but may not touch
+ADAM = types.AdamParams(learning_rate=1e-2)
+# Per operation and generation mode; ~43 operations x (30 + 20) - the unsatisfiable ones >= 2,000.
+POSITIVE_EXAMPLES, NEGATIVE_EXAMPLES = 35, 25
+MIN_SCHEMA_REQUESTS, MIN_PROTO_REQUESTS = 2000, 1000
+REQUEST_TIMEOUT = 30.0  # a request slower than this is a hang
+# A fresh seed each run (a fuzzer should explore); FUZZ_SEED=<n> replays a run, whose seed is printed.
+SEED = int(os.environ.get("FUZZ_SEED") or random.randrange(2**32))
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    proc = ServerProcess(tmp_path_factory.mktemp("fuzz")).start()
+    yield proc
+    proc.stop()
+
+
+def train_fixed(srv, key: str, steps: int = 5) -> list[float]:
+    """A fresh model trained on one fixed batch; its loss after each step."""
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=key)
+    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
+    batch = sft_batch(4, seed=42)
+    losses = []
+    for _ in range(steps):
+        fb = tc.forward_backward(batch, "cross_entropy")
+        opt = tc.optim_step(ADAM)
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    losses.append(tc.forward(batch, "cross_entropy").result().metrics["loss:sum"])
+    return losses
+
+
+class Tally:
+    def __init__(self, name: str):
+        self.name = name
+        self.sent = 0
+        self.statuses: Counter = Counter()
+        self.failures: list[str] = []
+
+    def check(self, what: str, status: int, body: bytes, ctype: str, ok_statuses=()) -> None:
+        """No 5xx; a 4xx has a JSON {"detail": <non-empty>}."""
+        self.sent += 1
+        self.statuses[status] += 1
+        if status >= 500:
+            self.failures.append(f"{status} on {what}: {body[:300]!r}")
+        elif 400 <= status < 500:
+            try:
+                detail = json.loads(body).get("detail")
+            except (ValueError, AttributeError):
+                detail = None
+            if not detail:
+                self.failures.append(f"{status} without a JSON detail on {what}: {ctype} {body[:300]!r}")
+        elif ok_statuses and status not in ok_statuses:
+            self.failures.append(f"unexpected {status} on {what}: {body[:300]!r}")
+
+    def report(self) -> str:
+        return f"{self.name}: {self.sent} requests, statuses {dict(sorted(self.statuses.items()))}"
+
+
+@pytest.fixture(scope="module")
+def fuzz_world(srv):
+    """Real objects the fuzzers may aim at, so that some requests get past the 404s."""
+    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=FUZZ_KEY)
+    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
+    tc.forward_backward(sft_batch(2), "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    state = tc.save_state("fuzz-state").result().path
+    sampler_path = tc.save_weights_for_sampler("fuzz-sampler").result().path
+    sampler = sc.create_sampling_client(base_model=BASE_MODEL).result()
+    pb_tc = tinker.ServiceClient(base_url=srv.base_url, api_key=PB_KEY).create_lora_training_client(
+        base_model=BASE_MODEL, rank=2).result()
+    other = tinker.ServiceClient(base_url=srv.base_url, api_key=OTHER_KEY).create_lora_training_client(
+        base_model=BASE_MODEL, rank=2).result()
+    return {
+        "model_id": tc.model_id,
+        "session_id": tc.model_id.split(":")[0],
+        "sampling_session_id": sampler._sampling_session_id,
+        "paths": [state, sampler_path],
+        "pb_model_id": pb_tc.model_id,
+        "other_model_id": other.model_id,
+    }
+
+
+def test_fuzz_then_train(srv, fuzz_world):
+    reference = train_fixed(srv, "tml-fuzz-reference")
+    assert reference[-1] < reference[0], reference  # training works before the fuzzing
+
+    t0 = time.monotonic()
+    schema_tally = run_schemathesis(srv, fuzz_world)
+    t1 = time.monotonic()
+    proto_tally = run_protobuf_fuzzer(srv, fuzz_world)
+    t2 = time.monotonic()
+    print(f"\n[fuzz] seed {SEED} (FUZZ_SEED={SEED} replays this run)")
+    print(f"[fuzz] {schema_tally.report()} in {t1 - t0:.0f}s")
+    print(f"[fuzz] {proto_tally.report()} in {t2 - t1:.0f}s")
+    print(f"[fuzz] total {schema_tally.sent + proto_tally.sent} requests")
+
+    assert srv.proc.poll() is None, srv.log()
+    assert httpx.get(f"{srv.base_url}/api/v1/healthz", timeout=10).json() == {"status": "ok"}
+    failures = schema_tally.failures + proto_tally.failures
+    assert not failures, f"{len(failures)} bad answers, e.g.:\n" + "\n".join(failures[:15])
+    assert schema_tally.sent >= MIN_SCHEMA_REQUESTS
+    assert proto_tally.sent >= MIN_PROTO_REQUESTS
+
+    # The server still trains, and exactly as before.
+    after = train_fixed(srv, "tml-fuzz-after")
+    assert after[-1] < after[0], after
+    assert after == reference
+    assert srv.proc.poll() is None
+
+
+# -- schemathesis ------------------------------------------------------------------------------------
+
+# Long-polls or streams by design; sent with arguments that make them answer at once (see below).
+LONG_POLL = "/api/v1/retrieve_future"
+# Routes whose body the schema leaves open (they parse the request themselves): given a loose
+# JSON body here so that schemathesis sends something at all.
+LOOSE_BODIES = {
+    ("post", "/v1/completions"): {"type": "object", "properties": {
+        "model": {"type": "string"}, "prompt": {}, "max_tokens": {"type": "integer", "maximum": 16},
+        "n": {"type": "integer", "maximum": 3}, "stream": {"type": "boolean"}, "logprobs": {},
+        "temperature": {}, "stop": {}, "echo": {}, "seed": {}}},
+    ("post", "/v1/chat/completions"): {"type": "object", "properties": {
+        "model": {"type": "string"}, "messages": {"type": "array"}, "max_tokens": {"type": "integer", "maximum": 16},
+        "max_completion_tokens": {}, "n": {"type": "integer", "maximum": 3}, "stream": {"type": "boolean"},
+        "logprobs": {}, "top_logprobs": {}, "temperature": {}, "stop": {}}},
+    ("post", "/api/v1/telemetry"): {},
+}
+
+
+def _patched_schema(srv) -> dict:
+    raw = httpx.get(f"{srv.base_url}/openapi.json", timeout=30).json()
+    for (method, path), body_schema in LOOSE_BODIES.items():
+        op = raw["paths"][path][method]
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body_schema}}}
+    return raw
+
+
+def _aim(case, world: dict, aim: int) -> None:
+    """Point a generated case at real objects (aim 0-3) or leave it random (4-9)."""
+    if case.path == LONG_POLL:
+        if isinstance(case.body, dict) and isinstance(case.body.get("request_id"), str):
+            case.body["request_id"] = "req-unknown-" + case.body["request_id"]  # 404 at once
+        return
+    if aim > 3 or case.method.upper() == "DELETE" or case.path == "/api/v1/unload_model":
+        return
+    model = world["model_id"]
+    real = {"model_id": model, "session_id": world["session_id"], "run_id": model,
+            "training_run_id": model, "sampling_session_id": world["sampling_session_id"],
+            "sampler_id": world["sampling_session_id"], "model": world["paths"][1],
+            "path": world["paths"][aim % 2], "model_path": world["paths"][1],
+            "tinker_path": world["paths"][aim % 2]}
+    if aim == 3:  # real objects, but another tenant's: must be 404s
+        real.update(model_id=world["other_model_id"], run_id=world["other_model_id"])
+    if isinstance(case.body, dict):
+        for k in case.body:
+            if k in real and isinstance(case.body[k], str):
+                case.body[k] = real[k]
+    if case.path_parameters:
+        for k in case.path_parameters:
+            if k in real:
+                case.path_parameters[k] = real[k]
+
+
+def run_schemathesis(srv, world: dict) -> Tally:
+    import requests
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+
+    tally = Tally("schemathesis")
+    schema = schemathesis.openapi.from_dict(_patched_schema(srv))
+    operations = [r.ok() for r in schema.get_all_operations()]
+    assert len(operations) >= 30
+    session = requests.Session()
+    keys = st.sampled_from([FUZZ_KEY] * 8 + [None, "tml-", "not-a-tinker-key"])
+
+    def send(case, key, aim):
+        _aim(case, world, aim)
+        headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "x-api-key"}
+        if key is not None:
+            headers["X-API-Key"] = key
+        case.headers = headers
+        what = f"{case.method} {case.formatted_path} key={key!r} body={str(case.body)[:200]}"
+        try:
+            r = case.call(base_url=srv.base_url, session=session, timeout=REQUEST_TIMEOUT)
+        except Exception as e:  # a hang or a dropped connection
+            tally.sent += 1
+            tally.failures.append(f"{type(e).__name__} on {what}: {e}")
+            return
+        tally.check(what, r.status_code, r.content, r.headers.get("content-type", ""))
+        try:
+            case.validate_response(r, checks=[not_a_server_error])
+        except BaseException as e:  # schemathesis' FailureGroup is a BaseExceptionGroup
+            if not isinstance(e, (Exception, BaseExceptionGroup)):
+                raise
+            tally.failures.append(f"not_a_server_error on {what}: {str(e)[:300]}")
+
+    for op in operations:
+        for mode, n in ((GenerationMode.POSITIVE, POSITIVE_EXAMPLES), (GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES)):
+            @settings(max_examples=n, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+            @seed(SEED)
+            @given(case=op.as_strategy(generation_mode=mode), key=keys, aim=st.integers(0, 9))
+            def fuzz(case, key, aim):
+                send(case, key, aim)
+
+            try:
+                fuzz()
+            except Unsatisfiable:  # nothing about this operation can be made invalid
+                pass
+    return tally
+
+
+# -- protobuf fuzzer for forward_backward ------------------------------------------------------------
+
+LOSS_NAMES = ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce",
+              "custom", "", "CROSS_ENTROPY", "cross_entropy\x00"]
+INPUT_NAMES = ["target_tokens", "weights", "logprobs", "advantages", "mask", ""]
+CONFIG_KEYS = ["clip_low_threshold", "clip_high_threshold", "beta", "", "eps"]
+I32 = st.integers(-(2**31), 2**31 - 1)
+I64 = st.integers(-(2**63), 2**63 - 1)
+TOKENS = st.one_of(st.integers(0, 999), st.integers(-5, 2000), I32)
+FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@st.composite
+def tensors(draw, n_hint: int) -> pb.Tensor:
+    t = pb.Tensor()
+    t.dtype = draw(st.sampled_from([pb.DTYPE_FLOAT32, pb.DTYPE_INT64, pb.DTYPE_INT32, pb.DTYPE_BFLOAT16,
+                                     pb.DTYPE_UNSPECIFIED, 1, 2, 99]))
+    np_dtype = np.int64 if t.dtype == pb.DTYPE_INT64 else np.float32
+    shape_kind = draw(st.sampled_from(["none", "n", "other", "2d", "huge"]))
+    n = draw(st.sampled_from([n_hint, n_hint, max(0, n_hint - 1), n_hint + 1, 0]))
+    if shape_kind == "n":
+        t.shape.extend([n])
+    elif shape_kind == "other":
+        t.shape.extend(draw(st.lists(st.integers(-3, 50), max_size=4)))
+    elif shape_kind == "2d":
+        t.shape.extend([draw(st.integers(0, 4)), draw(st.integers(0, 8))])
+    elif shape_kind == "huge":
+        t.shape.extend(draw(st.lists(st.sampled_from([0, 1, 2**31, 2**40, 2**62, 2**63 - 1, -1]),
+                                     min_size=1, max_size=40)))
+    if draw(st.integers(0, 4)) == 0:  # sparse CSR, often garbage
+        csr = t.sparse_csr
+        nnz = draw(st.integers(0, 6))
+        csr.values = np.asarray(draw(st.lists(FLOATS if np_dtype is np.float32 else I64, min_size=nnz,
+                                              max_size=nnz)), np_dtype).tobytes() + draw(st.binary(max_size=3))
+        csr.crow_indices = np.asarray(draw(st.lists(st.integers(-2, 8), max_size=6)), np.int64).tobytes()
+        csr.col_indices = np.asarray(draw(st.lists(st.sampled_from([-1, 0, 1, 2, 7, 2**62]), min_size=nnz,
+                                                   max_size=nnz + 1)), np.int64).tobytes()
+    elif draw(st.booleans()):
+        values = draw(st.lists(FLOATS if np_dtype is np.float32 else st.one_of(TOKENS, I64),
+                               min_size=n, max_size=n))
+        t.dense = np.asarray(values, np_dtype).tobytes() if values else b""
+    else:
+        t.dense = draw(st.binary(max_size=64))
+    return t
+
+
+@st.composite
+def datums(draw) -> pb.Datum:
+    d = pb.Datum()
+    n_tokens = 0
+    for _ in range(draw(st.integers(0, 3))):
+        chunk = d.model_input.add()
+        kind = draw(st.sampled_from(["text", "text", "text", "image", "dmel", "empty"]))
+        if kind == "text":
+            toks = draw(st.lists(TOKENS, max_size=24))
+            n_tokens += len(toks)
+            raw = np.asarray(toks, np.int32).tobytes() if toks else b""
+            chunk.encoded_text.tokens = raw + draw(st.sampled_from([b"", b"", b"\x01", b"\x00\x00"]))
+        elif kind == "image":
+            chunk.image.data = draw(st.binary(max_size=32))
+            chunk.image.format = draw(st.sampled_from(["png", "jpeg", "", "gif"]))
+            if draw(st.booleans()):
+                chunk.image.expected_tokens = draw(I32)
+        elif kind == "dmel":
+            chunk.dmel.dmel = draw(st.binary(max_size=32))
+        else:
+            chunk.SetInParent()
+    names = draw(st.lists(st.sampled_from(INPUT_NAMES) | st.text(max_size=8), max_size=5, unique=True))
+    for name in names:
+        d.loss_fn_inputs[name].CopyFrom(draw(tensors(n_tokens)))
+    if draw(st.integers(0, 5)) == 0:
+        span = d.model_input_spans.add()
+        span.prompt_tokens.sequence_id = draw(st.text(max_size=5))
+        span.prompt_tokens.offset = draw(I64)
+        span.prompt_tokens.length = draw(I64)
+    return d
+
+
+@st.composite
+def hostile_requests(draw, world: dict) -> bytes:
+    msg = pb.ForwardBackwardRequest()
+    msg.model_id = draw(st.sampled_from([world["pb_model_id"]] * 3 + [world["other_model_id"], world["model_id"],
+                                         "", "sess-x:train:0"]) | st.text(max_size=20))
+    msg.seq_id = draw(st.one_of(st.integers(-3, 200), I32))
+    msg.loss_fn = draw(st.sampled_from(LOSS_NAMES) | st.text(max_size=10))
+    msg.forward_only = draw(st.booleans())
+    for key in draw(st.lists(st.sampled_from(CONFIG_KEYS) | st.text(max_size=6), max_size=3, unique=True)):
+        how = draw(st.integers(0, 2))
+        if how == 0:
+            msg.loss_fn_config[key] = draw(st.floats(allow_nan=True, allow_infinity=True))
+        elif how == 1:
+            msg.loss_fn_config_v2[key].number = draw(st.floats(allow_nan=True, allow_infinity=True))
+        else:
+            msg.loss_fn_config_v2[key].text = draw(st.text(max_size=6))
+    if draw(st.integers(0, 9)) == 0:
+        msg.loss_fn_config_v2[draw(st.text(max_size=4))].SetInParent()  # neither number nor text
+    for d in draw(st.lists(datums(), max_size=4)):
+        msg.data.add().CopyFrom(d)
+    return msg.SerializeToString()
+
+
+@st.composite
+def sdk_requests(draw, world: dict) -> bytes:
+    """What the SDK itself would send (often valid), via its own encoder."""
+    n = draw(st.sampled_from([0, 1, 1, 2, 3]))
+    data = []
+    for _ in range(n):
+        length = draw(st.integers(1, 12))
+        hi = draw(st.sampled_from([999, 999, 999, 1100]))  # mostly inside the vocabulary
+        toks = draw(st.lists(st.integers(0, hi), min_size=length + 1, max_size=length + 1))
+        loss_fn_inputs = {"target_tokens": toks[1:], "weights": draw(
+            st.lists(st.floats(-2, 2), min_size=length, max_size=length))}
+        if draw(st.booleans()):
+            loss_fn_inputs["logprobs"] = [-1.0] * length
+            loss_fn_inputs["advantages"] = draw(st.lists(st.floats(allow_nan=True), min_size=length,
+                                                         max_size=length))
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs=loss_fn_inputs))
+    loss = draw(st.sampled_from(["cross_entropy", "importance_sampling", "ppo", "dro"]))
+    config = draw(st.sampled_from([None, {"beta": 0.1}, {"clip_low_threshold": 1.5, "clip_high_threshold": 1.2},
+                                   {"beta": float("nan")}, {"beta": "x"}]))
+    req = types.ForwardBackwardRequest(
+        model_id=draw(st.sampled_from([world["pb_model_id"], world["other_model_id"]])),
+        seq_id=draw(st.integers(-1, 400)),
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss, loss_fn_config=config))
+    return forward_backward_request_to_proto(req).SerializeToString()
+
+
+@st.composite
+def mutated(draw, world: dict) -> bytes:
+    body = bytearray(draw(sdk_requests(world)))
+    for _ in range(draw(st.integers(1, 6))):
+        op = draw(st.integers(0, 3))
+        pos = draw(st.integers(0, len(body)))
+        if op == 0 and pos < len(body):
+            body[pos] ^= 1 << draw(st.integers(0, 7))
+        elif op == 1:
+            body[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif op == 2:
+            del body[pos:pos + draw(st.integers(1, 8))]
+        else:
+            body = body[:pos]
+    return bytes(body)
+
+
+def _encodings(body: bytes, how: str) -> tuple[bytes, dict]:
+    if how == "zstd":
+        return zstandard.ZstdCompressor().compress(body), {"Content-Encoding": "zstd"}
+    if how == "gzip":
+        return gzip.compress(body), {"Content-Encoding": "gzip"}
+    if how == "zstd-truncated":
+        z = zstandard.ZstdCompressor().compress(body)
+        return z[:max(1, len(z) // 2)], {"Content-Encoding": "zstd"}
+    if how == "gzip-trailing":
+        return gzip.compress(body) + b"junk", {"Content-Encoding": "gzip"}
+    if how == "claims-zstd":
+        return body, {"Content-Encoding": "zstd"}
+    if how == "claims-gzip":
+        return body, {"Content-Encoding": "gzip"}
+    if how == "br":
+        return body, {"Content-Encoding": "br"}
+    if how == "zstd-bomb":  # small on the wire, large once decompressed
+        return zstandard.ZstdCompressor(level=19).compress(b"\x0a" * (64 << 20)), {"Content-Encoding": "zstd"}
+    return body, {}
+
+
+def run_protobuf_fuzzer(srv, world: dict) -> Tally:
+    tally = Tally("protobuf forward_backward")
+    client = httpx.Client(base_url=srv.base_url, timeout=REQUEST_TIMEOUT)
+    url = "/api/v1/forward_backward"
+    bodies = st.one_of(hostile_requests(world), hostile_requests(world), sdk_requests(world),
+                       mutated(world), st.binary(max_size=256))
+    encodings = st.sampled_from(["identity"] * 10 + ["zstd", "zstd", "gzip", "gzip", "zstd-truncated",
+                                                     "gzip-trailing", "claims-zstd", "claims-gzip", "br"])
+    ctypes = st.sampled_from(["application/x-protobuf"] * 12 + ["application/json", "", "application/protobuf"])
+    keys = st.sampled_from([PB_KEY] * 12 + [OTHER_KEY, None])
+
+    @settings(max_examples=1100, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+    @seed(SEED)
+    @given(body=bodies, how=encodings, ctype=ctypes, key=keys)
+    def fuzz(body, how, ctype, key):
+        wire, headers = _encodings(body, how)
+        if ctype:
+            headers["Content-Type"] = ctype
+        if key:
+            headers["X-API-Key"] = key
+        what = f"forward_backward ({how}, {ctype!r}, key={key!r}, {len(body)} bytes) {body[:120]!r}"
+        try:
+            r = client.post(url, content=wire, headers=headers)
+        except httpx.HTTPError as e:
+            tally.sent += 1
+            tally.failures.append(f"{type(e).__name__} on {what}: {e}")
+            return
+        tally.check(what, r.status_code, r.content, r.headers.get("content-type", ""), ok_statuses=(200,))
+        if r.status_code == 200 and "request_id" not in r.json():
+            tally.failures.append(f"200 without a request_id on {what}: {r.text[:200]}")
+
+    fuzz()
+    # A decompression bomb, once per encoding that can carry one.
+    for how in ("zstd-bomb",):
+        wire, headers = _encodings(b"", how)
+        r = client.post(url, content=wire, headers={**headers, "Content-Type": "application/x-protobuf",
+                                                    "X-API-Key": PB_KEY})
+        tally.check("zstd bomb", r.status_code, r.content, r.headers.get("content-type", ""), ok_statuses=(200,))
+    client.close()
+    return tally
