@@ -19,8 +19,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
+    # Our own access log (api/app.py) carries request ids; uvicorn's would duplicate it.
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=60)
+                timeout_graceful_shutdown=60, access_log=False)
     return 0
 
 

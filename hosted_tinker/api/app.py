@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,10 @@ from . import openai_compat, rest, sampling, service, training
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
+access = logging.getLogger("hosted_tinker.access")
+# Polled or background routes: logged only at debug level unless they fail.
+QUIET_ROUTES = {"/api/v1/retrieve_future", "/api/v1/session_heartbeat", "/api/v1/telemetry", "/api/v1/healthz",
+                "/metrics"}
 
 
 def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
@@ -44,12 +49,18 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
     app.state.metrics = Metrics()
 
     @app.middleware("http")
-    async def count_requests(request: Request, call_next):
+    async def access_log(request: Request, call_next):
+        """One structured line per request, with a request id echoed as X-Request-ID."""
         start = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         response = await call_next(request)
-        route = request.scope.get("route")
-        app.state.metrics.observe_request(getattr(route, "path", "unmatched"), response.status_code,
-                                          time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        path = getattr(request.scope.get("route"), "path", "unmatched")
+        app.state.metrics.observe_request(path, response.status_code, elapsed)
+        response.headers["X-Request-ID"] = request_id
+        level = logging.DEBUG if path in QUIET_ROUTES and response.status_code < 400 else logging.INFO
+        access.log(level, "request_id=%s method=%s route=%s status=%d ms=%.1f", request_id, request.method,
+                   path, response.status_code, elapsed * 1000)
         return response
 
     @app.exception_handler(StarletteHTTPException)
