@@ -73,7 +73,8 @@ class Server:
         self.snapshots = SnapshotCache(self.runtime.layers, device, capacity=config.max_sampler_snapshots)
         self.sampler = SamplingService(engine, self.snapshots, self.futures,
                                        wake=lambda: self.scheduler.wake(),
-                                       training_waiting=lambda: self.scheduler.has_training_work())
+                                       training_waiting=lambda: self.scheduler.has_training_work(),
+                                       last_cycle_seconds=lambda: self.scheduler.last_cycle_seconds)
         self.worker = TrainingWorker(self.runtime, self.futures, self.store, data_dir / "checkpoints", self.sampler)
         self.scheduler = ClockCycleScheduler(self.worker.run_cycle, gap_timeout_s=config.gap_timeout_s,
                                              side_work=self.sampler.has_work,

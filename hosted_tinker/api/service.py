@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
@@ -22,7 +23,9 @@ router = APIRouter()
 
 # Sessions created per client idempotency key: the SDK's transport layer retries
 # create_session with the same X-Idempotency-Key, which must not make a second session.
-_session_by_idempotency_key: dict[str, str] = {}
+# Bounded: retries come within minutes, so the most recent keys are all that matter.
+_session_by_idempotency_key: OrderedDict[str, str] = OrderedDict()
+_MAX_IDEMPOTENCY_KEYS = 10_000
 
 
 @router.post("/api/v1/client/config")
@@ -70,6 +73,8 @@ def create_session(body: CreateSessionRequest, owner: str = Depends(require_owne
                                 body.project_id)
     if key:
         _session_by_idempotency_key[key] = session_id
+        while len(_session_by_idempotency_key) > _MAX_IDEMPOTENCY_KEYS:
+            _session_by_idempotency_key.popitem(last=False)
     return {"type": "create_session", "session_id": session_id}
 
 

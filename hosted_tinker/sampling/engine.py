@@ -132,18 +132,22 @@ class SamplingEngine:
 
     # -- the cycle thread -----------------------------------------------------------------------------
     def run(self, should_yield: Callable[[], bool], max_seconds: float = 0.5,
-            resolve_adapter: Callable[[SampleJob], str | None] = lambda j: j.adapter_id) -> None:
-        """Admit and decode until idle, until training is waiting, or for at most max_seconds.
+            resolve_adapter: Callable[[SampleJob], str | None] = lambda j: j.adapter_id,
+            min_seconds: float = 0.0) -> None:
+        """Admit and decode until idle or for at most max_seconds; once min_seconds have passed,
+        also stop as soon as training is waiting.
 
-        Always makes at least one round of progress, so sampling never starves.
+        Always makes at least one round of progress, so sampling never starves; `min_seconds`
+        is its guaranteed share of the device when training competes for it.
         """
-        deadline = time.perf_counter() + max_seconds
+        start = time.perf_counter()
         with torch.no_grad():
             while self.has_work():
                 self._admit(resolve_adapter)
                 for group in list(self._groups):
                     self._decode_step(group)
-                if should_yield() or time.perf_counter() > deadline:
+                elapsed = time.perf_counter() - start
+                if elapsed > max_seconds or (elapsed >= min_seconds and should_yield()):
                     return
 
     def _admit(self, resolve_adapter) -> None:

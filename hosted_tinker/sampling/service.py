@@ -23,13 +23,15 @@ log = logging.getLogger(__name__)
 
 class SamplingService:
     def __init__(self, engine: SamplingEngine, snapshots: SnapshotCache, futures: FutureStore,
-                 wake: Callable[[], None], training_waiting: Callable[[], bool], *, round_seconds: float = 0.25):
+                 wake: Callable[[], None], training_waiting: Callable[[], bool], *, round_seconds: float = 0.25,
+                 last_cycle_seconds: Callable[[], float] = lambda: 0.0):
         self.engine = engine
         self.snapshots = snapshots
         self.futures = futures
         self._wake = wake
         self._training_waiting = training_waiting
         self.round_seconds = round_seconds
+        self._last_cycle_seconds = last_cycle_seconds
 
     def has_work(self) -> bool:
         return self.engine.has_work()
@@ -59,7 +61,10 @@ class SamplingService:
                 return None
             return self.snapshots.ensure(Path(job.adapter_id), keep=active)
 
-        self.engine.run(self._training_waiting, self.round_seconds, resolve)
+        # When training waits, sampling still gets as long as the last training cycle took (capped
+        # by the round length): an even share of the device, so neither side stalls the other.
+        share = min(self._last_cycle_seconds(), self.round_seconds)
+        self.engine.run(self._training_waiting, max(self.round_seconds, share), resolve, min_seconds=share)
 
 
 def encode_result(result: SampleResult) -> bytes:
