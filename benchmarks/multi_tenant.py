@@ -1,0 +1,353 @@
+"""Multi-tenant training throughput: the fused scheduler vs tenant-after-tenant vs the ideal.
+
+N tenants (default 1, 2, 4, 8, 16), each with its own LoRA adapter (rank 16, every attention and
+MLP projection, PEFT's "all-linear": lm_head is not adapted), each sending 2 datums x 128 tokens
+of cross_entropy per step, on several model sizes. Per (size, N), in one run, interleaved:
+
+  (a) fused:  one ``TrainingRuntime.forward_backward([FBWork of every tenant])`` + each tenant's
+              ``optim_step`` -- what one clock cycle of the server does;
+  (b) serial: the same work tenant after tenant: per tenant one ``forward_backward`` + its
+              ``optim_step``;
+  (c) ideal:  a plain ``transformers`` model with ONE PEFT LoRA adapter of the same rank and
+              targets: one forward/backward over all N x 2 rows + one AdamW step. The compute
+              floor of the same token count (one adapter, one optimizer, no bookkeeping).
+
+and prints aggregate tokens/s of each, a/c (target >= 0.90) and a/b (target >= 1.00). Fusing
+can gain at most c/b over serial. A second table runs ONE tenant with a large batch (default
+16 x 128 tokens) through the multi-LoRA runtime and through the plain PEFT step: target ratio
+>= 0.90 (within 10%).
+
+Variants rotate order every round, each variant is warmed up first (on a GPU before every
+shape; on CPU once per size, at its largest N, which runs first so the heap has grown), and
+every figure is the median over the measured rounds (on CPU by default: tiny 5, small 3,
+medium 1 -- pass --repeats 3 or more for steadier medium numbers). torch runs 1 intra-op
+thread by default for every variant (--threads): on a shared 2-core box, 2 OpenMP threads
+made steps 20-60x slower whenever other jobs were running. 128-token rows are not padded by
+the runtime (its bucket widths are 16, 24, 32, 48, 64, 96, 128, ...).
+
+    .venv/bin/python benchmarks/multi_tenant.py [--sizes tiny,small,medium] \
+        [--tenants 1,2,4,8,16] [--repeats N] [--big-rows 16] [--threads 1]
+
+Sizes: tiny (the embedded model, hidden 64 x 2 layers), small (hidden 256 x 4), medium
+(hidden 512 x 8), 1b (hidden 2048 x 28, a Qwen3-1.7B-shaped body with the embedded 1k
+vocabulary; randomly initialised in memory, on by default only when a GPU is present).
+
+A benchmark, not a test: it asserts nothing about time and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from hosted_tinker.embedded_model import SPEC_PRESETS, TinyModelSpec, build_tiny_model  # noqa: E402
+from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
+from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
+from hosted_tinker.runtime.multi_lora import ATTN_TARGETS, MLP_TARGETS  # noqa: E402
+from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime  # noqa: E402
+
+RANK = 16
+ALPHA = 32.0
+LR = 1e-4
+TARGETS = list(ATTN_TARGETS + MLP_TARGETS)  # PEFT "all-linear" for a Qwen3 (no lm_head)
+
+SIZES: dict[str, TinyModelSpec] = {
+    "tiny": SPEC_PRESETS["tiny"],
+    "small": SPEC_PRESETS["small"],
+    "medium": SPEC_PRESETS["medium"],
+    # Qwen3-1.7B's body (28 x 2048, GQA 16/8, head_dim 128, MLP 6144), the embedded vocabulary.
+    "1b": TinyModelSpec(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                        intermediate_size=6144),
+}
+CPU_REPEATS = {"tiny": 5, "small": 3, "medium": 1, "1b": 1}
+LABELS = {"tiny": "tiny 64x2", "small": "256x4", "medium": "512x8", "1b": "2048x28 (1.4B)"}
+
+
+# ---- models ---------------------------------------------------------------------------------------
+def load_pair(size: str, tmp: Path, device: torch.device, dtype: torch.dtype):
+    """Two identical copies of the base model: one for the runtime, one for PEFT."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    spec = SIZES[size]
+    if size == "1b":
+        # Too big to write to disk and read back for a benchmark: same config as the builder
+        # would write (taken from the embedded model's), initialised in memory on the device.
+        src = build_tiny_model(tmp / "tiny-for-config", SIZES["tiny"])
+        config = AutoConfig.from_pretrained(src)
+        for k, v in dict(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                         max_window_layers=spec.num_layers).items():
+            setattr(config, k, v)
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            with torch.device(device):
+                models.append(AutoModelForCausalLM.from_config(config, dtype=dtype))
+        models[1].load_state_dict(models[0].state_dict())
+        return models[0], models[1]
+    src = build_tiny_model(tmp / size, spec)
+    # The server's loading path (AutoModelForCausalLM.from_pretrained), twice.
+    return tuple(AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device) for _ in range(2))
+
+
+def make_peft(model):
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                  target_modules=TARGETS, bias="none"))
+    peft_model.eval()  # same as the runtime: no dropout anywhere; gradients still flow
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    # Make B non-zero so the adapter path is a real one (as after a first step).
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1e-3)
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    return peft_model, opt
+
+
+# ---- data -----------------------------------------------------------------------------------------
+def tenant_rows(n_tenants: int, rows: int, seq_len: int, vocab: int, seed: int = 0) -> list[np.ndarray]:
+    """Per tenant, a [rows, seq_len + 1] array of token ids (input = [:-1], target = [1:])."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, (rows, seq_len + 1)) for _ in range(n_tenants)]
+
+
+def fb_work(model_id: str, seqs: np.ndarray) -> FBWork:
+    cfg = resolve_loss_config("cross_entropy", {})
+    data = [DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
+                      {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
+                       "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
+    return FBWork(model_id=model_id, data=data, loss_fn="cross_entropy", loss_config=cfg, forward_only=False)
+
+
+# ---- the three steps ------------------------------------------------------------------------------
+def cpu_stall_us() -> float | None:
+    """Linux PSI: total microseconds some runnable task waited for a CPU (None if unavailable)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return float(f.readline().split("total=")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def fused_step(runtime: TrainingRuntime, works: list[FBWork], adam: AdamParams) -> None:
+    runtime.forward_backward(works)
+    for w in works:
+        runtime.optim_step(w.model_id, adam)
+
+
+def serial_step(runtime: TrainingRuntime, works: list[FBWork], adam: AdamParams) -> None:
+    for w in works:
+        runtime.forward_backward([w])
+        runtime.optim_step(w.model_id, adam)
+
+
+def ideal_step(peft_model, opt, ids: torch.Tensor, targets: torch.Tensor) -> None:
+    logits = peft_model(input_ids=ids, use_cache=False).logits
+    vocab = logits.shape[-1]
+    lp = -F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), reduction="none")
+    loss = -lp.sum()  # cross_entropy with unit weights, a sum like Tinker's
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def measure(variants: dict, warmup: int, repeats: int, device) -> dict[str, list[float]]:
+    """Warm each variant up, then `repeats` rounds of one step each, order rotating per round."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            timed(fn, device)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    order = list(variants)
+    for _ in range(repeats):
+        for k in order:
+            times[k].append(timed(variants[k], device))
+        order.append(order.pop(0))
+    return times
+
+
+# ---- main -----------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated of tiny,small,medium,1b (default: tiny,small,medium, plus 1b "
+                         "when a GPU is present)")
+    ap.add_argument("--tenants", default="1,2,4,8,16", help="tenant counts (default 1,2,4,8,16)")
+    ap.add_argument("--rows", type=int, default=2, help="datums per tenant per step (default 2)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per datum (default 128)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="measured rounds per (size, N); default on CPU: tiny 5, small 3, medium 1 "
+                         "(to keep the default run near 4 minutes on a 2-core box), 1b 1; on a GPU 5")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="warm-up steps per variant (default 1): on a GPU before every shape, on CPU "
+                         "once per size, at the largest N (which is measured first)")
+    ap.add_argument("--big-rows", type=int, default=16,
+                    help="rows of the single-tenant large-batch table (default 16; 0 skips it)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads, the same for every variant (default 1: on a shared "
+                         "2-core box that other jobs also load, 2 OpenMP threads made steps 20-60x "
+                         "slower and erratic; raise it on an idle machine)")
+    ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    dtype = pick_dtype("auto", device)
+    sizes = (args.sizes.split(",") if args.sizes
+             else ["tiny", "small", "medium"] + (["1b"] if device.type == "cuda" else []))
+    for s in sizes:
+        if s not in SIZES:
+            ap.error(f"unknown size {s!r}; choose from {sorted(SIZES)}")
+    tenants = [int(x) for x in args.tenants.split(",")]
+    print(f"device {device} ({dtype}), torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} CPUs; LoRA rank {RANK} alpha {ALPHA:g} on {'/'.join(TARGETS)}; "
+          f"{args.rows} datums x {args.seq_len} tokens per tenant per step; cross_entropy; AdamW")
+    print(f"medians over rounds (rotating variant order), {args.warmup} warm-up step(s) per variant "
+          f"{'and shape' if device.type == 'cuda' else 'and size'}")
+
+    tmp = Path(tempfile.mkdtemp(prefix="ht-multi-tenant-"))
+    adam = AdamParams(learning_rate=LR)
+    results: list[tuple] = []
+    big_results: list[tuple] = []
+    t_start = time.perf_counter()
+    stall0 = cpu_stall_us()
+    for size in sizes:
+        t_size = time.perf_counter()
+        rt_model, peft_base = load_pair(size, tmp, device, dtype)
+        n_params = sum(p.numel() for p in rt_model.parameters())
+        runtime = TrainingRuntime(rt_model, size, device=device)
+        vocab = min(runtime.vocab_size, 1000)
+        lora = LoRAConfig(rank=RANK, alpha=ALPHA, train_unembed=False)
+        for t in range(max(tenants)):
+            adapter = runtime.create_adapter(f"tenant-{t}", dataclasses.replace(lora, seed=t))
+            with torch.no_grad():  # non-zero B, as after a first step
+                for w in adapter.weights.values():
+                    w.B.normal_(0, 1e-3)
+        peft_model, opt = make_peft(peft_base)
+        cpu = device.type == "cpu"
+        repeats = args.repeats or (CPU_REPEATS[size] if cpu else 5)
+        print(f"\n[{LABELS[size]}] {n_params / 1e6:.1f}M params; {repeats} rounds", flush=True)
+        all_rows = tenant_rows(max(tenants), args.rows, args.seq_len, vocab)
+        # Largest N first: on CPU the first step at the largest shape pays for growing the heap
+        # (page faults); warming up there once leaves every smaller shape warm as well.
+        for i, n in enumerate(sorted(tenants, reverse=True)):
+            warmup = args.warmup if (not cpu or i == 0) else 0
+            works = [fb_work(f"tenant-{t}", all_rows[t]) for t in range(n)]
+            flat = np.concatenate(all_rows[:n])
+            ids = torch.as_tensor(flat[:, :-1], device=device)
+            tgt = torch.as_tensor(flat[:, 1:], device=device)
+            times = measure({
+                "fused": lambda: fused_step(runtime, works, adam),
+                "serial": lambda: serial_step(runtime, works, adam),
+                "ideal": lambda: ideal_step(peft_model, opt, ids, tgt),
+            }, warmup, repeats, device)
+            tokens = n * args.rows * args.seq_len
+            tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+            results.append((size, n, tokens, tps))
+            print(f"  N={n:<3} fused {tps['fused']:>9.0f}  serial {tps['serial']:>9.0f}  ideal {tps['ideal']:>9.0f} "
+                  f"tok/s  a/c {tps['fused'] / tps['ideal']:.3f}  a/b {tps['fused'] / tps['serial']:.3f}", flush=True)
+        if args.big_rows:
+            seqs = tenant_rows(1, args.big_rows, args.seq_len, vocab, seed=1)[0]
+            works = [fb_work("tenant-0", seqs)]
+            ids = torch.as_tensor(seqs[:, :-1], device=device)
+            tgt = torch.as_tensor(seqs[:, 1:], device=device)
+            times = measure({
+                "runtime": lambda: fused_step(runtime, works, adam),
+                "peft": lambda: ideal_step(peft_model, opt, ids, tgt),
+            }, 0 if cpu else args.warmup, repeats, device)
+            tokens = args.big_rows * args.seq_len
+            med = {k: statistics.median(v) for k, v in times.items()}
+            big_results.append((size, tokens, med))
+            print(f"  1 tenant x {args.big_rows} rows: runtime {1000 * med['runtime']:.1f} ms, "
+                  f"PEFT {1000 * med['peft']:.1f} ms, ratio {med['peft'] / med['runtime']:.3f}", flush=True)
+        print(f"  ({time.perf_counter() - t_size:.0f}s)")
+        del runtime, rt_model, peft_model, peft_base, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    report(results, big_results, args)
+    wall = time.perf_counter() - t_start
+    stall1 = cpu_stall_us()
+    if stall0 is not None and stall1 is not None:
+        pressure = (stall1 - stall0) / 1e6 / wall
+        print(f"\nCPU pressure: {100 * pressure:.0f}% of the time some task waited for a CPU"
+              + (" -- the machine was busy with other work; ratios are noisier than on an idle box"
+                 if pressure > 0.25 else ""))
+    print(f"total {wall:.0f}s")
+    return 0
+
+
+def report(results, big_results, args) -> None:
+    sizes_order = list(SIZES)
+    print("\nTable 1: aggregate training tokens/s, N tenants x "
+          f"{args.rows} datums x {args.seq_len} tokens per step (medians)")
+    print("  (a) fused = one runtime.forward_backward over all tenants + each tenant's optim_step")
+    print("  (b) serial = per tenant: forward_backward + optim_step")
+    print("  (c) ideal = plain transformers + one PEFT adapter over all rows + one AdamW step")
+    hdr = (f"{'model':<16}{'N':>4}{'tokens':>8}{'(a) fused':>11}{'(b) serial':>12}{'(c) ideal':>11}"
+           f"{'a/c':>7}{'a/b':>7}{'c/b':>7}  targets (a/c>=0.90, a/b>=1.00)")
+    print(hdr)
+    print("-" * len(hdr))
+    missed = []
+    for size, n, tokens, tps in sorted(results, key=lambda r: (sizes_order.index(r[0]), r[1])):
+        ac, ab, cb = tps["fused"] / tps["ideal"], tps["fused"] / tps["serial"], tps["ideal"] / tps["serial"]
+        ok = ac >= 0.90 and ab >= 1.00
+        if not ok:
+            missed.append(f"{LABELS[size]} N={n}")
+        print(f"{LABELS[size]:<16}{n:>4}{tokens:>8}{tps['fused']:>11.0f}{tps['serial']:>12.0f}{tps['ideal']:>11.0f}"
+              f"{ac:>7.3f}{ab:>7.3f}{cb:>7.3f}  {'met' if ok else 'NOT MET'}")
+    print(f"target over the table: {'MET' if not missed else 'NOT MET (' + ', '.join(missed) + ')'}")
+    print("  c/b bounds what fusing can gain over serial; at N=1 (a) and (b) are the same work, so "
+          "a/b there shows the measurement noise")
+
+    if big_results:
+        print(f"\nTable 2: one tenant, {args.big_rows} x {args.seq_len} tokens: multi-LoRA runtime step "
+              "vs plain PEFT single-adapter step (median ms per fb + optim step)")
+        hdr = f"{'model':<16}{'tokens':>8}{'runtime ms':>12}{'PEFT ms':>10}{'PEFT/runtime':>14}  target (>= 0.90)"
+        print(hdr)
+        print("-" * len(hdr))
+        for size, tokens, med in big_results:
+            r = med["peft"] / med["runtime"]
+            print(f"{LABELS[size]:<16}{tokens:>8}{1000 * med['runtime']:>12.1f}{1000 * med['peft']:>10.1f}"
+                  f"{r:>14.3f}  {'met' if r >= 0.90 else 'NOT MET'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
