@@ -92,12 +92,15 @@ class MultiLoRALinear(nn.Module):
                 return result + self._delta(x, w)
         parts: list[torch.Tensor] = []
         any_adapter = False
-        for adapter_id, start, end in segments:
+        # One split, not a slice per segment: the backward of N slices would zero-fill and add
+        # N batch-sized gradients; a split stitches the pieces' gradients together once.
+        pieces = torch.split(x, [end - start for _, start, end in segments], dim=0)
+        for (adapter_id, start, end), piece in zip(segments, pieces):
             w = self.adapters.get(adapter_id) if adapter_id is not None else None
             if w is None:
                 parts.append(result.new_zeros((end - start,) + result.shape[1:]))
             else:
-                parts.append(self._delta(x[start:end], w))
+                parts.append(self._delta(piece, w))
                 any_adapter = True
         if not any_adapter:
             return result
