@@ -1,0 +1,281 @@
+"""Per-step overhead of the HTTP/SDK path versus the bare runtime.
+
+The same forward_backward + optim_step loop, on the same model and batch, run
+
+  (a) in-process: ``TrainingRuntime.forward_backward`` + ``optim_step`` called directly;
+  (b) through the real ``tinker`` SDK against a ``hosted_tinker serve`` process on loopback,
+      pipelined as the Tinker docs recommend (post fb, post optim, then wait on both);
+  (b') the same with a "naive" client that waits for fb before posting optim_step.
+
+Modes are interleaved step by step ((a), (b), (b'), then (b), (b'), (a), ...) after a warm-up
+of each, and never run concurrently: the server is idle while (a) runs, and (a)'s process is
+idle while (b) runs. Prints median / p90 step time of each, the median overhead (b - a) in ms
+(difference of medians, and median of the paired per-round differences, which is steadier
+on a busy machine), the ratio median(b) / median(a), and a server-side breakdown from
+/metrics (cycles per step, time in cycles, time outside cycles). Target (issue): overhead
+<= 10 ms per step at the median, ratio <= 1.10.
+
+    .venv/bin/python benchmarks/overhead.py [--steps 40] [--hidden 256] [--layers 4] \
+        [--batch 4] [--seq-len 96]
+
+A benchmark, not a test: it asserts nothing about time and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from hosted_tinker.embedded_model import TinyModelSpec, build_tiny_model  # noqa: E402
+from hosted_tinker.model_loading import load_base_model, pick_device, pick_dtype  # noqa: E402
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
+from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
+from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+API_KEY = "tml-bench"
+RANK = 32
+LR = 1e-4
+BUSY_PRESSURE = 0.25  # above this CPU pressure (PSI) other work distorted the timings
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """The unlabelled counters of /metrics plus per-route HTTP seconds."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        m = re.match(r'^(\w+)(\{[^}]*\})?\s+(\S+)$', line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def cpu_stall_us() -> float | None:
+    """Linux PSI: total microseconds some runnable task waited for a CPU (None if unavailable)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return float(f.readline().split("total=")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, seq_len + 1).tolist() for _ in range(batch)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40, help="measured steps per mode (default 40)")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per mode (default 3)")
+    ap.add_argument("--block", type=int, default=1,
+                    help="steps of one mode before switching to the next (default 1)")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="datums per forward_backward (default 4)")
+    ap.add_argument("--seq-len", type=int, default=96, help="tokens per datum (default 96)")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for `hosted_tinker serve`, repeatable, e.g. "
+                         "--server-arg=--gather-window-s=0 (default: none, the server's defaults)")
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="ht-overhead-"))
+    head_dim = 64 if args.hidden >= 256 else 16
+    heads = max(1, args.hidden // head_dim)
+    spec = TinyModelSpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
+                         num_kv_heads=max(1, heads // 2) if heads % 2 == 0 else heads,
+                         head_dim=head_dim, intermediate_size=3 * args.hidden)
+    model_dir = build_tiny_model(tmp / "model", spec)
+    base_model = str(model_dir)
+
+    t0 = time.perf_counter()
+    server = ServerProcess(tmp / "server", base_model=base_model, args=tuple(args.server_arg)).start()
+    print(f"server up in {time.perf_counter() - t0:.1f}s at {server.base_url} "
+          f"({' '.join(args.server_arg) or 'default settings'})")
+    try:
+        return run(args, server, base_model, model_dir)
+    finally:
+        server.stop()
+
+
+def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
+    import tinker
+    from tinker import types
+
+    # ---- (a) in-process runtime, loaded the way the server loads it ----
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    # Same device and dtype as the server's defaults (--device auto --dtype auto).
+    device = pick_device("auto")
+    model, _tok = load_base_model(base_model, server.data_dir, device, pick_dtype("auto", device))
+    runtime = TrainingRuntime(model, base_model, device=device)
+    runtime.create_adapter("bench", LoRAConfig(rank=RANK, seed=0))
+    n_params = sum(p.numel() for p in model.parameters())
+    seqs = make_batch(args.batch, args.seq_len, min(runtime.vocab_size, 1000))
+    works = [FBWork(model_id="bench", loss_fn="cross_entropy",
+                    loss_config=resolve_loss_config("cross_entropy", {}), forward_only=False,
+                    data=[DatumWork(np.asarray(s[:-1], dtype=np.int64),
+                                    {"target_tokens": np.asarray(s[1:], dtype=np.int64),
+                                     "weights": np.ones(len(s) - 1, dtype=np.float32)})
+                          for s in seqs])]
+    adam = AdamParams(learning_rate=LR)
+
+    def step_a() -> float:
+        t = time.perf_counter()
+        runtime.forward_backward(works)
+        runtime.optim_step("bench", adam)
+        return time.perf_counter() - t
+
+    # ---- (b) the real SDK over loopback ----
+    # One training client (one adapter) per SDK mode: the server adapts to how a client posts
+    # (it learns that a model pipelines), so the naive loop gets a model of its own.
+    sc = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+    tc_pipe = sc.create_lora_training_client(base_model=base_model, rank=RANK, seed=0).result()
+    tc_naive = sc.create_lora_training_client(base_model=base_model, rank=RANK, seed=0).result()
+    datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                          loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)})
+              for s in seqs]
+    sdk_adam = types.AdamParams(learning_rate=LR)
+
+    def step_pipelined() -> float:
+        t = time.perf_counter()
+        fb = tc_pipe.forward_backward(datums, "cross_entropy")
+        opt = tc_pipe.optim_step(sdk_adam)
+        fb.result()
+        opt.result()
+        return time.perf_counter() - t
+
+    def step_naive() -> float:
+        t = time.perf_counter()
+        tc_naive.forward_backward(datums, "cross_entropy").result()
+        tc_naive.optim_step(sdk_adam).result()
+        return time.perf_counter() - t
+
+    modes = {"a": step_a, "pipelined": step_pipelined, "naive": step_naive}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    # Per measured SDK step: (cycles, seconds in cycles, {route: http seconds}) from /metrics,
+    # scraped between steps (outside the timed region).
+    server_steps: dict[str, list[tuple[float, float, dict[str, float]]]] = {"pipelined": [], "naive": []}
+
+    print(f"model: hidden {args.hidden} x {args.layers} layers, {n_params / 1e6:.1f}M params, "
+          f"LoRA rank {RANK}; batch {args.batch} x {args.seq_len} tokens; "
+          f"device {device}, torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")
+    for m, fn in modes.items():
+        for _ in range(args.warmup):
+            fn()
+    print(f"warm-up done; one in-process step takes ~{1000 * statistics.median(step_a() for _ in range(3)):.0f} ms")
+
+    # Rounds of `block` steps of each mode, the order rotating every round: a burst of load
+    # from elsewhere on the machine then hits all modes alike, and step i of each mode comes
+    # from the same round (the paired differences below compare neighbours in time).
+    order = list(modes)
+    done = 0
+    stall0, wall0 = cpu_stall_us(), time.monotonic()
+    while done < args.steps:
+        n = min(args.block, args.steps - done)
+        for m in order:
+            before = scrape(server.base_url) if m != "a" else None
+            for _ in range(n):
+                times[m].append(modes[m]())
+                if before is not None:
+                    after = scrape(server.base_url)
+                    server_steps[m].append(_delta(before, after))
+                    before = after
+        order.append(order.pop(0))
+        done += n
+    stall1 = cpu_stall_us()
+    busy = False
+    if stall0 is not None and stall1 is not None:
+        pressure = (stall1 - stall0) / 1e6 / (time.monotonic() - wall0)
+        busy = pressure > BUSY_PRESSURE
+        print(f"CPU pressure during the measured steps: {100 * pressure:.0f}% of the time some task "
+              f"waited for a CPU (this benchmark alone causes ~5-10%)")
+        if busy:
+            print("WARNING: the machine was busy with other work; these timings are not reliable, "
+                  "run again when it is idle")
+
+    report(args, times, server_steps, busy)
+    return 0
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, dict[str, float]]:
+    def d(k: str) -> float:
+        return after.get(k, 0.0) - before.get(k, 0.0)
+
+    prefix = 'hosted_tinker_http_request_seconds_total{route="'
+    http = {k[len(prefix):-2]: d(k) for k in after if k.startswith(prefix)}
+    return d("hosted_tinker_cycles_total"), d("hosted_tinker_cycle_seconds_total"), http
+
+
+def report(args, times: dict[str, list[float]], server_steps, busy: bool) -> None:
+    ms = {m: [1000 * t for t in ts] for m, ts in times.items()}
+    med_a = statistics.median(ms["a"])
+    print()
+    print(f"{'mode':<22}{'steps':>6}{'median ms':>11}{'p90 ms':>9}{'overhead ms':>13}{'paired ms':>11}"
+          f"{'ratio':>8}")
+    rows = [("(a) in-process", "a"), ("(b) SDK pipelined", "pipelined"), ("(b') SDK naive", "naive")]
+    for label, m in rows:
+        med, p90 = statistics.median(ms[m]), pct(ms[m], 0.9)
+        over = "" if m == "a" else f"{med - med_a:+.1f}"
+        paired = "" if m == "a" else f"{statistics.median(b - a for a, b in zip(ms['a'], ms[m])):+.1f}"
+        ratio = "" if m == "a" else f"{med / med_a:.3f}"
+        print(f"{label:<22}{len(ms[m]):>6}{med:>11.1f}{p90:>9.1f}{over:>13}{paired:>11}{ratio:>8}")
+    med_b = statistics.median(ms["pipelined"])
+    ok = med_b - med_a <= 10.0 and med_b / med_a <= 1.10
+    verdict = "not judged (busy machine)" if busy else ("MET" if ok else "NOT MET")
+    print(f"target (pipelined): overhead <= 10 ms and ratio <= 1.10 -> {verdict}")
+    print("  overhead = median(b) - median(a); paired = median over rounds of (b_i - a_i)")
+
+    print()
+    print("where (b)'s time goes, per step, medians over steps (server /metrics scraped between steps):")
+    print(f"{'mode':<22}{'cycles':>8}{'in cycles':>11}{'- (a)':>8}{'outside':>9}{'fb http':>9}{'optim http':>12}")
+    for label, m in rows[1:]:
+        steps = server_steps[m]
+        if not steps:
+            continue
+        cycles = statistics.mean(c for c, _, _ in steps)
+        in_cyc = [1000 * s for _, s, _ in steps]
+        outside = [t - c for t, c in zip(ms[m], in_cyc)]
+        fb = statistics.median(1000 * h.get("/api/v1/forward_backward", 0.0) for _, _, h in steps)
+        op = statistics.median(1000 * h.get("/api/v1/optim_step", 0.0) for _, _, h in steps)
+        med_in = statistics.median(in_cyc)
+        print(f"{label:<22}{cycles:>8.2f}{med_in:>11.1f}{med_in - med_a:>+8.1f}{statistics.median(outside):>9.1f}"
+              f"{fb:>9.1f}{op:>12.1f}")
+    print("  cycles: scheduler cycles per step (1 = fb and optim fused into one cycle)")
+    print("  in cycles: server time inside clock cycles (fused fb + optim + resolving futures);"
+          " '- (a)': minus (a)'s median")
+    print("  outside: client step time minus in-cycle time (HTTP, SDK, (de)serialisation, waits"
+          " before a cycle starts, long-poll wake-up)")
+    print("  fb/optim http: server time answering those POSTs (decode, validate, enqueue)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
