@@ -63,6 +63,7 @@ from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
 from hosted_tinker.runtime.multi_lora import ATTN_TARGETS, MLP_TARGETS  # noqa: E402
 from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime  # noqa: E402
+from bench_common import cpu_stall_us  # noqa: E402
 
 RANK = 16
 ALPHA = 32.0
@@ -144,13 +145,6 @@ def fb_work(model_id: str, seqs: np.ndarray) -> FBWork:
 
 
 # ---- the three steps ------------------------------------------------------------------------------
-def cpu_stall_us() -> float | None:
-    """Linux PSI: total microseconds some runnable task waited for a CPU (None if unavailable)."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return float(f.readline().split("total=")[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def sync(device: torch.device) -> None:

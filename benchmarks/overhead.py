@@ -48,6 +48,7 @@ from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
 from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
+from bench_common import cpu_stall_us  # noqa: E402
 
 API_KEY = "tml-bench"
 RANK = 32
@@ -75,15 +76,6 @@ def scrape(base_url: str) -> dict[str, float]:
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
-
-
-def cpu_stall_us() -> float | None:
-    """Linux PSI: total microseconds some runnable task waited for a CPU (None if unavailable)."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return float(f.readline().split("total=")[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -53,6 +53,7 @@ from hosted_tinker.runtime.adapters import LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from hosted_tinker.sampling.engine import SampleJob, SamplingEngine  # noqa: E402
 from hosted_tinker.sampling.snapshots import SnapshotCache  # noqa: E402
+from bench_common import cpu_stall_us  # noqa: E402
 
 RANK = 16
 
@@ -60,15 +61,6 @@ RANK = 16
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def cpu_stall_us() -> float | None:
-    """Linux PSI: total microseconds some runnable task waited for a CPU (None if unavailable)."""
-    try:
-        with open("/proc/pressure/cpu") as f:
-            return float(f.readline().split("total=")[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class Engine:
