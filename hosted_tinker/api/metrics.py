@@ -48,6 +48,9 @@ class Metrics:
                [("", wk.last_cycle_models)])
         metric("hosted_tinker_last_fused_pass_tokens", "gauge", "tokens in the last fused forward/backward",
                [("", wk.last_cycle_tokens)])
+        metric("hosted_tinker_last_fused_pass_padded_tokens", "gauge",
+               "token slots computed by the last fused pass, padding included (vs _tokens: padding waste)",
+               [("", rt.last_pass.padded_tokens)])
         metric("hosted_tinker_fused_passes_total", "counter", "forward/backward passes that carried several models",
                [("", wk.fused_passes)])
         metric("hosted_tinker_trained_tokens_total", "counter", "tokens through forward/backward", [("", wk.tokens_total)])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +63,6 @@ class PassStats:
     padded_tokens: int = 0
     micro_batches: int = 0
     seconds: float = 0.0
-    per_model_datums: dict[str, int] = field(default_factory=dict)
 
 
 def bucket_width(n: int) -> int:
@@ -159,7 +158,6 @@ class TrainingRuntime:
             outputs = [per_datum[(wi, di)] for di in range(len(work.data))]
             outcomes.append(FBOutcome(outputs=outputs, metrics={"loss:sum": loss_sums[wi]}))
             stats.datums += len(work.data)
-            stats.per_model_datums[work.model_id] = stats.per_model_datums.get(work.model_id, 0) + len(work.data)
         stats.seconds = time.perf_counter() - start
         self.last_pass = stats
         return outcomes
