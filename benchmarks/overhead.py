@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -108,13 +109,15 @@ def main() -> int:
     base_model = str(model_dir)
 
     t0 = time.perf_counter()
-    server = ServerProcess(tmp / "server", base_model=base_model, args=tuple(args.server_arg)).start()
-    print(f"server up in {time.perf_counter() - t0:.1f}s at {server.base_url} "
-          f"({' '.join(args.server_arg) or 'default settings'})")
+    server = ServerProcess(tmp / "server", base_model=base_model, args=tuple(args.server_arg))
     try:
+        server.start()
+        print(f"server up in {time.perf_counter() - t0:.1f}s at {server.base_url} "
+              f"({' '.join(args.server_arg) or 'default settings'})")
         return run(args, server, base_model, model_dir)
     finally:
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
