@@ -87,7 +87,7 @@ class _ModelQueue:
 
 class ClockCycleScheduler:
     def __init__(self, run_cycle: Callable[[CyclePlan], None], *, gap_timeout_s: float = 120.0,
-                 gather_window_s: float = 0.01, max_tokens_per_cycle: int = 1 << 16,
+                 gather_window_s: float = 0.05, max_tokens_per_cycle: int = 1 << 16,
                  max_models_per_cycle: int = 64, side_work: Callable[[], bool] = lambda: False):
         self._run_cycle = run_cycle
         # Work outside the seq_id queues (sampling): it keeps the thread cycling while it lasts.
@@ -136,6 +136,15 @@ class ClockCycleScheduler:
                 q.pipelined = True
             q.pending[req.seq_id] = req
             self._cv.notify()
+
+    def compute_done(self, model_ids) -> None:
+        """The worker resolved these models' compute futures (mid-cycle): an optim_step that
+        arrives from now on was posted after the client saw its result, i.e. not pipelined."""
+        with self._cv:
+            for mid in model_ids:
+                q = self._queues.get(mid)
+                if q is not None:
+                    q.in_flight_compute = False
 
     def wake(self) -> None:
         """New side work (a sampling request) arrived."""
@@ -247,7 +256,8 @@ class ClockCycleScheduler:
                 deferred.append(mid)
                 if not take:
                     continue
-            only_compute = all(r.kind in COMPUTE for r in take)
+            # Only forward_backward waits for an optim_step (a forward never has one).
+            only_compute = all(r.kind == "forward_backward" for r in take)
             if only_compute and q.pipelined and mid not in deferred:
                 # This client posts optim_step right after forward_backward: give it a moment
                 # so both run in this cycle instead of costing two.
@@ -256,6 +266,7 @@ class ClockCycleScheduler:
                     held.append(take)
                     deadline = d if deadline is None else min(deadline, d)
                     continue
+                q.pipelined = False  # the window passed with no optim_step: stop waiting for one
             self._add(plan, take)
         if self._after:
             plan.tail.extend(self._after)

@@ -81,6 +81,7 @@ class Server:
                                              gather_window_s=config.gather_window_s,
                                              max_tokens_per_cycle=config.max_tokens_per_cycle,
                                              max_models_per_cycle=config.max_live_adapters)
+        self.worker.on_compute_done = self.scheduler.compute_done
 
     def start(self) -> None:
         self.scheduler.start()

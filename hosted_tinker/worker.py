@@ -55,6 +55,7 @@ class TrainingWorker:
                  sampler: "SamplingService | None" = None):
         self.runtime = runtime
         self.sampler = sampler
+        self.on_compute_done = lambda model_ids: None  # set by the server: tells the scheduler
         self.futures = futures
         self.store = store
         self.checkpoint_root = checkpoint_root
@@ -115,6 +116,7 @@ class TrainingWorker:
         for r, out in zip(live, outcomes):
             body = encode_forward_backward_output(out.outputs, out.metrics)
             self.futures.resolve(r.request_id, body, is_proto=True)
+        self.on_compute_done({r.model_id for r in live})
 
     def _optim_step(self, req: Request) -> None:
         params: AdamParams = req.payload
