@@ -10,7 +10,7 @@ import logging
 import time
 from pathlib import Path
 
-from .auth import ENV_VAR, KeyRing, anonymous_owner
+from .auth import ENV_VAR, KeyRing
 from .config import ServerConfig
 from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
@@ -23,9 +23,6 @@ from .store import Store
 from .worker import TrainingWorker
 
 log = logging.getLogger(__name__)
-
-
-owner_of = anonymous_owner  # the owner id of a key in dev mode
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tinker import types
 
 from helpers import BASE_MODEL, checkpoint_dir, logprobs_of, read_adapter, sft_batch
-from hosted_tinker.server import owner_of
+from hosted_tinker.auth import anonymous_owner
 
 pytestmark = pytest.mark.e2e
 ALICE, BOB = "tml-rest-alice", "tml-rest-bob"
@@ -63,7 +63,7 @@ def test_training_runs(server, world):
     assert [r.training_run_id for r in runs.training_runs] == [tc2.model_id, tc.model_id]  # newest first
     run = runs.training_runs[1]
     assert run.base_model == BASE_MODEL and run.is_lora and run.lora_rank == 4 and not run.corrupted
-    assert run.model_owner == owner_of(ALICE)
+    assert run.model_owner == anonymous_owner(ALICE)
     assert run.user_metadata == {"project": "rest"}
     assert run.last_checkpoint.tinker_path == world["s2"] and run.last_checkpoint.checkpoint_type == "training"
     assert run.last_sampler_checkpoint.tinker_path == world["smp"]
