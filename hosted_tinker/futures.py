@@ -88,7 +88,11 @@ class FutureStore:
             hit = self._results.get(request_id)
         if hit is not None:
             return hit
-        rec = self.store.get_future(request_id)
+        return self.from_record(self.store.get_future(request_id))
+
+    @staticmethod
+    def from_record(rec) -> FutureResult | None:
+        """The result held by a SQLite future record, or None while it is pending."""
         if rec is None or rec.status == "pending":
             return None
         return FutureResult(rec.result or b"", rec.result_is_proto, rec.status == "failed",

@@ -328,7 +328,8 @@ async def retrieve_future(body: RetrieveFutureRequest, owner: str = Depends(requ
     rec = server.store.get_future(body.request_id)
     if rec is None or rec.owner != owner:
         raise HTTPException(404, f"unknown request_id {body.request_id!r}")
-    result = await server.futures.wait(body.request_id, server.config.long_poll_s)
+    # The owner check already read the record: a finished one is answered from it directly.
+    result = server.futures.from_record(rec) or await server.futures.wait(body.request_id, server.config.long_poll_s)
     if result is None:
         return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
     media = "application/x-protobuf" if result.is_proto else "application/json"
