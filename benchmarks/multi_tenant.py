@@ -4,8 +4,8 @@ N tenants (default 1, 2, 4, 8, 16), each with its own LoRA adapter (rank 16, eve
 MLP projection, PEFT's "all-linear": lm_head is not adapted), each sending 2 datums x 128 tokens
 of cross_entropy per step, on several model sizes. Per (size, N), in one run, interleaved:
 
-  (a) fused:  one ``TrainingRuntime.forward_backward([FBWork of every tenant])`` + each tenant's
-              ``optim_step`` -- what one clock cycle of the server does;
+  (a) fused:  one ``TrainingRuntime.forward_backward([FBWork of every tenant])`` + one
+              ``optim_steps`` over every tenant -- what one clock cycle of the server does;
   (b) serial: the same work tenant after tenant: per tenant one ``forward_backward`` + its
               ``optim_step``;
   (c) ideal:  a plain ``transformers`` model with ONE PEFT LoRA adapter of the same rank and
@@ -154,8 +154,7 @@ def sync(device: torch.device) -> None:
 
 def fused_step(runtime: TrainingRuntime, works: list[FBWork], adam: AdamParams) -> None:
     runtime.forward_backward(works)
-    for w in works:
-        runtime.optim_step(w.model_id, adam)
+    runtime.optim_steps([(w.model_id, adam) for w in works])
 
 
 def serial_step(runtime: TrainingRuntime, works: list[FBWork], adam: AdamParams) -> None:
@@ -312,7 +311,7 @@ def report(results, big_results, args) -> None:
     sizes_order = list(SIZES)
     print("\nTable 1: aggregate training tokens/s, N tenants x "
           f"{args.rows} datums x {args.seq_len} tokens per step (medians)")
-    print("  (a) fused = one runtime.forward_backward over all tenants + each tenant's optim_step")
+    print("  (a) fused = one runtime.forward_backward over all tenants + one optim_steps over all")
     print("  (b) serial = per tenant: forward_backward + optim_step")
     print("  (c) ideal = plain transformers + one PEFT adapter over all rows + one AdamW step")
     hdr = (f"{'model':<16}{'N':>4}{'tokens':>8}{'(a) fused':>11}{'(b) serial':>12}{'(c) ideal':>11}"

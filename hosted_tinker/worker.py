@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .checkpoint_admin import CHECKPOINT_LOCK, KIND_TYPES, dir_size, is_expired
 from .futures import FutureStore
-from .runtime.adapters import AdamParams, LoRAConfig
+from .runtime.adapters import LoRAConfig
 from .runtime.checkpoints import CheckpointError
 from .runtime.trainer import FBWork, TrainingRuntime
 from .scheduler import CyclePlan, Request
@@ -71,8 +71,8 @@ class TrainingWorker:
     def run_cycle(self, plan: CyclePlan) -> None:
         if plan.compute:
             self._run_compute(plan.compute)
-        for req in plan.optim:
-            self._guarded(req, self._optim_step)
+        if plan.optim:
+            self._optim_steps(plan.optim)
         for req in plan.tail:
             self._guarded(req, getattr(self, f"_{req.kind}"))
         if self.sampler is not None:
@@ -118,11 +118,28 @@ class TrainingWorker:
             self.futures.resolve(r.request_id, body, is_proto=True)
         self.on_compute_done({r.model_id for r in live})
 
-    def _optim_step(self, req: Request) -> None:
-        params: AdamParams = req.payload
-        metrics = self.runtime.optim_step(req.model_id, params)
-        self.store.touch_model(req.model_id)
-        self.futures.resolve(req.request_id, {"type": "optim_step", "metrics": metrics})
+    def _optim_steps(self, reqs: list[Request]) -> None:
+        """All of the cycle's optimizer steps in one multi-adapter AdamW step."""
+        ready = []
+        for r in reqs:
+            if r.model_id in self.runtime.adapters:
+                ready.append(r)
+            else:
+                self.futures.fail(r.request_id, f"optim_step: model {r.model_id!r} is not loaded", "user")
+        if not ready:
+            return
+        try:
+            # A model appears at most once per cycle (its optim_step is its barrier).
+            results = self.runtime.optim_steps([(r.model_id, r.payload) for r in ready])
+        except Exception as e:
+            log.exception("optimizer step over %d models failed", len(ready))
+            for r in ready:
+                self.futures.fail(r.request_id, f"optim_step failed on the server: {type(e).__name__}: {e}",
+                                  "server")
+            return
+        for r, metrics in zip(ready, results):
+            self.store.touch_model(r.model_id)
+            self.futures.resolve(r.request_id, {"type": "optim_step", "metrics": metrics})
 
     # -- lifecycle and checkpoints ---------------------------------------------------------------
     def _create_model(self, req: Request) -> None:

@@ -279,3 +279,39 @@ def test_optim_step_reports_preclip_norm_and_clips():
     assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert metrics["learning_rate"] == 1e-3
     assert not ad.has_gradients()
+
+
+def test_multi_adapter_adamw_step_is_torch_adamw_and_many_equal_one():
+    """`optim_steps` over several adapters with different hyper-parameters (clipping included)
+    gives each adapter torch.optim.AdamW's update, and bit for bit what stepping it alone gives."""
+    hps = {"a": AdamParams(learning_rate=1e-2, weight_decay=0.1),
+           "b": AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.99, eps=1e-8, grad_clip_norm=1e-3),
+           "c": AdamParams(learning_rate=1e-2, weight_decay=0.1)}  # same group as "a"
+    together, alone = tiny_runtime(), tiny_runtime()
+    refs = {}
+    for rt in (together, alone):
+        for i, mid in enumerate(hps):
+            randomize_b(rt.create_adapter(mid, LoRAConfig(rank=4, seed=i)), seed=i)
+    for mid in hps:  # reference: torch's own AdamW on copies of the same tensors
+        ps = [p.detach().clone().requires_grad_(True) for p in together.adapter(mid).parameters()]
+        hp = hps[mid]
+        refs[mid] = (ps, torch.optim.AdamW(ps, lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                                           weight_decay=hp.weight_decay, foreach=False))
+    for step in range(3):
+        for rt in (together, alone):
+            rt.forward_backward([ce_work(mid, random_seqs(2, 10 * step + i)) for i, mid in enumerate(hps)])
+        for mid, (ps, opt) in refs.items():
+            for p, q in zip(ps, together.adapter(mid).parameters()):
+                p.grad = q.grad.clone()
+            if hps[mid].grad_clip_norm:
+                torch.nn.utils.clip_grad_norm_(ps, hps[mid].grad_clip_norm)
+            opt.step()
+        metrics = together.optim_steps(list(hps.items()))
+        solo = [alone.optim_step(mid, hp) for mid, hp in hps.items()]
+        assert [m["grad_norm"] for m in metrics] == [m["grad_norm"] for m in solo]
+        assert metrics[1]["grad_norm"] > hps["b"].grad_clip_norm  # clipping really happened
+    for mid, (ps, _) in refs.items():
+        for p, q, r in zip(together.adapter(mid).parameters(), alone.adapter(mid).parameters(), ps):
+            assert torch.equal(p, q), mid
+            assert_close(p.detach(), r.detach(), f"{mid} vs torch.optim.AdamW", tol=1e-6)
+        assert together.adapter(mid).step == 3

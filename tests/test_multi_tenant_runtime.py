@@ -107,3 +107,61 @@ def test_paging_out_and_back_in_changes_nothing(runtime):
     for i in reference:
         for k in reference[i]:
             assert torch.equal(reference[i][k], paged[i][k]), (i, k)
+
+
+def _same_shape_work(i: int, model_id: str, loss_fn: str, cfg: dict, lengths=(40, 37)) -> FBWork:
+    """A request of len(lengths) datums; every tenant given the same lengths has the same shape."""
+    rng = np.random.default_rng(5000 + i)
+    data = []
+    for n in lengths:
+        inputs = {"target_tokens": rng.integers(0, 1000, n)}
+        if loss_fn == "cross_entropy":
+            inputs["weights"] = rng.normal(0, 1, n).astype(np.float32)
+        else:
+            inputs["logprobs"] = rng.normal(-7, 0.3, n).astype(np.float32)
+            inputs["advantages"] = rng.normal(0, 1, n).astype(np.float32)
+        data.append(DatumWork(tokens=rng.integers(0, 1000, n), inputs=inputs))
+    return FBWork(model_id, data, loss_fn, resolve_loss_config(loss_fn, cfg), forward_only=False)
+
+
+@pytest.mark.parametrize("rank", [8, 1])
+def test_same_shape_tenants_share_one_batched_matmul_and_equal_solo(runtime, rank):
+    """Tenants of one rank and one request shape are computed together (one group per layer,
+    `MultiLoRALinear._plan`), and each still gets exactly its solo result. Rank 1 takes the
+    per-segment path (see BATCHED_MIN_RANK) and must be just as exact."""
+    losses = ["cross_entropy", "ppo", "importance_sampling", "dro", "cispo", "cross_entropy"]
+    cfgs = {"dro": {"beta": 0.1}}
+    layer = runtime.layers["model.layers.0.self_attn.q_proj"]
+    groups: list[int] = []
+    hook = layer.register_forward_pre_hook(lambda mod, args: groups.append(len(mod._plan(runtime.routing.segments))))
+
+    def train(ids: list[int]):
+        for mid in list(runtime.adapters):
+            runtime.remove_adapter(mid)
+        for i in ids:
+            runtime.create_adapter(f"s{i}", LoRAConfig(rank=rank, seed=100 + i))
+        outs = {i: [] for i in ids}
+        for step in range(2):
+            works = [_same_shape_work(10 * i + step, f"s{i}", losses[i], cfgs.get(losses[i], {})) for i in ids]
+            for i, out in zip(ids, runtime.forward_backward(works)):
+                outs[i].append(out)
+            # All tenants' steps in one multi-adapter AdamW step, as a server cycle does.
+            runtime.optim_steps([(f"s{i}", AdamParams(learning_rate=1e-2, weight_decay=0.01)) for i in ids])
+        return outs, {i: {k: v.detach().clone() for k, v in runtime.adapter(f"s{i}").named_tensors().items()}
+                      for i in ids}
+
+    try:
+        fused_out, fused_state = train(list(range(len(losses))))
+        # One micro-batch, six tenants: rank >= 2 -> one batched group; rank 1 -> one per tenant.
+        assert groups[0] == (1 if rank >= 2 else len(losses))
+        for i in range(len(losses)):
+            solo_out, solo_state = train([i])
+            for f, s in zip(fused_out[i], solo_out[i]):
+                assert f.metrics["loss:sum"] == s.metrics["loss:sum"]
+                for fo, so in zip(f.outputs, s.outputs):
+                    np.testing.assert_array_equal(fo["logprobs"], so["logprobs"])
+                    np.testing.assert_array_equal(fo["elementwise_loss"], so["elementwise_loss"])
+            for k in solo_state[i]:
+                assert torch.equal(fused_state[i][k], solo_state[i][k]), (i, k)
+    finally:
+        hook.remove()

@@ -88,8 +88,7 @@ class LoRAAdapter:
             )
         if not self.weights:
             raise ValueError("the LoRA config adapts no projection of this model")
-        self.optimizer = torch.optim.AdamW(self.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
-                                           weight_decay=0.0)
+        self.optimizer = AdamWState()
         self.step = 0
 
     # -- tensors ---------------------------------------------------------------------------
@@ -126,9 +125,8 @@ class LoRAAdapter:
                     if t.grad is not None:
                         t.grad = t.grad.to(device)
             for state in self.optimizer.state.values():
-                for k, v in state.items():
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        state[k] = v.to(device)
+                for k, v in state.items():  # "step" too: the fused kernel wants it beside its tensor
+                    state[k] = v.to(device)
         self.device = device
 
     # -- optimisation ------------------------------------------------------------------------
@@ -136,27 +134,90 @@ class LoRAAdapter:
         return any(p.grad is not None for p in self.parameters())
 
     def optim_step(self, params: AdamParams) -> dict[str, float]:
-        """AdamW with decoupled weight decay, exactly the request's hyper-parameters.
-
-        Clipping (when grad_clip_norm > 0) scales this adapter's gradients to that global norm;
-        the returned `grad_norm` is the norm before clipping.
-        """
-        tensors = self.parameters()
-        grads = [p.grad for p in tensors if p.grad is not None]
-        if grads:
-            grad_norm = float(torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g, 2.0) for g in grads]), 2.0))
-        else:
-            grad_norm = 0.0
-        if params.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(tensors, params.grad_clip_norm)
-        for group in self.optimizer.param_groups:
-            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
-                         weight_decay=params.weight_decay)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {"grad_norm": grad_norm, "learning_rate": params.learning_rate}
+        """One AdamW step of this adapter alone (see `adamw_step`)."""
+        return adamw_step([(self, params)])[0]
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.parameters():
+            p.grad = None
+
+
+class AdamWState:
+    """AdamW moments per tensor, in torch.optim's layout: state[p] = {step, exp_avg, exp_avg_sq}.
+
+    Not a torch.optim.Optimizer: every tenant has its own hyper-parameters at every step, and one
+    cycle steps many tenants at once (`adamw_step`), which an optimizer object per adapter cannot.
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def state_for(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        st = self.state.get(p)
+        if st is None:
+            st = self.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+        return st
+
+
+def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]]) -> list[dict[str, float]]:
+    """One AdamW step (decoupled weight decay) for each (adapter, its hyper-parameters).
+
+    The step of many adapters costs about what one costs: one multi-tensor norm over every
+    gradient, one host sync for all the norms, and one fused AdamW kernel per distinct set of
+    hyper-parameters (torch's own `fused=True` AdamW kernel, CPU and CUDA). Every tensor's update
+    depends only on its own gradient, moments and step, so an adapter gets the same bits whether
+    it steps alone or with others.
+
+    Clipping (grad_clip_norm > 0) scales an adapter's gradients by min(1, max_norm / (norm +
+    1e-6)), as torch.nn.utils.clip_grad_norm_; the returned `grad_norm` is the norm before
+    clipping. Tensors without a gradient are left alone (as torch.optim does).
+    """
+    with torch.no_grad():
+        per_adapter: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        for adapter, _ in items:
+            params = [p for p in adapter.parameters() if p.grad is not None]
+            per_adapter.append((params, [p.grad for p in params]))
+        all_grads = [g for _, grads in per_adapter for g in grads]
+        norms: list[float] = [0.0] * len(items)
+        if all_grads:
+            tensor_norms = torch._foreach_norm(all_grads, 2.0)
+            totals, i = [], 0
+            for _, grads in per_adapter:
+                totals.append(torch.linalg.vector_norm(torch.stack(tensor_norms[i:i + len(grads)]), 2.0)
+                              if grads else tensor_norms[0].new_zeros(()))
+                i += len(grads)
+            norms = torch.stack(totals).tolist()  # the one host sync
+        groups: dict[tuple, list[int]] = {}
+        for k, ((adapter, hp), (params, grads)) in enumerate(zip(items, per_adapter)):
+            if hp.grad_clip_norm > 0 and grads:
+                coef = min(1.0, hp.grad_clip_norm / (norms[k] + 1e-6))
+                if coef < 1.0:
+                    torch._foreach_mul_(grads, coef)
+            if params:
+                key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, params[0].device)
+                groups.setdefault(key, []).append(k)
+        for (lr, beta1, beta2, eps, wd, _), members in groups.items():
+            ps, gs, m1, m2, steps = [], [], [], [], []
+            for k in members:
+                adapter = items[k][0]
+                params, grads = per_adapter[k]
+                for p, g in zip(params, grads):
+                    st = adapter.optimizer.state_for(p)
+                    ps.append(p)
+                    gs.append(g)
+                    m1.append(st["exp_avg"])
+                    m2.append(st["exp_avg_sq"])
+                    steps.append(st["step"])
+            torch._foreach_add_(steps, 1)
+            torch._fused_adamw_(ps, gs, m1, m2, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+        results = []
+        for k, (adapter, hp) in enumerate(items):
+            adapter.zero_grad()
+            adapter.step += 1
+            results.append({"grad_norm": norms[k], "learning_rate": hp.learning_rate})
+        return results

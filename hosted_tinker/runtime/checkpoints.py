@@ -222,7 +222,7 @@ def restore_adapter(adapter: LoRAAdapter, ckpt: LoadedCheckpoint) -> None:
             if f"{name}.exp_avg" not in ckpt.optimizer:
                 continue
             adapter.optimizer.state[p] = {
-                "step": torch.tensor(float(ckpt.optimizer[f"{name}.step"].item())),
+                "step": torch.tensor(float(ckpt.optimizer[f"{name}.step"].item()), device=p.device),
                 "exp_avg": ckpt.optimizer[f"{name}.exp_avg"].to(p.device).clone(),
                 "exp_avg_sq": ckpt.optimizer[f"{name}.exp_avg_sq"].to(p.device).clone(),
             }

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .adapters import AdamParams, LoRAAdapter, LoRAConfig
+from .adapters import AdamParams, LoRAAdapter, LoRAConfig, adamw_step
 from .checkpoints import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
 from .losses import per_token_loss
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora
@@ -178,17 +178,33 @@ class TrainingRuntime:
             buckets.setdefault(width, {}).setdefault(works[wi].model_id, []).append((wi, di))
         for width in sorted(buckets):
             cap = max(1, self.max_tokens_per_micro_batch // width)
-            batch: list[tuple[int, int]] = []
+            batch: list[list[tuple[int, int]]] = []
+            size = 0
             for model_id in sorted(buckets[width]):
                 group = buckets[width][model_id]
                 for i in range(0, len(group), cap):
                     piece = group[i:i + cap]
-                    if batch and len(batch) + len(piece) > cap:
-                        yield width, batch
-                        batch = []
-                    batch.extend(piece)
+                    if batch and size + len(piece) > cap:
+                        yield width, self._order_pieces(batch, works)
+                        batch, size = [], 0
+                    batch.append(piece)
+                    size += len(piece)
             if batch:
-                yield width, batch
+                yield width, self._order_pieces(batch, works)
+
+    def _order_pieces(self, pieces: list[list[tuple[int, int]]], works: list[FBWork]) -> list[tuple[int, int]]:
+        """Lay a micro-batch's per-model pieces out so that same-shape adapters sit side by side.
+
+        `MultiLoRALinear` batches consecutive segments of equal rank and row count into one
+        matmul; the order of pieces within a micro-batch changes no model's results (rows are
+        independent), only how many groups the layers run.
+        """
+        def key(piece):
+            cfg = self.adapters[works[piece[0][0]].model_id].config
+            return (cfg.rank, cfg.alpha, cfg.train_attn, cfg.train_mlp, cfg.train_unembed,
+                    cfg.target_modules or (), len(piece), works[piece[0][0]].model_id)
+
+        return [row for piece in sorted(pieces, key=key) for row in piece]
 
     def _run_micro_batch(self, width_and_batch, works, grad, per_datum, loss_sums, stats: PassStats) -> None:
         width, batch = width_and_batch
@@ -233,25 +249,35 @@ class TrainingRuntime:
                 logprobs = -F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1),
                                             reduction="none").reshape(rows, width)
                 del logits
-                total = None
+                # Losses are elementwise per token, so consecutive runs with the same loss
+                # function and config are computed as one block (fewer ops with many tenants;
+                # the gradient of a sum is 1 for every token however the sum is grouped).
+                blocks: list[tuple[int, int, int]] = []  # (a work index of the block, start, end)
                 for wi, s, e in runs:
                     w = works[wi]
-                    tok_loss = per_token_loss(
+                    if blocks and (works[blocks[-1][0]].loss_fn == w.loss_fn
+                                   and works[blocks[-1][0]].loss_config == w.loss_config):
+                        blocks[-1] = (blocks[-1][0], blocks[-1][1], e)
+                    else:
+                        blocks.append((wi, s, e))
+                tok_losses = []
+                for wi, s, e in blocks:
+                    w = works[wi]
+                    tok_losses.append(per_token_loss(
                         w.loss_fn, w.loss_config, logprobs[s:e], {k: v[s:e] for k, v in inputs.items()}
-                    ) * mask[s:e]
-                    run_sum = tok_loss.sum()
-                    total = run_sum if total is None else total + run_sum
-                    lp_cpu = logprobs[s:e].detach().cpu().numpy()
-                    el_cpu = tok_loss.detach().cpu().numpy()
-                    for off, r in enumerate(range(s, e)):
-                        n = lengths[r]
-                        per_datum[batch[r]] = {
-                            "logprobs": lp_cpu[off, :n].astype(np.float32, copy=True),
-                            "elementwise_loss": el_cpu[off, :n].astype(np.float32, copy=True),
-                        }
-                        loss_sums[wi] += float(el_cpu[off, :n].astype(np.float64).sum())
-                if grad and total is not None and total.requires_grad:
-                    total.backward()
+                    ) * mask[s:e])
+                tok_loss = tok_losses[0] if len(tok_losses) == 1 else torch.cat(tok_losses)
+                lp_cpu = logprobs.detach().cpu().numpy()
+                el_cpu = tok_loss.detach().cpu().numpy()
+                for r, (wi, di) in enumerate(batch):
+                    n = lengths[r]
+                    per_datum[(wi, di)] = {
+                        "logprobs": lp_cpu[r, :n].astype(np.float32, copy=True),
+                        "elementwise_loss": el_cpu[r, :n].astype(np.float32, copy=True),
+                    }
+                    loss_sums[wi] += float(el_cpu[r, :n].astype(np.float64).sum())
+                if grad and tok_loss.requires_grad:
+                    tok_loss.sum().backward()
         finally:
             self.routing.segments = []
         stats.micro_batches += 1
@@ -260,7 +286,12 @@ class TrainingRuntime:
 
     # -- optimizer -----------------------------------------------------------------------------
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
-        return self.adapter(model_id).optim_step(params)
+        return self.optim_steps([(model_id, params)])[0]
+
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]:
+        """Every ready model's AdamW step of a cycle, together (one fused kernel per distinct
+        set of hyper-parameters; see `adamw_step`). Each model's result is as if stepped alone."""
+        return adamw_step([(self.adapter(mid), params) for mid, params in steps])
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int:
