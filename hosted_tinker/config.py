@@ -26,7 +26,8 @@ class ServerConfig:
     device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
     dtype: str = _opt("auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16")
     max_tokens_per_micro_batch: int = _opt(
-        8192, "padded tokens per fused forward/backward micro-batch (bounds activation memory)")
+        0, "padded tokens per fused forward/backward micro-batch (bounds activation memory); 0 = auto: "
+           "8192 on GPU, 1024 on CPU, where bigger passes overflow the caches and run slower per token")
     max_tokens_per_cycle: int = _opt(
         65536, "tokens of forward/backward work packed into one clock cycle, shared fairly across models")
     max_live_adapters: int = _opt(
