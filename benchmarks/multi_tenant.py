@@ -321,14 +321,19 @@ def report(results, big_results, args) -> None:
     missed = []
     for size, n, tokens, tps in sorted(results, key=lambda r: (sizes_order.index(r[0]), r[1])):
         ac, ab, cb = tps["fused"] / tps["ideal"], tps["fused"] / tps["serial"], tps["ideal"] / tps["serial"]
-        ok = ac >= 0.90 and ab >= 1.00
+        # At N=1, (a) and (b) run the very same calls: their a/b is the noise of this run, not a
+        # property of fusing, so only a/c is judged there.
+        ok = ac >= 0.90 and (ab >= 1.00 or n == 1)
         if not ok:
             missed.append(f"{LABELS[size]} N={n}")
+        verdict = "met" if ok else "NOT MET"
+        if n == 1 and ab < 1.00 and ok:
+            verdict += " (a/b: same work, noise)"
         print(f"{LABELS[size]:<16}{n:>4}{tokens:>8}{tps['fused']:>11.0f}{tps['serial']:>12.0f}{tps['ideal']:>11.0f}"
-              f"{ac:>7.3f}{ab:>7.3f}{cb:>7.3f}  {'met' if ok else 'NOT MET'}")
+              f"{ac:>7.3f}{ab:>7.3f}{cb:>7.3f}  {verdict}")
     print(f"target over the table: {'MET' if not missed else 'NOT MET (' + ', '.join(missed) + ')'}")
     print("  c/b bounds what fusing can gain over serial; at N=1 (a) and (b) are the same work, so "
-          "a/b there shows the measurement noise")
+          "a/b there shows the measurement noise (judged on a/c only)")
 
     if big_results:
         print(f"\nTable 2: one tenant, {args.big_rows} x {args.seq_len} tokens: multi-LoRA runtime step "

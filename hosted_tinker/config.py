@@ -27,7 +27,8 @@ class ServerConfig:
     dtype: str = _opt("auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16")
     max_tokens_per_micro_batch: int = _opt(
         0, "padded tokens per fused forward/backward micro-batch (bounds activation memory); 0 = auto: "
-           "8192 on GPU, 1024 on CPU, where bigger passes overflow the caches and run slower per token")
+           "8192 on GPU; on CPU 512-8192 by the model's MLP width, since passes whose activations "
+           "outgrow the caches run slower per token")
     max_tokens_per_cycle: int = _opt(
         65536, "tokens of forward/backward work packed into one clock cycle, shared fairly across models")
     max_live_adapters: int = _opt(

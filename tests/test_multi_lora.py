@@ -315,3 +315,22 @@ def test_multi_adapter_adamw_step_is_torch_adamw_and_many_equal_one():
             assert torch.equal(p, q), mid
             assert_close(p.detach(), r.detach(), f"{mid} vs torch.optim.AdamW", tol=1e-6)
         assert together.adapter(mid).step == 3
+
+
+def test_micro_batch_default_follows_device_and_mlp_width():
+    """Unset (0/None) = auto: 8192 on a GPU; on CPU the MLP activations of a micro-batch stay
+    within ~6 MiB (2048 tokens at MLP 768, 1024 at MLP 1536), clamped to 512..8192; an explicit
+    setting wins."""
+    from transformers import Qwen3Config
+
+    from hosted_tinker.runtime.trainer import default_micro_batch_tokens
+
+    def model(mlp: int) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.config = Qwen3Config(intermediate_size=mlp)
+        return m
+
+    assert [default_micro_batch_tokens(model(w), CPU) for w in (64, 768, 1536, 12288)] == [8192, 2048, 1024, 512]
+    assert default_micro_batch_tokens(model(12288), torch.device("cuda")) == 8192
+    assert tiny_runtime().max_tokens_per_micro_batch == 8192  # MLP 64
+    assert TrainingRuntime(tiny_qwen3(), "t", device=CPU, max_tokens_per_micro_batch=300).max_tokens_per_micro_batch == 300

@@ -73,15 +73,21 @@ def bucket_width(n: int) -> int:
     return width
 
 
-def default_micro_batch_tokens(device: torch.device) -> int:
+def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> int:
     """Padded tokens per micro-batch when not configured.
 
     On a GPU, bigger passes fill the device better (8192 keeps the fp32 logits of a 150k-token
-    vocabulary near 5 GB). On CPU, passes beyond ~1-2k tokens overflow the caches and run slower
-    per token than small ones (measured with benchmarks/multi_tenant.py: 512x8, 16 tenants x 256
-    tokens, 1024-token micro-batches 1.8x faster than one 4096-token pass).
+    vocabulary near 5 GB). On CPU, a pass whose MLP activations (tokens x intermediate size,
+    fp32) outgrow ~6 MiB of cache runs slower per token than several smaller ones: measured
+    with benchmarks/multi_tenant.py, the best sizes were 2048 tokens at hidden 256 / MLP 768 and
+    1024 at hidden 512 / MLP 1536, where one 4096-token pass was 1.8x slower per token.
     """
-    return 1024 if device.type == "cpu" else 8192
+    if device.type != "cpu":
+        return 8192
+    cfg = getattr(model, "config", None)
+    mlp = int(getattr(cfg, "intermediate_size", 0) or 4 * int(getattr(cfg, "hidden_size", 1024)))
+    tokens = (6 << 20) // (4 * mlp)
+    return max(512, min(8192, 1 << max(0, tokens.bit_length() - 1)))  # a power of two, floor
 
 
 class TrainingRuntime:
@@ -90,7 +96,7 @@ class TrainingRuntime:
         self.model = model
         self.base_model_name = base_model_name
         self.device = device
-        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch or default_micro_batch_tokens(device)
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch or default_micro_batch_tokens(model, device)
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()  # no dropout: training through LoRA must be deterministic
