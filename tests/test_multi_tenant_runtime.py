@@ -35,11 +35,13 @@ def runtime(tmp_path_factory):
     return TrainingRuntime(model, "embedded", device=torch.device("cpu"), max_tokens_per_micro_batch=2048)
 
 
-def _work(i: int, model_id: str, loss_fn: str, cfg: dict) -> FBWork:
+def _work(i: int, model_id: str, loss_fn: str, cfg: dict, lengths: tuple[int, ...] | None = None) -> FBWork:
+    """A request of random datums; with `lengths`, of exactly those lengths (same shape for all)."""
     rng = np.random.default_rng(1000 + i)
     data = []
-    for _ in range(int(rng.integers(2, 5))):
-        n = int(rng.integers(5, 90))  # lengths cross several padding buckets
+    if lengths is None:  # lengths cross several padding buckets
+        lengths = tuple(int(rng.integers(5, 90)) for _ in range(int(rng.integers(2, 5))))
+    for n in lengths:
         inputs = {"target_tokens": rng.integers(0, 1000, n)}
         if loss_fn == "cross_entropy":
             inputs["weights"] = rng.normal(0, 1, n).astype(np.float32)
@@ -109,21 +111,6 @@ def test_paging_out_and_back_in_changes_nothing(runtime):
             assert torch.equal(reference[i][k], paged[i][k]), (i, k)
 
 
-def _same_shape_work(i: int, model_id: str, loss_fn: str, cfg: dict, lengths=(40, 37)) -> FBWork:
-    """A request of len(lengths) datums; every tenant given the same lengths has the same shape."""
-    rng = np.random.default_rng(5000 + i)
-    data = []
-    for n in lengths:
-        inputs = {"target_tokens": rng.integers(0, 1000, n)}
-        if loss_fn == "cross_entropy":
-            inputs["weights"] = rng.normal(0, 1, n).astype(np.float32)
-        else:
-            inputs["logprobs"] = rng.normal(-7, 0.3, n).astype(np.float32)
-            inputs["advantages"] = rng.normal(0, 1, n).astype(np.float32)
-        data.append(DatumWork(tokens=rng.integers(0, 1000, n), inputs=inputs))
-    return FBWork(model_id, data, loss_fn, resolve_loss_config(loss_fn, cfg), forward_only=False)
-
-
 @pytest.mark.parametrize("rank", [8, 1])
 def test_same_shape_tenants_share_one_batched_matmul_and_equal_solo(runtime, rank):
     """Tenants of one rank and one request shape are computed together (one group per layer,
@@ -142,7 +129,8 @@ def test_same_shape_tenants_share_one_batched_matmul_and_equal_solo(runtime, ran
             runtime.create_adapter(f"s{i}", LoRAConfig(rank=rank, seed=100 + i))
         outs = {i: [] for i in ids}
         for step in range(2):
-            works = [_same_shape_work(10 * i + step, f"s{i}", losses[i], cfgs.get(losses[i], {})) for i in ids]
+            works = [_work(5000 + 10 * i + step, f"s{i}", losses[i], cfgs.get(losses[i], {}), lengths=(40, 37))
+                     for i in ids]
             for i, out in zip(ids, runtime.forward_backward(works)):
                 outs[i].append(out)
             # All tenants' steps in one multi-adapter AdamW step, as a server cycle does.
