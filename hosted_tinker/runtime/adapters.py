@@ -130,6 +130,24 @@ class LoRAAdapter:
         self.device = device
 
     # -- optimisation ------------------------------------------------------------------------
+    def prepare_grads(self) -> None:
+        """Give every tensor without a gradient a zero one, all in one buffer, before a backward.
+
+        Why: gradients that the backward allocates land between the activations of the pass, and
+        on CPU (glibc) the next micro-batch of the same fused call then page-faults in fresh
+        memory: measured at hidden 512, 4 micro-batches in one call ran 10-25% slower than the
+        same 4 in separate calls. One buffer per adapter, made before the pass, keeps the heap
+        reusable. Accumulating onto zeros changes no bit (0 + g == g).
+        """
+        missing = [p for p in self.parameters() if p.grad is None]
+        if not missing:
+            return
+        flat = torch.zeros(sum(p.numel() for p in missing), dtype=missing[0].dtype, device=missing[0].device)
+        offset = 0
+        for p in missing:
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
     def has_gradients(self) -> bool:
         return any(p.grad is not None for p in self.parameters())
 

@@ -163,6 +163,8 @@ class TrainingRuntime:
         """Run all `works` fused, in as few micro-batches as the token budget allows."""
         start = time.perf_counter()
         self.ensure_live([w.model_id for w in works])
+        for model_id in dict.fromkeys(w.model_id for w in works if not w.forward_only):
+            self.adapters[model_id].prepare_grads()
         stats = PassStats(models=len({w.model_id for w in works}))
         per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         loss_sums = [0.0] * len(works)
