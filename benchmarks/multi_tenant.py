@@ -20,7 +20,7 @@ Fusing can gain at most c/b over serial. A second table runs ONE tenant with a l
 
 Variants rotate order every round, each variant is warmed up first (on a GPU before every
 shape; on CPU once per size, at its largest N, which runs first so the heap has grown), and
-every figure is the median over the measured rounds (on CPU by default: tiny 9, small 5,
+every figure is the median over the measured rounds (on CPU by default: tiny 25, small 7,
 medium 5; single steps on this shared box vary by +-10-20%). torch runs 1 intra-op
 thread by default for every variant (--threads): on a shared 2-core box, 2 OpenMP threads
 made steps 20-60x slower whenever other jobs were running. 128-token rows are not padded by
@@ -79,7 +79,7 @@ SIZES: dict[str, TinyModelSpec] = {
     "1b": TinyModelSpec(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                         intermediate_size=6144),
 }
-CPU_REPEATS = {"tiny": 9, "small": 5, "medium": 5, "1b": 1}
+CPU_REPEATS = {"tiny": 25, "small": 7, "medium": 5, "1b": 1}
 LABELS = {"tiny": "tiny 64x2", "small": "256x4", "medium": "512x8", "1b": "2048x28 (1.4B)"}
 
 
@@ -216,8 +216,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=2, help="datums per tenant per step (default 2)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per datum (default 128)")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="measured rounds per (size, N); default on CPU: tiny 9, small 5, medium 5 "
-                         "(the default run takes about 8 minutes on a 2-core box), 1b 1; on a GPU 5")
+                    help="measured rounds per (size, N); default on CPU: tiny 25, small 7, medium 5 "
+                         "(the default run takes about 9 minutes on a 2-core box), 1b 1; on a GPU 5")
     ap.add_argument("--warmup", type=int, default=1,
                     help="warm-up steps per variant (default 1): on a GPU before every shape, on CPU "
                          "once per size, at the largest N (which is measured first)")

@@ -163,14 +163,17 @@ class TrainingRuntime:
         """Run all `works` fused, in as few micro-batches as the token budget allows."""
         start = time.perf_counter()
         self.ensure_live([w.model_id for w in works])
-        for model_id in dict.fromkeys(w.model_id for w in works if not w.forward_only):
-            self.adapters[model_id].prepare_grads()
         stats = PassStats(models=len({w.model_id for w in works}))
         per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         loss_sums = [0.0] * len(works)
         for grad in (True, False):
             rows = [(wi, di) for wi, w in enumerate(works) if w.forward_only != grad for di in range(len(w.data))]
-            for batch in self._micro_batches(rows, works):
+            batches = list(self._micro_batches(rows, works))
+            if grad and len(batches) > 1:
+                # Only when micro-batches follow each other (see LoRAAdapter.prepare_grads).
+                for model_id in dict.fromkeys(w.model_id for w in works if not w.forward_only):
+                    self.adapters[model_id].prepare_grads()
+            for batch in batches:
                 self._run_micro_batch(batch, works, grad, per_datum, loss_sums, stats)
         outcomes = []
         for wi, work in enumerate(works):
