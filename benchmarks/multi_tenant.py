@@ -347,6 +347,17 @@ def report(results, big_results, args) -> None:
         print(f"{LABELS[size]:<16}{n:>4}{tokens:>8}{tps['fused']:>11.0f}{tps['serial']:>12.0f}{tps['ideal']:>11.0f}"
               f"{ac:>7.3f}{ab:>7.3f}{cb:>7.3f}  {verdict}")
     print(f"target over the table: {'MET' if not missed else 'NOT MET (' + ', '.join(missed) + ')'}")
+    # The run's own noise: at N=1, (a) and (b) run the same calls, so |1 - a/b| there is how far
+    # a ratio of equal work strayed in this run, per model size.
+    noise = {size: abs(1 - ratios["a/b"]) for size, n, _, _, ratios in results if n == 1}
+    if noise:
+        print("  same-work noise of this run (|1 - a/b| at N=1): "
+              + ", ".join(f"{LABELS[size]} {100 * v:.1f}%" for size, v in noise.items()))
+        if missed:
+            within = all(
+                ratios["a/c"] >= 0.90 - noise.get(size, 0) and (n == 1 or ratios["a/b"] >= 1.00 - noise.get(size, 0))
+                for size, n, _, _, ratios in results)
+            print(f"  every miss {'is' if within else 'is NOT'} within that noise")
     print("  c/b bounds what fusing can gain over serial; at N=1 (a) and (b) are the same work, so "
           "a/b there shows the measurement noise (judged on a/c only)")
 
