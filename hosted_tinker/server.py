@@ -63,7 +63,7 @@ class Server:
         model, self.tokenizer = load_base_model(config.base_model, data_dir, device,
                                                 pick_dtype(config.dtype, device))
         self.runtime = TrainingRuntime(model, config.base_model, device=device,
-                                       max_tokens_per_micro_batch=config.max_tokens_per_micro_batch or None,
+                                       max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
                                        max_live_adapters=config.max_live_adapters)
         self.eos_token_ids = eos_token_ids(model, self.tokenizer)
         engine = SamplingEngine(model, self.runtime.routing, self.tokenizer, device)

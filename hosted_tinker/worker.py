@@ -89,11 +89,18 @@ class TrainingWorker:
             self.futures.fail(req.request_id, f"{req.kind} failed on the server: {type(e).__name__}: {e}", "server")
 
     # -- compute ---------------------------------------------------------------------------------
-    def _run_compute(self, reqs: list[Request]) -> None:
-        live = [r for r in reqs if r.model_id in self.runtime.adapters]
+    def _loaded(self, reqs: list[Request], prefix: str = "") -> list[Request]:
+        """The requests whose model is loaded; the others fail (unloaded since they were queued)."""
+        loaded = []
         for r in reqs:
-            if r.model_id not in self.runtime.adapters:
-                self.futures.fail(r.request_id, f"model {r.model_id!r} is not loaded", "user")
+            if r.model_id in self.runtime.adapters:
+                loaded.append(r)
+            else:
+                self.futures.fail(r.request_id, f"{prefix}model {r.model_id!r} is not loaded", "user")
+        return loaded
+
+    def _run_compute(self, reqs: list[Request]) -> None:
+        live = self._loaded(reqs)
         if not live:
             return
         works: list[FBWork] = [r.payload for r in live]
@@ -120,12 +127,7 @@ class TrainingWorker:
 
     def _optim_steps(self, reqs: list[Request]) -> None:
         """All of the cycle's optimizer steps in one multi-adapter AdamW step."""
-        ready = []
-        for r in reqs:
-            if r.model_id in self.runtime.adapters:
-                ready.append(r)
-            else:
-                self.futures.fail(r.request_id, f"optim_step: model {r.model_id!r} is not loaded", "user")
+        ready = self._loaded(reqs, prefix="optim_step: ")
         if not ready:
             return
         try:

@@ -9,8 +9,8 @@ shared `LoRARouting` says which rows of the current batch belong to which adapte
 The rows of a batch are laid out in contiguous segments, one per (adapter, run of rows); the
 layer computes the base projection once for the whole batch and adds each segment's low-rank
 delta. Consecutive segments of the same rank and row count are computed together by two batched
-matmuls, so the number of ops does not grow with the number of tenants. A segment with no adapter (base-model sampling, or a model that does not adapt this
-projection) adds nothing. Adapter weights are plain float32 leaf tensors owned by their adapter,
+matmuls, so the number of ops does not grow with the number of tenants. A segment with no
+adapter (base-model sampling, or a model that does not adapt this projection) adds nothing. Adapter weights are plain float32 leaf tensors owned by their adapter,
 so gradients and optimizer state can never leak from one tenant to another.
 
 The delta is PEFT's (`lora_B(lora_A(x)) * scaling`, same operand order), so a checkpoint
@@ -113,9 +113,9 @@ class MultiLoRALinear(nn.Module):
         for adapter_id, start, end in segments:
             w = self.adapters.get(adapter_id) if adapter_id is not None else None
             if w is None:
-                key = "none"
+                key = "no adapter"  # consecutive gaps merge into one
             elif w.A.shape[0] < BATCHED_MIN_RANK:
-                key = None  # never grouped
+                key = None  # never grouped with anything
             else:
                 key = (w.A.shape[0], w.scaling, w.A.dtype, end - start)
             if plan and key is not None and key == last_key:

@@ -92,10 +92,11 @@ def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> 
 
 class TrainingRuntime:
     def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
-                 max_tokens_per_micro_batch: int | None = None, max_live_adapters: int = 64):
+                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64):
         self.model = model
         self.base_model_name = base_model_name
         self.device = device
+        # 0 = auto, as the --max-tokens-per-micro-batch flag.
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch or default_micro_batch_tokens(model, device)
         for p in model.parameters():
             p.requires_grad_(False)

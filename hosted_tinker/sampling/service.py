@@ -39,8 +39,7 @@ class SamplingService:
     def submit(self, request_id: str, job: SampleJob) -> None:
         job.on_done = lambda result: self.futures.resolve(request_id, encode_result(result), is_proto=True)
         job.on_error = lambda message: self.futures.fail(request_id, message, "server")
-        self.engine.submit(job)
-        self._wake()
+        self.submit_job(job)
 
     def submit_job(self, job: SampleJob) -> None:
         """Queue a job with the caller's own callbacks (on_done, on_error, on_token), left untouched.
