@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+# Per-token float inputs the trainer pads into [rows, width] tensors for `run_losses`.
+LOSS_INPUT_KEYS = ("weights", "logprobs", "advantages")
 
 
 @dataclass(frozen=True)
@@ -153,3 +155,30 @@ def per_token_loss(
     if loss_fn == "cispo":
         return -(torch.clamp(ratio, lo, hi).detach() * lp * adv)
     raise LossInputError(f"unknown loss_fn {loss_fn!r}")  # unreachable after resolve_loss_config
+
+
+def run_losses(
+    runs: list[tuple[str, dict[str, float], int, int]], logprobs: torch.Tensor, inputs: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """Per-token losses of a micro-batch laid out as runs of rows, one run per request.
+
+    `runs` holds (loss_fn, config, row_start, row_end); `logprobs`, every input and `mask` are
+    [rows, width] with zeros on padding. Returns the per-token loss ([rows, width], padding 0) and,
+    per run, the extra metrics its loss reports (summed by the caller across micro-batches;
+    "loss:sum" is added by the caller from the returned per-token loss).
+
+    Losses are elementwise per token, so consecutive runs with the same loss function and config
+    are computed as one block (fewer ops with many tenants; the gradient of a sum is 1 for every
+    token however the sum is grouped).
+    """
+    blocks: list[tuple[str, dict[str, float], int, int]] = []
+    for loss_fn, config, s, e in runs:
+        if blocks and blocks[-1][0] == loss_fn and blocks[-1][1] == config and blocks[-1][3] == s:
+            blocks[-1] = (loss_fn, config, blocks[-1][2], e)
+        else:
+            blocks.append((loss_fn, config, s, e))
+    parts = [per_token_loss(fn, cfg, logprobs[s:e], {k: v[s:e] for k, v in inputs.items()}) * mask[s:e]
+             for fn, cfg, s, e in blocks]
+    tok_loss = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return tok_loss, [{} for _ in runs]

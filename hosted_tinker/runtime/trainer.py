@@ -22,13 +22,10 @@ import torch.nn.functional as F
 
 from .adapters import AdamParams, LoRAAdapter, LoRAConfig, adamw_step
 from .checkpoints import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
-from .losses import per_token_loss
+from .losses import LOSS_INPUT_KEYS, run_losses
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora
 
 log = logging.getLogger(__name__)
-
-LOSS_INPUT_KEYS = ("weights", "logprobs", "advantages")
-
 
 @dataclass
 class DatumWork:
@@ -166,7 +163,8 @@ class TrainingRuntime:
         self.ensure_live([w.model_id for w in works])
         stats = PassStats(models=len({w.model_id for w in works}))
         per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        loss_sums = [0.0] * len(works)
+        # Per request: "loss:sum" (float64 over its datums) plus any metrics its loss reports.
+        metric_sums: list[dict[str, float]] = [{"loss:sum": 0.0} for _ in works]
         for grad in (True, False):
             rows = [(wi, di) for wi, w in enumerate(works) if w.forward_only != grad for di in range(len(w.data))]
             batches = list(self._micro_batches(rows, works))
@@ -175,11 +173,11 @@ class TrainingRuntime:
                 for model_id in dict.fromkeys(w.model_id for w in works if not w.forward_only):
                     self.adapters[model_id].prepare_grads()
             for batch in batches:
-                self._run_micro_batch(batch, works, grad, per_datum, loss_sums, stats)
+                self._run_micro_batch(batch, works, grad, per_datum, metric_sums, stats)
         outcomes = []
         for wi, work in enumerate(works):
             outputs = [per_datum[(wi, di)] for di in range(len(work.data))]
-            outcomes.append(FBOutcome(outputs=outputs, metrics={"loss:sum": loss_sums[wi]}))
+            outcomes.append(FBOutcome(outputs=outputs, metrics=metric_sums[wi]))
             stats.datums += len(work.data)
         stats.seconds = time.perf_counter() - start
         self.last_pass = stats
@@ -229,7 +227,7 @@ class TrainingRuntime:
 
         return [row for piece in sorted(pieces, key=key) for row in piece]
 
-    def _run_micro_batch(self, width_and_batch, works, grad, per_datum, loss_sums, stats: PassStats) -> None:
+    def _run_micro_batch(self, width_and_batch, works, grad, per_datum, metric_sums, stats: PassStats) -> None:
         width, batch = width_and_batch
         lengths = [len(works[wi].data[di].tokens) for wi, di in batch]
         rows = len(batch)
@@ -272,24 +270,11 @@ class TrainingRuntime:
                 logprobs = -F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1),
                                             reduction="none").reshape(rows, width)
                 del logits
-                # Losses are elementwise per token, so consecutive runs with the same loss
-                # function and config are computed as one block (fewer ops with many tenants;
-                # the gradient of a sum is 1 for every token however the sum is grouped).
-                blocks: list[tuple[int, int, int]] = []  # (a work index of the block, start, end)
-                for wi, s, e in runs:
-                    w = works[wi]
-                    if blocks and (works[blocks[-1][0]].loss_fn == w.loss_fn
-                                   and works[blocks[-1][0]].loss_config == w.loss_config):
-                        blocks[-1] = (blocks[-1][0], blocks[-1][1], e)
-                    else:
-                        blocks.append((wi, s, e))
-                tok_losses = []
-                for wi, s, e in blocks:
-                    w = works[wi]
-                    tok_losses.append(per_token_loss(
-                        w.loss_fn, w.loss_config, logprobs[s:e], {k: v[s:e] for k, v in inputs.items()}
-                    ) * mask[s:e])
-                tok_loss = tok_losses[0] if len(tok_losses) == 1 else torch.cat(tok_losses)
+                tok_loss, run_metrics = run_losses(
+                    [(works[wi].loss_fn, works[wi].loss_config, s, e) for wi, s, e in runs], logprobs, inputs, mask)
+                for (wi, _, _), m in zip(runs, run_metrics):
+                    for k, v in m.items():
+                        metric_sums[wi][k] = metric_sums[wi].get(k, 0.0) + v
                 lp_cpu = logprobs.detach().cpu().numpy()
                 el_cpu = tok_loss.detach().cpu().numpy()
                 for r, (wi, di) in enumerate(batch):
@@ -298,7 +283,7 @@ class TrainingRuntime:
                         "logprobs": lp_cpu[r, :n].astype(np.float32, copy=True),
                         "elementwise_loss": el_cpu[r, :n].astype(np.float32, copy=True),
                     }
-                    loss_sums[wi] += float(el_cpu[r, :n].astype(np.float64).sum())
+                    metric_sums[wi]["loss:sum"] += float(el_cpu[r, :n].astype(np.float64).sum())
                 if grad and tok_loss.requires_grad:
                     tok_loss.sum().backward()
         finally:
