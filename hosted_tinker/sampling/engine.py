@@ -1,7 +1,7 @@
 """`SamplingEngine`: batched autoregressive generation with a KV cache, many adapters per batch.
 
-Runs on the clock-cycle thread, after each cycle's training work, on the same model and the
-same `MultiLoRALinear` layers: each row of a batch goes through its own adapter snapshot (or
+Runs on the device loop's thread (device_loop.py), between training cycles, on the same model
+and the same `MultiLoRALinear` layers: each row of a batch goes through its own adapter snapshot (or
 none, for the base model). Requests that arrive while others decode are admitted between
 decode steps as a new group (prefilled once, with `num_samples` rows sharing that prefill), and
 every group advances one token per step. The engine hands control back to training whenever
@@ -130,7 +130,44 @@ class SamplingEngine:
     def active_rows(self) -> int:
         return sum(len(g.rows) for g in self._groups)
 
-    # -- the cycle thread -----------------------------------------------------------------------------
+    # -- the device loop's thread --------------------------------------------------------------------
+    def cancel(self, job: SampleJob, reason: str) -> bool:
+        """Stop `job`, queued or decoding, and call its on_error(reason) once; False if it had
+        already finished. Its rows leave their group; the other rows decode on unchanged."""
+        for i, queued in enumerate(self._pending):
+            if queued is job:
+                del self._pending[i]
+                job.on_error(reason)
+                return True
+        state: _JobState | None = None
+        for group in list(self._groups):
+            keep = [r for r, row in enumerate(group.rows) if row.job.job is not job]
+            if len(keep) < len(group.rows):
+                state = next(row.job for row in group.rows if row.job.job is job)
+                self._keep_rows(group, keep)
+        if state is None or state.failed:
+            return False
+        state.failed = True
+        job.on_error(reason)
+        return True
+
+    def fail_all(self, reason: str) -> None:
+        """Give up every queued and running job, each told through on_error(reason)."""
+        jobs: list[SampleJob] = []
+        while self._pending:
+            jobs.append(self._pending.pop(0))
+        for group in self._groups:
+            for row in group.rows:
+                if not row.job.failed:
+                    row.job.failed = True
+                    jobs.append(row.job.job)
+        self._groups.clear()
+        for job in jobs:
+            try:
+                job.on_error(reason)
+            except Exception:  # one broken callback must not keep the others unanswered
+                log.exception("a sampling job's on_error callback failed")
+
     def run(self, should_yield: Callable[[], bool], max_seconds: float = 0.5,
             resolve_adapter: Callable[[SampleJob], str | None] = lambda j: j.adapter_id,
             min_seconds: float = 0.0) -> None:
@@ -267,13 +304,17 @@ class SamplingEngine:
             else:
                 self._finish_row(row)
         if len(keep) < len(group.rows):
-            if not keep:
-                self._groups.remove(group)
-                return
-            idx = torch.tensor(keep, device=self.device)
-            group.cache.batch_select_indices(idx)
-            group.mask, group.positions = group.mask[idx], group.positions[idx]
-            group.rows = [group.rows[r] for r in keep]
+            self._keep_rows(group, keep)
+
+    def _keep_rows(self, group: _Group, keep: list[int]) -> None:
+        """Retire every row of `group` but those at the indices `keep`."""
+        if not keep:
+            self._groups.remove(group)
+            return
+        idx = torch.tensor(keep, device=self.device)
+        group.cache.batch_select_indices(idx)
+        group.mask, group.positions = group.mask[idx], group.positions[idx]
+        group.rows = [group.rows[r] for r in keep]
 
     def _hit_stop_string(self, row: _Row, job: SampleJob) -> bool:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=False)
