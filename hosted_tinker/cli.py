@@ -14,11 +14,18 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .api.app import create_app
+    from .data_dir_lock import DataDirInUse
+    from .server import Server
 
     config = ServerConfig.from_args(args)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
+    try:
+        server = Server(config)  # before the port is bound, as uvicorn's start-up would
+    except DataDirInUse as e:
+        print(f"hosted-tinker serve: {e}", file=sys.stderr)
+        return 1
+    app = create_app(config, server)
     # Our own access log (api/app.py) carries request ids; uvicorn's would duplicate it.
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=60, access_log=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .auth import ENV_VAR, KeyRing
 from .config import ServerConfig
+from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
@@ -71,6 +72,8 @@ class Server:
         self.config = config
         self.started_at = time.time()
         data_dir = Path(config.data_dir)
+        # Before anything reads or repairs the store: a second server on this dir stops here.
+        self.data_dir_lock = DataDirLock(data_dir)
         self.keyring = KeyRing.load(config.api_keys_file)
         if self.keyring.dev_mode:
             log.warning("=" * 78)
@@ -124,3 +127,4 @@ class Server:
         for model in self.models:
             model.loop.stop()
         self.store.close()
+        self.data_dir_lock.release()
