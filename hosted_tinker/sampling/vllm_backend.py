@@ -51,10 +51,6 @@ log = logging.getLogger(__name__)
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: lower temperatures sample greedily
 
 
-class _SidecarDown(Exception):
-    """Raised into requests in flight when the supervisor finds vLLM dead."""
-
-
 @dataclass
 class _Choice:
     """One sequence as it arrives (whole, or in streamed pieces)."""
@@ -171,6 +167,7 @@ class VLLMSamplingBackend:
         return {"requests_total": s.requests, "request_failures_total": s.failures,
                 "request_seconds_total": s.seconds_total, "tokens_generated_total": s.tokens_generated,
                 "requests_in_flight": self._in_flight, "restarts_total": self.sidecar.stats.restarts,
+                "last_start_seconds": self.sidecar.stats.last_start_seconds,
                 "ready": float(self.sidecar.is_ready())}
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -86,8 +86,8 @@ class VLLMLaunch:
     devices: str | None = None  # CUDA_VISIBLE_DEVICES of vLLM: disjoint from training's device
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
-    # Safe because every adapter version gets a new name and folder: a version's KV blocks are
-    # never reused for another (vLLM keys prefix blocks by LoRA name).
+    # Safe because every adapter version gets a new name and folder: vLLM 0.32 keys prefix blocks
+    # by LoRA name and path, so one version's KV blocks are never reused for another.
     prefix_caching: bool = True
     max_logprobs: int = 100  # the API's limit for top-k logprobs
     compile_cache_dir: Path | None = None  # TORCHINDUCTOR_CACHE_DIR: restarts skip recompiling
@@ -130,7 +130,7 @@ class SidecarStats:
     generation: int = 0  # ready periods so far; adapters registered in an older one are gone
     last_down_reason: str = ""
     down_since: float | None = None
-    ready_seconds: list[float] = field(default_factory=list)  # start to ready, per start
+    last_start_seconds: float = 0.0  # (re)start to ready, warm-up included
 
 
 class VLLMSidecar:
@@ -217,7 +217,7 @@ class VLLMSidecar:
                 self._stopping.wait(delay)
                 delay = min(delay * 2, self.backoff_s[1])
                 continue
-            self.stats.ready_seconds.append(time.monotonic() - started)
+            self.stats.last_start_seconds = time.monotonic() - started
             self.stats.generation += 1
             for listener in self._listeners:
                 try:
