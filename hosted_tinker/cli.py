@@ -7,21 +7,38 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import ServerConfig
+from .config import ServerConfig, SettingsError
+
+log = logging.getLogger("hosted_tinker")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _fail(command: str, problems: list[str]) -> int:
+    for line in problems:
+        print(f"hosted-tinker {command}: error: {line}", file=sys.stderr)
+    return 2
+
+
+def _serve(config: ServerConfig) -> int:
+    from .logs import configure_logging
+    from .startup import StartupError, preflight
+
+    configure_logging(config.log_level, config.log_format)
+    try:
+        checked = preflight(config)  # before anything slow: the model loads only once all of this passed
+    except StartupError as e:
+        return _fail("serve", [str(e)])
+    log.info("base model %s will be loaded from %s", config.base_model, checked.model_source)
+    config = config.model_copy(update={"port": checked.port})
+
     import uvicorn
 
     from .api.app import create_app
 
-    config = ServerConfig.from_args(args)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
-    # Our own access log (api/app.py) carries request ids; uvicorn's would duplicate it.
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=60, access_log=False)
+    # Our own access log (api/app.py) carries request ids; uvicorn's would duplicate it. log_config=None:
+    # uvicorn's records go through the handler configure_logging set up, in the same format.
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_config=None, log_level=config.log_level,
+                                           timeout_graceful_shutdown=60, access_log=False))
+    server.run(sockets=[checked.sock])
     return 0
 
 
@@ -61,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hosted-tinker", description="Self-hosted server for the Tinker training API")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ServerConfig.add_arguments(serve)
-    serve.set_defaults(func=_serve)
+                           description="Run the server. Every setting is also read from $HOSTED_TINKER_<NAME> "
+                                       "(e.g. HOSTED_TINKER_PORT=8001) and from --config FILE (YAML or TOML); "
+                                       "flags win over variables, variables over the file.")
+    settings_source = ServerConfig.cli_source(serve)
 
     export = sub.add_parser(
         "export", help="write a checkpoint as a PEFT adapter directory (or a merged model) without the SDK",
@@ -92,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_remote(imp)
     imp.set_defaults(func=_import)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            config = ServerConfig.from_cli(settings_source, args)
+        except SettingsError as e:
+            return _fail("serve", e.problems)
+        return _serve(config)
     return args.func(args)
 
 

@@ -1,0 +1,3 @@
+"""placeholder"""
+from fastapi import APIRouter
+router = APIRouter()
