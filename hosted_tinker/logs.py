@@ -9,6 +9,7 @@ its records reach the root handler configured here.
 from __future__ import annotations
 
 import logging.config
+import os
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -16,6 +17,8 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def configure_logging(level: str, fmt: str) -> None:
     """Send every record (ours, uvicorn's, libraries') to stderr in one format."""
     if fmt == "json":
+        # Progress bars (huggingface_hub's and transformers', read at their import) are not JSON: off.
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
         formatter = {"()": "pythonjsonlogger.json.JsonFormatter",
                      "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
                      "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"}}

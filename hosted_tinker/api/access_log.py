@@ -57,29 +57,19 @@ class AccessLog:
         request_id = given or uuid.uuid4().hex[:16]
         status = 500
         error_body = bytearray()
+        failure: str | None = None
+        logged = False
 
-        async def watch(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1"))]
-            elif message["type"] == "http.response.body" and status >= 400 and len(error_body) < _KEPT_BODY:
-                error_body.extend(message.get("body", b"")[:_KEPT_BODY - len(error_body)])
-            await send(message)
-
-        failure = None
-        try:
-            await self.app(scope, receive, watch)
-        except Exception as e:  # answered as a 500 by the outermost handler, which logs the traceback
-            failure = f"internal error: {type(e).__name__}"
-            raise
-        finally:
+        def write_log() -> None:
+            nonlocal logged
+            if logged:
+                return
+            logged = True
             elapsed = time.perf_counter() - start
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.observe_request(route, status, elapsed)
             reason = failure or (refusal_reason(bytes(error_body)) if status >= 400 else None)
             quiet = (route in QUIET_ROUTES and status < 400) or (route in PROBED_ROUTES and status < 500)
-            level = logging.DEBUG if quiet else logging.INFO
             fields = {"request_id": request_id, "method": scope["method"], "route": route, "status": status,
                       "ms": round(elapsed * 1000, 1)}
             extra = ""
@@ -89,5 +79,25 @@ class AccessLog:
             if reason is not None:
                 fields["reason"] = reason
                 extra += f" reason={json.dumps(reason)}"
-            log.log(level, "request_id=%s method=%s route=%s status=%d ms=%.1f%s", request_id, scope["method"],
-                    route, status, elapsed * 1000, extra, extra=fields)
+            log.log(logging.DEBUG if quiet else logging.INFO, "request_id=%s method=%s route=%s status=%d ms=%.1f%s",
+                    request_id, scope["method"], route, status, elapsed * 1000, extra, extra=fields)
+
+        async def watch(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1"))]
+            elif message["type"] == "http.response.body":
+                if status >= 400 and len(error_body) < _KEPT_BODY:
+                    error_body.extend(message.get("body", b"")[:_KEPT_BODY - len(error_body)])
+                if not message.get("more_body", False):
+                    write_log()  # before the last byte leaves: a client that has its answer finds the line
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:  # answered as a 500 by the outermost handler, which logs the traceback
+            failure = f"internal error: {type(e).__name__}"
+            raise
+        finally:
+            write_log()
