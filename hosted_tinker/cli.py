@@ -42,16 +42,41 @@ def _serve(config: ServerConfig) -> int:
     return 0
 
 
+class _ProgressBar:
+    """A byte progress bar on stderr (tqdm) for export / import; silent when stderr is not a terminal."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.bar = None
+
+    def __call__(self, done: int, total: int | None) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=self.label, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            file=sys.stderr, disable=None)  # None: off when not a terminal
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _export(args: argparse.Namespace) -> int:
     from .export import ExportError, export_checkpoint
+    from .logs import configure_logging
 
+    configure_logging("info", "text")  # --merged loads the base model: its stages are logged
+    bar = _ProgressBar("checkpoint")
     try:
         out = export_checkpoint(args.tinker_path, args.out, data_dir=args.data_dir, base_url=args.base_url,
                                 api_key=args.api_key, merged=args.merged, base_model=args.base_model,
-                                dtype=args.dtype, force=args.force)
+                                dtype=args.dtype, force=args.force, progress=bar)
     except ExportError as e:
+        bar.close()
         print(f"hosted-tinker export: {e}", file=sys.stderr)
         return 1
+    bar.close()
     print(out)
     return 0
 
@@ -59,12 +84,15 @@ def _export(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from .export import ExportError, import_adapter
 
+    bar = _ProgressBar("upload")
     try:
         answer = import_adapter(args.adapter_dir, name=args.name, base_url=args.base_url, api_key=args.api_key,
-                                training_run_id=args.run_id, overwrite=args.overwrite)
+                                training_run_id=args.run_id, overwrite=args.overwrite, progress=bar)
     except ExportError as e:
+        bar.close()
         print(f"hosted-tinker import: {e}", file=sys.stderr)
         return 1
+    bar.close()
     print(answer["tinker_path"])
     return 0
 
