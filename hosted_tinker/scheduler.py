@@ -224,7 +224,10 @@ class ClockCycleScheduler:
                 self.last_cycle_requests = len(plan.compute) + len(plan.optim) + len(plan.tail)
                 self.last_cycle_seconds = elapsed
                 self.cycle_seconds_total += elapsed
+            try:  # outside the lock: observers may ask for queue_depth()
                 self.on_cycle(plan, elapsed)
+            except Exception:
+                log.exception("a cycle observer failed")
 
     def _plan(self) -> tuple[CyclePlan, float | None]:
         """Build the next cycle (called with the lock held). Also returns the next deadline."""

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hosted_tinker.config import ServerConfig, flag
 from hosted_tinker.model_loading import DTYPES
@@ -121,6 +122,14 @@ def test_a_port_in_use_is_found_before_the_model_loads(tmp_path):
 def test_a_missing_model_is_one_line_before_anything_loads(tmp_path, model, env, pattern):
     out = serve(tmp_path, "--base-model", model, env=env)
     assert_one_line_error(out, pattern)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_device_this_machine_lacks_is_one_line(tmp_path):
+    assert_one_line_error(serve(tmp_path, "--device", "cuda"),
+                          r"--device cuda: no cuda device is available to torch on this machine; use --device cpu "
+                          r"\(or auto\)")
+    assert not (tmp_path / "data").exists()
 
 
 def test_an_unreadable_keys_file_is_one_line(tmp_path):
