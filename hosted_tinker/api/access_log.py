@@ -30,12 +30,17 @@ PROBED_ROUTES = {route.path for route in hub.router.routes}
 _KEPT_BODY = 4096
 
 
-def refusal_reason(body: bytes) -> str | None:
-    """The message an error body gives the client, if it is one of ours (or OpenAI-shaped)."""
+def refusal_reason(body: bytes, content_type: str) -> str | None:
+    """The message an error body gives the client: `detail` of our JSON errors, `error.message` of the
+    OpenAI API's, or a plain-text body; None for anything else (an HTML page)."""
+    if content_type.startswith("text/plain"):
+        return body[:500].decode("utf-8", "replace") or None
+    if not content_type.startswith("application/json"):
+        return None
     try:
         answer = json.loads(body)
     except ValueError:
-        return body[:200].decode("utf-8", "replace") or None
+        return None
     if not isinstance(answer, dict):
         return None
     reason = answer.get("detail")
@@ -56,6 +61,7 @@ class AccessLog:
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")[:128]
         request_id = given or uuid.uuid4().hex[:16]
         status = 500
+        content_type = ""
         error_body = bytearray()
         failure: str | None = None
         logged = False
@@ -68,7 +74,7 @@ class AccessLog:
             elapsed = time.perf_counter() - start
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.observe_request(route, status, elapsed)
-            reason = failure or (refusal_reason(bytes(error_body)) if status >= 400 else None)
+            reason = failure or (refusal_reason(bytes(error_body), content_type) if status >= 400 else None)
             quiet = (route in QUIET_ROUTES and status < 400) or (route in PROBED_ROUTES and status < 500)
             fields = {"request_id": request_id, "method": scope["method"], "route": route, "status": status,
                       "ms": round(elapsed * 1000, 1)}
@@ -83,9 +89,10 @@ class AccessLog:
                     request_id, scope["method"], route, status, elapsed * 1000, extra, extra=fields)
 
         async def watch(message):
-            nonlocal status
+            nonlocal status, content_type
             if message["type"] == "http.response.start":
                 status = message["status"]
+                content_type = dict(message.get("headers", ())).get(b"content-type", b"").decode("latin-1")
                 message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode("latin-1"))]
             elif message["type"] == "http.response.body":
                 if status >= 400 and len(error_body) < _KEPT_BODY:
