@@ -32,6 +32,8 @@ def configure_logging(level: str, fmt: str) -> None:
                                 "stream": "ext://sys.stderr"}},
         "root": {"level": level.upper(), "handlers": ["stderr"]},
         # uvicorn's loggers keep no handlers of their own: they propagate to the root's.
-        "loggers": {name: {"handlers": [], "propagate": True}
-                    for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+        "loggers": {**{name: {"handlers": [], "propagate": True}
+                       for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+                    # httpx logs every request it sends (hub look-ups, export downloads) at INFO.
+                    "httpx": {"level": "WARNING"}},
     })

@@ -124,8 +124,9 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
     else:
         auth = f"{len(server.keyring)} API key(s); each key sees only its own runs, checkpoints and sessions"
     c = config
+    listening = "" if url.endswith(f"//{c.host}:{c.port}") else f" (listening on {c.host}:{c.port})"
     return [
-        f"hosted-tinker {__version__} ready at {url}",
+        f"hosted-tinker {__version__} ready at {url}{listening}",
         f"  SDK        tinker.ServiceClient(base_url=\"{url}\"); OpenAI API {url}/v1; dashboard {url}/dashboard",
         f"  data dir   {data_dir}",
         f"  database   {server.store.path.resolve()}",
