@@ -34,7 +34,7 @@ def _serve(config: ServerConfig) -> int:
 
     from .api.app import create_app
 
-    # Our own access log (api/app.py) carries request ids; uvicorn's would duplicate it. log_config=None:
+    # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:
     # uvicorn's records go through the handler configure_logging set up, in the same format.
     server = uvicorn.Server(uvicorn.Config(create_app(config), log_config=None, log_level=config.log_level,
                                            timeout_graceful_shutdown=60, access_log=False))

@@ -122,7 +122,7 @@ class ServerConfig(BaseSettings):
     @classmethod
     def cli_source(cls, parser: argparse.ArgumentParser) -> CliSettingsSource:
         """Add a flag per setting to `parser`; call the source with `parsed_args=` to read them."""
-        return CliSettingsSource(cls, root_parser=parser, cli_show_env_vars=False)
+        return CliSettingsSource(cls, root_parser=parser, cli_show_env_vars=True)
 
     @classmethod
     def from_cli(cls, source: CliSettingsSource, args: argparse.Namespace) -> "ServerConfig":
