@@ -14,15 +14,18 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "half": torch.float16}
+# torch is imported only where a tensor type is needed: the start-up checks (check_model_available)
+# come before it, since importing torch takes seconds on a busy machine.
+DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 # How long the start-up check waits for the hub to answer: a reachable hub answers in well under a
 # second; an unreachable one is reported at once instead of after minutes of retries.
 HUB_PROBE_TIMEOUT_S = 5.0
@@ -33,16 +36,20 @@ class ModelUnavailable(RuntimeError):
 
 
 def pick_device(spec: str) -> torch.device:
+    import torch
+
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(spec)
 
 
 def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        return DTYPES[spec]
+        return getattr(torch, DTYPES[spec])
     except KeyError:
         raise ValueError(f"unknown dtype {spec!r}; use auto, {', '.join(DTYPES)}") from None
 

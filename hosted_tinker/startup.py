@@ -50,11 +50,11 @@ def preflight(config: ServerConfig) -> Preflight:
 
 
 def _check_device(spec: str) -> None:
-    import torch
-
     kind = spec.split(":")[0]
     if kind in ("auto", "cpu"):
         return
+    import torch
+
     backend = getattr(torch, kind, None)
     if backend is None or not backend.is_available():
         raise StartupError(f"{flag('device')} {spec}: no {kind} device is available to torch on this machine; "
