@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from .futures import FutureStore
 from .sampling.backend import SamplingBackend
@@ -36,6 +37,7 @@ UNANSWERED = ("the server finished its cycle without answering this request (a s
 class DeviceLoop:
     def __init__(self, scheduler: ClockCycleScheduler, worker: TrainingWorker, sampling: SamplingBackend,
                  futures: FutureStore, wake: threading.Event, *, round_seconds: float = 0.25,
+                 on_cycle: Callable[[CyclePlan, float], None] = lambda plan, seconds: None,
                  name: str = "device-loop"):
         self.scheduler = scheduler
         self.worker = worker
@@ -43,6 +45,7 @@ class DeviceLoop:
         self.futures = futures
         self.wake = wake  # set by producers (the scheduler's on_work, the sampling backend)
         self.round_seconds = round_seconds
+        self.on_cycle = on_cycle  # observation (api/metrics.py), after each training cycle
         self.name = name
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -64,6 +67,9 @@ class DeviceLoop:
                           timeout)
                 return
         self.sampling.shutdown()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
         while not self._stopping:
@@ -90,7 +96,12 @@ class DeviceLoop:
                 log.error("a cycle left %d request(s) unanswered; failed them", len(unanswered))
         except Exception:
             log.exception("could not fail the unanswered requests of a cycle")
-        self.scheduler.cycle_done(plan, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.scheduler.cycle_done(plan, seconds)
+        try:
+            self.on_cycle(plan, seconds)
+        except Exception:  # an observer must not stop the loop
+            log.exception("a cycle observer failed")
 
     def _sampling_round(self) -> None:
         share = min(self.scheduler.last_cycle_seconds, self.round_seconds)

@@ -9,7 +9,7 @@ records checkpoints and futures; the runtime only computes and writes adapter fi
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,7 +23,7 @@ class ModelRuntime(Protocol):
     vocab_size: int  # token ids a request may use
     max_context: int  # longest sequence a request may send
     layers: Mapping[str, Any]  # adaptable projections by module path
-    adapters: Container[str]  # ids of the models whose adapters it holds
+    adapters: Mapping[str, Any]  # model id -> its adapter (read: membership, `.step`)
     last_pass: PassStats  # what the last forward_backward did
 
     def create_adapter(self, model_id: str, config: LoRAConfig) -> Any: ...

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from .auth import ENV_VAR, KeyRing
 from .config import ServerConfig
@@ -23,10 +24,10 @@ from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
 from .runtime.trainer import TrainingRuntime
 from .sampling.backend import EngineBackend
-from .sampling.engine import SamplingEngine
+from .sampling.engine import SampleJob, SamplingEngine
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
-from .scheduler import ClockCycleScheduler
+from .scheduler import ClockCycleScheduler, CyclePlan
 from .served_models import ModelRegistry, ServedModel
 from .store import Store
 from .worker import TrainingWorker
@@ -46,7 +47,24 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def serve_model(config: ServerConfig, futures: FutureStore, store: Store, data_dir: Path) -> ServedModel:
+class Observer(Protocol):
+    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick."""
+
+    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None: ...
+
+    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None: ...
+
+
+class _Unobserved:
+    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None:
+        pass
+
+    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None:
+        pass
+
+
+def serve_model(config: ServerConfig, futures: FutureStore, store: Store, data_dir: Path,
+                observer: Observer) -> ServedModel:
     """Load `config.base_model` and build the parts that serve it, each given what it needs."""
     device = pick_device(config.device)
     model, tokenizer = load_base_model(config.base_model, data_dir, device, pick_dtype(config.dtype, device))
@@ -58,17 +76,18 @@ def serve_model(config: ServerConfig, futures: FutureStore, store: Store, data_d
                                     gather_window_s=config.gather_window_s,
                                     max_tokens_per_cycle=config.max_tokens_per_cycle,
                                     max_models_per_cycle=config.max_live_adapters)
-    backend = EngineBackend(SamplingEngine(model, runtime.routing, tokenizer, device),
+    backend = EngineBackend(SamplingEngine(model, runtime.routing, tokenizer, device,
+                                           on_request_done=observer.observe_sample),
                             SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
     worker = TrainingWorker(runtime, futures, store, data_dir / "checkpoints", backend)
     return ServedModel(name=config.base_model, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
                        runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
                        sampler=SamplingService(backend, futures),
-                       loop=DeviceLoop(scheduler, worker, backend, futures, wake))
+                       loop=DeviceLoop(scheduler, worker, backend, futures, wake, on_cycle=observer.observe_cycle))
 
 
 class Server:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, observer: Observer | None = None):
         self.config = config
         self.started_at = time.time()
         data_dir = Path(config.data_dir)
@@ -90,7 +109,8 @@ class Server:
                         "category 'server'", interrupted)
         self.store.mark_models_unloaded()
         self.futures = FutureStore(self.store)
-        self.models = ModelRegistry([serve_model(config, self.futures, self.store, data_dir)])
+        self.models = ModelRegistry([serve_model(config, self.futures, self.store, data_dir,
+                                                 observer or _Unobserved())])
 
     # The API's view of the one model served today (routes move to `models.get(base_model)`
     # when several are).

@@ -52,6 +52,9 @@ class SampleJob:
     # on_token(index, token, logprob, topk_ids | None, topk_logprobs | None, stop_reason | None);
     # stop_reason is set on a sequence's last token. None (the default) costs one check per token.
     on_token: Callable[[int, int, float, list[int] | None, list[float] | None, str | None], None] | None = None
+    # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
 
 
 @dataclass
@@ -104,7 +107,8 @@ class _Group:
 
 class SamplingEngine:
     def __init__(self, model: torch.nn.Module, routing: LoRARouting, tokenizer, device: torch.device,
-                 *, max_rows_per_group: int = 256, max_prefill_tokens: int = 16384):
+                 *, max_rows_per_group: int = 256, max_prefill_tokens: int = 16384,
+                 on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None):
         self.model = model
         self.routing = routing
         self.tokenizer = tokenizer
@@ -115,6 +119,8 @@ class SamplingEngine:
         self._groups: list[_Group] = []
         self.tokens_generated = 0
         self.requests_done = 0
+        # Observation (api/metrics.py): a finished request and the tokens it generated.
+        self.on_request_done = on_request_done
 
     # -- producer side (any thread; list.append/pop are atomic under the GIL) ------------------------
     def submit(self, job: SampleJob) -> None:
@@ -254,6 +260,9 @@ class SamplingEngine:
                        next_logits=logits[expand, -1])
         self._groups.append(group)
         self._choose(group)
+        now = time.perf_counter()
+        for st, _ in states:
+            st.job.first_token_at = now
 
     def _decode_step(self, group: _Group) -> None:
         if not group.rows:
@@ -337,6 +346,10 @@ class SamplingEngine:
             except Exception as e:  # encoding the answer failed: the request fails, others go on
                 log.exception("delivering a sample result failed")
                 job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+            try:
+                self.on_request_done(job, sum(len(r.tokens) for r in st.results))
+            except Exception:  # an observer must not fail the requests
+                log.exception("a sampling observer failed")
 
 
 def _report_token(job: SampleJob, row: _Row) -> None:
