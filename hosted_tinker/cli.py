@@ -14,8 +14,14 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .api.app import create_app
+    from .auth import KeyConfigError, KeyRing
 
     config = ServerConfig.from_args(args)
+    try:  # a malformed key is one clear line, before anything starts (the server reads them again)
+        KeyRing.load(config.api_keys_file)
+    except KeyConfigError as e:
+        print(f"hosted-tinker serve: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
