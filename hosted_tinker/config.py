@@ -36,7 +36,15 @@ class ServerConfig:
             "optimizer state) and back on their next request")
     max_sampler_snapshots: int = _opt(
         64, "sampler adapter snapshots kept loaded; others are reloaded from disk when sampled again")
-    max_num_samples: int = _opt(128, "largest num_samples per sample request")
+    max_num_samples: int = _opt(128, "largest num_samples per sample request (n for the OpenAI API)")
+    max_prompts_per_request: int = _opt(64, "prompts in one OpenAI /v1/completions request")
+    max_sampled_tokens_per_request: int = _opt(
+        1 << 20, "tokens one sample request may ask for: prompts x samples x max_tokens")
+    max_sampling_requests_per_key: int = _opt(
+        1024, "sample requests (Tinker and OpenAI) one API key may have waiting or running; beyond it, 429")
+    max_sampled_tokens_per_key: int = _opt(
+        1 << 23, "tokens (samples x max_tokens) one API key's waiting and running sample requests may ask for; "
+                 "beyond it, 429")
     default_max_tokens: int = _opt(512, "max_tokens when a sample request leaves it unset")
     ephemeral_sampler_ttl_s: int = _opt(
         7 * 24 * 3600, "how long snapshots made by save_weights_and_get_sampling_client are kept on disk")
@@ -51,7 +59,9 @@ class ServerConfig:
     max_pending_per_key: int = _opt(
         4096, "unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)")
     max_models_per_key: int = _opt(64, "live training models one API key may hold (unload one to make room)")
-    max_request_bytes: int = _opt(512 << 20, "largest request body accepted (after decompression)")
+    max_request_bytes: int = _opt(
+        512 << 20, "largest forward_backward or checkpoint import body accepted (after decompression)")
+    max_json_request_bytes: int = _opt(16 << 20, "largest body of every other request (JSON)")
     api_keys_file: Path | None = _opt(
         None, "file of accepted API keys, one 'owner: tml-key' per line (also read: $HOSTED_TINKER_API_KEYS, "
               "comma-separated); with neither, dev mode accepts any tml- key")

@@ -126,7 +126,7 @@ def test_base_model_chat_and_completion(oai):
 
 def test_choice_text_matches_decode(tok):
     """Token by token, held back and cut at stop strings, the pieces join into the decoded text."""
-    from hosted_tinker.api.openai_compat import _ChoiceText
+    from hosted_tinker.api.openai_compat.text import ChoiceText
 
     rng = np.random.default_rng(0)
     multibyte = tok.encode("héllo wörld — 你好 🙂 naïve")
@@ -137,7 +137,7 @@ def test_choice_text_matches_decode(tok):
         full = tok.decode(ids, skip_special_tokens=True)
         stop = full[int(rng.integers(0, max(1, len(full) - 2))):][:int(rng.integers(1, 4))] if trial % 3 else ""
         stops = (stop, "never") if stop else ()
-        c = _ChoiceText(tok, tok.encode("Hi"), stops, frozenset())
+        c = ChoiceText(tok, tok.encode("Hi"), stops, frozenset())
         pieces, released = [], 0
         for k, t in enumerate(ids):
             text, a, b = c.feed(t, -1.0, None, None, "length" if k == len(ids) - 1 else None)
