@@ -351,7 +351,7 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
     """
     check_name(name)
     run_id = check_run_id(training_run_id) if training_run_id else f"import-{uuid.uuid4().hex[:12]}"
-    existing_run = server.store.get_model(run_id)
+    existing_run = await run_in_threadpool(server.store.get_model, run_id)  # SQLite: off the event loop
     if existing_run is not None and existing_run["owner"] != owner:
         raise HTTPException(404, f"training run {run_id!r} not found")
     uploads = Path(server.config.data_dir) / "uploads"

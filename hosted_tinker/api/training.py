@@ -11,8 +11,6 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from ..access import Access
-from ..futures import FutureStore
-from ..runtime.adapters import LoRAConfig
 from ..server import Server
 from ..services.training import TrainingRequests
 from ..wire.codec import WireError, decode_forward_backward_request
@@ -66,11 +64,10 @@ def _checkpoint_for_load(access: Access, owner: str, path: str, with_optimizer: 
 @router.post("/api/v1/create_model")
 def create_model(body: CreateModelRequest, owner: str = Depends(require_owner),
                  training: TrainingRequests = Depends(get_training)):
-    lora = body.lora_config or LoraConfigIn()
-    config = LoRAConfig(rank=lora.rank, seed=lora.seed or 0, train_mlp=lora.train_mlp, train_attn=lora.train_attn,
-                        train_unembed=lora.train_unembed)
-    return training.create_model(owner, body.session_id, body.model_seq_id, body.base_model, config,
-                                 body.optimizer_config or {"type": "adamw"}, body.user_metadata or {})
+    return training.create_model(owner, body.session_id, body.model_seq_id, body.base_model,
+                                 **(body.lora_config or LoraConfigIn()).model_dump(),
+                                 optimizer=body.optimizer_config or {"type": "adamw"},
+                                 user_metadata=body.user_metadata or {})
 
 
 @router.post("/api/v1/get_info")
@@ -177,7 +174,7 @@ def load_weights(body: LoadWeightsRequest, owner: str = Depends(require_owner),
 async def retrieve_future(body: RetrieveFutureRequest, owner: str = Depends(require_owner),
                           access: Access = Depends(get_access), server: Server = Depends(get_server)):
     rec = await run_in_threadpool(access.future, owner, body.request_id)  # SQLite: off the event loop
-    futures: FutureStore = server.futures
+    futures = server.futures
     # The owner check already read the record: a finished one is answered from it directly.
     result = futures.from_record(rec) or await futures.wait(body.request_id, server.config.long_poll_s)
     if result is None:

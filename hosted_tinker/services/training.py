@@ -47,10 +47,13 @@ class TrainingRequests:
             raise HTTPException(400, f"base model {base_model!r} is not served here; this server serves "
                                      f"{self.config.base_model!r}")
 
-    def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str, lora: LoRAConfig,
-                     optimizer: dict, user_metadata: dict) -> dict:
+    def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str, rank: int,
+                     seed: int | None, train_mlp: bool, train_attn: bool, train_unembed: bool, optimizer: dict,
+                     user_metadata: dict) -> dict:
         self.access.session(owner, session_id)
         self.check_base_model(base_model)
+        lora = LoRAConfig(rank=rank, seed=seed or 0, train_mlp=train_mlp, train_attn=train_attn,
+                          train_unembed=train_unembed)
         if lora.rank > self.config.max_lora_rank:
             raise HTTPException(400, f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank}")
         if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
