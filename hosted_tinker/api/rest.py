@@ -30,11 +30,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from ..access import Access
 from ..checkpoint_admin import (
     CHECKPOINT_LOCK, KIND_TYPES, UrlSigner, checkpoint_files, delete_checkpoint, extract_checkpoint_tar,
     is_expired, open_checkpoint_files, prepare_import, recover, sweep_expired, tar_length, tar_stream, write_import,
 )
-from ..access import Access
 from ..runtime.checkpoints import ADAPTER_CONFIG, MANIFEST, CheckpointError
 from ..server import Server
 from .deps import accessible_scope, get_access, get_server, require_owner
@@ -85,34 +85,6 @@ def checkpoint_ref(run_id: str, kind: str, name: str) -> str:
         raise HTTPException(400, f"invalid checkpoint kind {kind!r}: expected one of {sorted(KIND_TYPES)}")
     check_name(name)
     return f"{kind}/{name}"
-
-
-def _check_scope(access_scope: str) -> bool:
-    """True for 'accessible' (others' published work too), False for 'owned'."""
-    if access_scope not in ("owned", "accessible"):
-        raise HTTPException(400, f"invalid access_scope {access_scope!r}: expected 'owned' or 'accessible'")
-    return access_scope == "accessible"
-
-
-def _checkpoint(server: Server, owner: str, run_id: str, kind: str, name: str, *, write: bool):
-    """The live checkpoint record; 404 unless the caller owns it (or, to read, it is public)."""
-    checkpoint_id = checkpoint_ref(run_id, kind, name)
-    row = server.store.get_checkpoint(run_id, checkpoint_id)
-    if row is None or is_expired(row) or (row["owner"] != owner and (write or not row["public"])):
-        raise HTTPException(404, f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
-    return row
-
-
-def _run(server: Server, owner: str, run_id: str, accessible: bool):
-    """(model row, caller owns it); others see a run only through its published checkpoints."""
-    check_run_id(run_id)
-    row = server.store.get_model(run_id)
-    if row is not None:
-        if row["owner"] == owner:
-            return row, True
-        if accessible and server.store.run_has_public_checkpoint(run_id):
-            return row, False
-    raise HTTPException(404, f"training run {run_id!r} not found")
 
 
 # -- JSON shapes (tinker.types) --------------------------------------------------------------------------
