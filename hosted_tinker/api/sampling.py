@@ -57,8 +57,7 @@ def sampling_session_id(session_id: str, seq: int) -> str:
 
 @router.post("/api/v1/create_sampling_session")
 def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Depends(require_owner),
-                            server: Server = Depends(get_server), access: Access = Depends(get_access),
-                            sampling: SamplingRequests = Depends(get_sampling)):
+                            access: Access = Depends(get_access), sampling: SamplingRequests = Depends(get_sampling)):
     access.session(owner, body.session_id)
     sid = sampling_session_id(body.session_id, body.sampling_session_seq_id)
     if body.model_path is not None:
@@ -68,10 +67,7 @@ def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Dep
         ckpt_dir, path = None, None
     else:
         raise HTTPException(400, "create_sampling_session needs model_path or base_model")
-    if body.base_model is not None and body.base_model != server.config.base_model:
-        raise HTTPException(400, f"base model {body.base_model!r} is not served here; this server serves "
-                                 f"{server.config.base_model!r}")
-    sampling.open_session(owner, body.session_id, sid, path, ckpt_dir)
+    sampling.open_session(owner, body.session_id, sid, body.base_model, path, ckpt_dir)
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 

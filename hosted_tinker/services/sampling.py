@@ -18,6 +18,7 @@ from fastapi import HTTPException
 from ..access import Access
 from ..sampling.engine import SampleJob
 from ..server import Server
+from . import check_base_model
 
 
 def requested_tokens(job: SampleJob) -> int:
@@ -119,8 +120,10 @@ class SamplingRequests:
                                      f"max_tokens); the limit is {limit} (max_sampled_tokens_per_request): ask for "
                                      "fewer samples or fewer max_tokens per request")
 
-    def open_session(self, owner: str, session_id: str, sampling_session_id: str, model_path: str | None,
-                     checkpoint_dir: str | None) -> None:
+    def open_session(self, owner: str, session_id: str, sampling_session_id: str, base_model: str | None,
+                     model_path: str | None, checkpoint_dir: str | None) -> None:
+        """A sampling session of the base model, or of the checkpoint at model_path (access checked)."""
+        check_base_model(self.config, base_model)
         self.server.store.create_sampling_session(sampling_session_id, session_id, owner, self.config.base_model,
                                                   model_path, checkpoint_dir)
 

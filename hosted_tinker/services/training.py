@@ -22,6 +22,7 @@ from ..scheduler import Request
 from ..server import Server
 from ..wire.codec import ForwardBackwardCall, WireError
 from ..worker import LoadSpec, SaveSpec
+from . import check_base_model
 
 
 def future_ref(request_id: str, model_id: str | None = None) -> dict:
@@ -42,16 +43,11 @@ class TrainingRequests:
         self.access = access
 
     # -- models ---------------------------------------------------------------------------------
-    def check_base_model(self, base_model: str | None) -> None:
-        if base_model is not None and base_model != self.config.base_model:
-            raise HTTPException(400, f"base model {base_model!r} is not served here; this server serves "
-                                     f"{self.config.base_model!r}")
-
     def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str, rank: int,
                      seed: int | None, train_mlp: bool, train_attn: bool, train_unembed: bool, optimizer: dict,
                      user_metadata: dict) -> dict:
         self.access.session(owner, session_id)
-        self.check_base_model(base_model)
+        check_base_model(self.config, base_model)
         lora = LoRAConfig(rank=rank, seed=seed or 0, train_mlp=train_mlp, train_attn=train_attn,
                           train_unembed=train_unembed)
         if lora.rank > self.config.max_lora_rank:
@@ -67,7 +63,7 @@ class TrainingRequests:
                                find_checkpoint: Callable[[], LoadSpec], optimizer: dict, user_metadata: dict) -> dict:
         """create_training_client_from_state: a new model whose first request loads the checkpoint."""
         self.access.session(owner, session_id)
-        self.check_base_model(base_model)
+        check_base_model(self.config, base_model)
         spec = find_checkpoint()
         manifest = spec.checkpoint_dir / MANIFEST
         lora = json.loads(manifest.read_text())["lora_config"] if manifest.is_file() else {}
