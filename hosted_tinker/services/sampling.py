@@ -68,39 +68,35 @@ class Lease:
         self._lock = threading.Lock()
         self._held = True
 
-    def release(self, *_) -> None:
+    def release(self) -> None:
         with self._lock:
             held, self._held = self._held, False
         if held:
             self._allowance._give_back(self._owner, self._tokens)
 
     def release_when_done(self, jobs: list[SampleJob]) -> None:
-        """Release when the last of `jobs` ends (done, failed or cancelled), before its own callbacks."""
-        left = [len(jobs)]
+        """Release once every one of `jobs` has ended (done, failed or cancelled), before its own callbacks."""
+        running = set(range(len(jobs)))
         lock = threading.Lock()
 
-        def one_ended() -> None:
+        def ended(i: int) -> None:
             with lock:
-                left[0] -= 1
-                last = left[0] == 0
+                running.discard(i)  # a job may both finish and fail (its result failed to encode)
+                last = not running
             if last:
                 self.release()
 
-        for job in jobs:
-            job.on_done = _ended_first(one_ended, job.on_done, job)
-            job.on_error = _ended_first(one_ended, job.on_error, job)
+        for i, job in enumerate(jobs):
+            job.on_done = _mark_ended_then(ended, i, job.on_done)
+            job.on_error = _mark_ended_then(ended, i, job.on_error)
 
 
-def _ended_first(ended, then, job: SampleJob):
-    seen = [False]  # a job may both finish and fail (its result failed to encode): it ends once
+def _mark_ended_then(ended, i: int, callback):
+    def wrapped(arg):
+        ended(i)
+        callback(arg)
 
-    def callback(arg):
-        if not seen[0]:
-            seen[0] = True
-            ended()
-        then(arg)
-
-    return callback
+    return wrapped
 
 
 class SamplingRequests:
