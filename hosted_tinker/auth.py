@@ -32,10 +32,14 @@ def anonymous_owner(key: str) -> str:
 
 
 class KeyConfigError(ValueError):
-    """A malformed API key entry in the environment or the keys file."""
+    """A malformed API key entry; the message names the entry (never the key)."""
+
+    def __init__(self, message: str, *, in_env: bool):
+        super().__init__(message)
+        self.in_env = in_env  # from $HOSTED_TINKER_API_KEYS, else from the keys file
 
 
-def parse_entry(text: str, where: str) -> tuple[str, str] | None:
+def parse_entry(text: str, where: str, *, in_env: bool) -> tuple[str, str] | None:
     """`owner: tml-key` or a bare `tml-key` -> (owner, key); None for a blank entry."""
     text = text.strip()
     if not text:
@@ -44,9 +48,10 @@ def parse_entry(text: str, where: str) -> tuple[str, str] | None:
     owner, key = owner.strip(), key.strip()
     if not key.startswith("tml-") or len(key) <= len("tml-"):
         raise KeyConfigError(f"{where}: API keys must start with 'tml-' (the SDK refuses others); "
-                             "expected 'owner: tml-key' or 'tml-key'")
+                             "expected 'owner: tml-key' or 'tml-key'", in_env=in_env)
     if any(c.isspace() for c in key):
-        raise KeyConfigError(f"{where}: an API key contains whitespace; expected 'owner: tml-key' or 'tml-key'")
+        raise KeyConfigError(f"{where}: an API key contains whitespace; expected 'owner: tml-key' or 'tml-key'",
+                             in_env=in_env)
     return owner or anonymous_owner(key), key
 
 
@@ -64,20 +69,16 @@ class KeyRing:
 
     @classmethod
     def load(cls, keys_file: Path | None, env: dict | None = None) -> "KeyRing":
-        """Raises KeyConfigError, naming the entry (never the key), if any entry is malformed."""
+        """Raises KeyConfigError if any entry is malformed, OSError if the keys file cannot be read."""
         env = os.environ if env is None else env
         entries: list[tuple[str, str]] = []
         for n, raw in enumerate(env.get(ENV_VAR, "").split(","), 1):
-            entry = parse_entry(raw, f"${ENV_VAR} entry {n}")
+            entry = parse_entry(raw, f"${ENV_VAR} entry {n}", in_env=True)
             if entry is not None:
                 entries.append(entry)
         if keys_file is not None:
-            try:
-                lines = Path(keys_file).read_text().splitlines()
-            except OSError as e:
-                raise KeyConfigError(f"cannot read the API keys file {keys_file}: {e.strerror}") from None
-            for n, raw in enumerate(lines, 1):
-                entry = parse_entry(raw.split("#", 1)[0], f"{keys_file}:{n}")
+            for n, raw in enumerate(Path(keys_file).read_text().splitlines(), 1):
+                entry = parse_entry(raw.split("#", 1)[0], f"{keys_file}:{n}", in_env=False)
                 if entry is not None:
                     entries.append(entry)
         return cls(entries)

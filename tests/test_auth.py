@@ -52,7 +52,7 @@ def test_serve_refuses_a_malformed_key_with_one_line(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "hosted-tinker serve: $HOSTED_TINKER_API_KEYS entry 1: API keys must start with 'tml-' (the SDK refuses "
+        "hosted-tinker serve: error: $HOSTED_TINKER_API_KEYS entry 1: API keys must start with 'tml-' (the SDK refuses "
         "others); expected 'owner: tml-key' or 'tml-key'"]
     assert not (tmp_path / "hosted_tinker.sqlite3").exists()  # refused before touching the data dir
 

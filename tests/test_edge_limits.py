@@ -157,12 +157,12 @@ def test_abandoned_requests_are_cancelled_and_others_answered(srv):
     """The client of a long completion leaves: its rows are dropped, and B's 1-token request is answered."""
     before = metrics(srv)
     sock = open_request(srv, A, LONG)
-    until(lambda: metrics(srv)["hosted_tinker_sampling_rows"] == rows_of(LONG), "the long request decoding")
+    until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == rows_of(LONG), "the long request decoding")
     sock.close()
     after = until(lambda: (m := metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
                   == before["hosted_tinker_sampling_requests_cancelled_total"] + len(LONG["prompt"]) and m,
                   "the long request cancelled")
-    assert after["hosted_tinker_sampling_rows"] == 0
+    assert after["hosted_tinker_sampling_active_sequences"] == 0
     generated = after["hosted_tinker_sampled_tokens_total"] - before["hosted_tinker_sampled_tokens_total"]
     assert generated < rows_of(LONG) * LONG["max_tokens"]  # it did not run to its end
     oai_b = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=B, max_retries=0, timeout=120)
@@ -177,14 +177,14 @@ def test_abandoned_requests_are_cancelled_and_others_answered(srv):
     until(lambda: metrics(srv)["hosted_tinker_sampling_requests_cancelled_total"]
           == before["hosted_tinker_sampling_requests_cancelled_total"] + len(LONG["prompt"]),
           "the streamed request cancelled")
-    until(lambda: metrics(srv)["hosted_tinker_sampling_rows"] == 0, "its rows dropped")
+    until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "its rows dropped")
 
 
 def test_sampling_in_flight_is_bounded_per_key(srv):
     """Two requests in flight is A's limit, for OpenAI and asample alike; B is not affected."""
     socks = [open_request(srv, A, LONG) for _ in range(2)]
     try:
-        until(lambda: metrics(srv)["hosted_tinker_sampling_rows"] == 2 * rows_of(LONG), "both decoding")
+        until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 2 * rows_of(LONG), "both decoding")
         r = httpx.post(srv.base_url + "/v1/completions", json={"model": BASE_MODEL, "prompt": "hi", "max_tokens": 1},
                        headers={"Authorization": f"Bearer {A}"}, timeout=60)
         assert r.status_code == 429 and "max_sampling_requests_per_key = 2" in r.json()["error"]["message"], r.text
@@ -195,5 +195,5 @@ def test_sampling_in_flight_is_bounded_per_key(srv):
     finally:
         for sock in socks:
             sock.close()
-    until(lambda: metrics(srv)["hosted_tinker_sampling_rows"] == 0, "A's requests cancelled")
+    until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "A's requests cancelled")
     assert asample(srv, A, sampling_session(srv, A), 0).status_code == 200  # the allowance came back

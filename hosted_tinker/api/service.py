@@ -1,4 +1,4 @@
-"""Service endpoints: client config, sessions, telemetry, health, capabilities, metrics."""
+"""Service endpoints: client config, sessions, telemetry, health, capabilities."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query, Request
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query
 from pydantic import BaseModel
 
 from ..access import Access
@@ -146,8 +145,3 @@ def telemetry(batch: dict[str, Any] = Body(), owner: str = Depends(require_owner
     with open(Path(server.config.data_dir) / "telemetry.jsonl", "a") as f:
         f.write(line + "\n")
     return {"status": "accepted"}
-
-
-@router.get("/metrics")
-def metrics(request: Request, server: Server = Depends(get_server)):
-    return PlainTextResponse(request.app.state.metrics.render(server), media_type="text/plain; version=0.0.4")

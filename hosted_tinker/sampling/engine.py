@@ -56,6 +56,9 @@ class SampleJob:
     # engine drops the job at admission or before its next decode step, with its KV cache, and
     # calls on_error once.
     cancelled: bool = False
+    # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
 
 
 @dataclass
@@ -120,6 +123,8 @@ class SamplingEngine:
         self.tokens_generated = 0
         self.requests_done = 0
         self.requests_cancelled = 0
+        # Observation hook (api/metrics.py): a finished request and the tokens it generated.
+        self.on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None
 
     # -- producer side (any thread; list.append/pop are atomic under the GIL) ------------------------
     def submit(self, job: SampleJob) -> None:
@@ -225,6 +230,9 @@ class SamplingEngine:
                        next_logits=logits[expand, -1])
         self._groups.append(group)
         self._choose(group)
+        now = time.perf_counter()
+        for st, _ in states:
+            st.job.first_token_at = now
 
     def _cancel(self, job: SampleJob) -> None:
         self.requests_cancelled += 1
@@ -324,6 +332,7 @@ class SamplingEngine:
             except Exception as e:  # encoding the answer failed: the request fails, others go on
                 log.exception("delivering a sample result failed")
                 job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+            self.on_request_done(job, sum(len(r.tokens) for r in st.results))
 
 
 def _report_token(job: SampleJob, row: _Row) -> None:
