@@ -40,6 +40,8 @@ class ServerConfig:
     default_max_tokens: int = _opt(512, "max_tokens when a sample request leaves it unset")
     ephemeral_sampler_ttl_s: int = _opt(
         7 * 24 * 3600, "how long snapshots made by save_weights_and_get_sampling_client are kept on disk")
+    sample_record_ttl_s: float = _opt(
+        24 * 3600.0, "how long a sample recorded with record_stability_info stays trainable after its last use")
     max_lora_rank: int = _opt(128, "largest LoRA rank a client may ask for")
     long_poll_s: float = _opt(30.0, "how long retrieve_future holds a pending request before try_again")
     gap_timeout_s: float = _opt(

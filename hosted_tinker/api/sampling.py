@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +9,12 @@ from fastapi import APIRouter, Depends, HTTPException
 from pydantic import Field
 
 from ..sampling.engine import SampleJob
+from ..sampling.records import sequence_ids
 from ..server import Server
 from .deps import get_server, require_owner
 from .schemas import Body
 from .service import _owned_session
-from .training import _checkpoint_for_load
+from .training import _checkpoint_for_load, parse_tinker_path
 
 router = APIRouter()
 
@@ -102,9 +102,6 @@ def _prompt_tokens(prompt: dict) -> list[int]:
 def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
     """Validate a sample request against the model and the server's limits."""
     cfg, runtime = server.config, server.runtime
-    if body.record_stability_info:
-        raise HTTPException(400, "record_stability_info is not supported by this server (it serves no "
-                                 "stable_reinforce loss); sample without it")
     if body.prompt_alt_tokens_k:
         raise HTTPException(400, "prompt_alt_tokens_k is not supported by this server")
     if body.target_prompt_logprobs is not None:
@@ -163,12 +160,30 @@ def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: S
         job = build_job(server, body, row["checkpoint_dir"])
         if row["checkpoint_dir"] is not None and not Path(row["checkpoint_dir"]).is_dir():
             raise HTTPException(404, f"the weights of sampling session {body.sampling_session_id!r} were deleted")
+        if server.sample_records.request_was_recorded(body.sampling_session_id, body.seq_id):
+            # its future was pruned, its records were not: new samples must not reuse their ids
+            raise HTTPException(400, f"seq_id {body.seq_id} of sampling session {body.sampling_session_id!r} was "
+                                     "already used; each sample request needs a new seq_id")
         request_id, is_new = server.futures.create(owner, "sample", body.sampling_session_id, body.seq_id)
         if is_new:
-            server.sampler.submit(request_id, job)
+            server.sampler.submit(request_id, job, record=_recorder(server, body, row, request_id, job))
     else:
         request_id = existing
-    # Stable per request, so a resubmitted sample hands out the same sequence ids.
-    digest = hashlib.sha256(request_id.encode()).hexdigest()[:12]
+    # Fixed at submission: a deduplicated re-POST of the same seq_id hands out the same ids.
     return {"request_id": request_id,
-            "sample_sequence_ids": [f"seq-{digest}-{i}" for i in range(body.num_samples)]}
+            "sample_sequence_ids": sequence_ids(body.sampling_session_id, body.seq_id, body.num_samples)}
+
+
+def _recorder(server: Server, body: AsampleRequest, row, request_id: str, job: SampleJob):
+    """What stores the request's samples for stable_reinforce, or None when not asked to."""
+    if not body.record_stability_info:
+        return None
+    version = None
+    if row["model_path"] is not None:
+        run, kind, name = parse_tinker_path(row["model_path"])
+        ckpt = server.store.get_checkpoint(run, f"{kind}/{name}")
+        version = None if ckpt is None else ckpt["created_at"]
+    return server.sample_records.recorder(
+        request_id=request_id, owner=row["owner"], session_id=row["session_id"],
+        sampling_session_id=body.sampling_session_id, seq_id=body.seq_id,
+        weights=row["model_path"] or f"base:{row['base_model']}", weights_version=version, job=job)

@@ -21,6 +21,7 @@ from pydantic import Field
 from ..runtime.adapters import AdamParams, LoRAConfig
 from ..runtime.checkpoints import MANIFEST
 from ..runtime.losses import LossInputError, resolve_loss_config, validate_datum
+from ..runtime.provenance import RecordNotFound, loss_inputs, named_sequences
 from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request as WorkRequest
 from ..server import Server
@@ -197,7 +198,7 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
                                        max_decompressed_bytes=server.config.max_request_bytes)
     except WireError as e:
         raise HTTPException(400, f"malformed forward_backward body: {e}") from None
-    _active_model(server, call.model_id, owner)
+    model = _active_model(server, call.model_id, owner)
     if call.seq_id < 1:
         raise HTTPException(400, f"seq_id must be >= 1, got {call.seq_id}")
     runtime = server.runtime
@@ -211,8 +212,17 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
         config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
         for i, d in enumerate(call.data):
             validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context)
-        return FBWork(model_id=call.model_id, data=[DatumWork(d.tokens, d.loss_fn_inputs) for d in call.data],
-                      loss_fn=call.loss_fn, loss_config=config, forward_only=call.forward_only)
+        records = {}  # stable_reinforce trains on recorded samples, named by the datums' provenance
+        if call.loss_fn == "stable_reinforce":
+            names = set().union(*(named_sequences(d) for d in call.data))
+            records = server.sample_records.for_training(owner, model["session_id"], names)
+        try:
+            data = [DatumWork(d.tokens, loss_inputs(i, d, call.loss_fn, config, len(call.data), records))
+                    for i, d in enumerate(call.data)]
+        except RecordNotFound as e:
+            raise HTTPException(404, str(e)) from None
+        return FBWork(model_id=call.model_id, data=data, loss_fn=call.loss_fn, loss_config=config,
+                      forward_only=call.forward_only)
 
     kind = "forward" if call.forward_only else "forward_backward"
     return await run_in_threadpool(_submit, server, owner, call.model_id, call.seq_id, kind, validate)

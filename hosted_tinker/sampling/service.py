@@ -36,8 +36,16 @@ class SamplingService:
     def has_work(self) -> bool:
         return self.engine.has_work()
 
-    def submit(self, request_id: str, job: SampleJob) -> None:
-        job.on_done = lambda result: self.futures.resolve(request_id, encode_result(result), is_proto=True)
+    def submit(self, request_id: str, job: SampleJob,
+               record: Callable[[SampleResult], None] | None = None) -> None:
+        """Queue an asample request; `record` (see records.py) stores its samples before the answer
+        exists, so a client that sees the answer can train on them at once."""
+        def done(result: SampleResult) -> None:
+            if record is not None:
+                record(result)
+            self.futures.resolve(request_id, encode_result(result), is_proto=True)
+
+        job.on_done = done
         job.on_error = lambda message: self.futures.fail(request_id, message, "server")
         self.submit_job(job)
 
