@@ -107,13 +107,13 @@ def test_stable_reinforce_needs_provenance():
 
 
 def test_unknown_or_foreign_sequence_is_not_found():
-    msg = rule_error(RecordNotFound, multi_turn(), {**RECORDS, "a:1:0": Unusable("is not yours", not_found=True)})
-    assert msg == "datum 4: model_input_spans[2] (prompt run of sequence_id 'a:1:0'): the sequence is not yours"
+    msg = rule_error(RecordNotFound, multi_turn(), {**RECORDS, "a:1:0": Unusable("not found", not_found=True)})
+    assert msg == "datum 4: model_input_spans[2] (prompt run of sequence_id 'a:1:0'): not found"
 
 
 def test_unusable_record_says_why():
-    msg = rule_error(LossInputError, multi_turn(), {**RECORDS, "a:0:0": Unusable("expired: ...")})
-    assert msg == "datum 4: model_input_spans[0] (prompt run of sequence_id 'a:0:0'): the sequence expired: ..."
+    msg = rule_error(LossInputError, multi_turn(), {**RECORDS, "a:0:0": Unusable("its record expired")})
+    assert msg == "datum 4: model_input_spans[0] (prompt run of sequence_id 'a:0:0'): its record expired"
 
 
 def test_run_past_the_recorded_tokens():

@@ -69,7 +69,7 @@ def test_ttl_slides_with_each_use_and_then_expires(world):
     assert isinstance(records.for_training("alice", "sess-1", [sid])[sid], SampleRecord)
     clock.now += DAY_S
     gone = records.for_training("alice", "sess-1", [sid])[sid]
-    assert isinstance(gone, Unusable) and not gone.not_found and gone.reason.startswith("expired")
+    assert isinstance(gone, Unusable) and not gone.not_found and gone.reason.startswith("its record expired")
 
 
 def test_sweep_deletes_expired_records_and_their_requests(world):

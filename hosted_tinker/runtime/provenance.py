@@ -97,8 +97,7 @@ def resolve(index: int, datum: WireDatum, records: Mapping[str, SampleRecord | U
             where = f"datum {index}: {name}[{j}] ({span.kind} run of sequence_id {span.sequence_id!r})"
             record = records[span.sequence_id]
             if isinstance(record, Unusable):
-                raise (RecordNotFound if record.not_found else LossInputError)(
-                    f"{where}: the sequence {record.reason}")
+                raise (RecordNotFound if record.not_found else LossInputError)(f"{where}: {record.reason}")
             arm = record.prompt if span.kind == "prompt" else record.tokens
             end = span.offset + span.length
             if end > len(arm):

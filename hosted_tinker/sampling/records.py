@@ -24,7 +24,7 @@ from ..store import Store
 from .engine import SampleJob, SampleResult
 
 DAY_S = 24 * 3600.0
-RECORD_HINT = "sample with record_stability_info=True (stable_reinforce trains only on recorded samples)"
+RECORD_HINT = "stable_reinforce trains only on samples taken with record_stability_info=True"
 
 
 def sequence_ids(sampling_session_id: str, seq_id: int, num_samples: int) -> list[str]:
@@ -114,10 +114,10 @@ class SampleRecords:
             if row is None or row["owner"] != owner:
                 out[sid] = self._unrecorded(owner, sid)
             elif row["last_used_at"] + self.ttl_s <= now:
-                out[sid] = Unusable(f"expired: records last {self.ttl_s:g} s from their last use; {RECORD_HINT} "
-                                    "and train on it sooner")
+                out[sid] = Unusable(f"its record expired: records last {self.ttl_s:g} s from their last use; "
+                                    "sample again and train on it sooner")
             elif row["session_id"] != session_id:
-                out[sid] = Unusable(f"was sampled in session {row['session_id']!r}, and a training request can "
+                out[sid] = Unusable(f"it was sampled in session {row['session_id']!r}; a training request can "
                                     f"only name sequences sampled in its own session ({session_id!r})")
             else:
                 out[sid] = SampleRecord(
@@ -133,9 +133,10 @@ class SampleRecords:
         request = _request_of(sequence_id)
         session = self.store.get_sampling_session(request[0]) if request else None
         if session is None or session["owner"] != owner:
-            return Unusable(f"is not a sequence this API key sampled ({RECORD_HINT})", not_found=True)
-        return Unusable(f"has no record: it was sampled without record_stability_info=True, or its record expired "
-                        f"after {self.ttl_s:g} s unused; {RECORD_HINT}")
+            return Unusable(f"not found: no sample request of this API key returned it ({RECORD_HINT})",
+                            not_found=True)
+        return Unusable(f"it has no record: it was sampled without record_stability_info=True, or its record "
+                        f"expired after {self.ttl_s:g} s unused ({RECORD_HINT})")
 
     # -- expiry ---------------------------------------------------------------------------------------
     def _maybe_sweep(self, now: float) -> None:
