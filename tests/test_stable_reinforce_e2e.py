@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+
 import httpx
 import numpy as np
 import pytest
@@ -73,6 +75,21 @@ def test_sequence_ids_are_fixed_at_submission_and_unique(server, alice):
     assert posts[0] == posts[1]  # same request, same ids
     assert len(posts[0]["sample_sequence_ids"]) == 2
     assert not set(posts[0]["sample_sequence_ids"]) & set(posts[2]["sample_sequence_ids"])
+    # Once the request's future is pruned (a day after it finished), its recorded ids still live:
+    # the seq_id is refused rather than handing the same ids to new samples.
+    _wait(server, posts[0]["request_id"])
+    with sqlite3.connect(server.data_dir / "hosted_tinker.sqlite3") as db:
+        db.execute("DELETE FROM futures WHERE request_id=?", (posts[0]["request_id"],))
+    r = httpx.post(f"{server.base_url}/api/v1/asample", json=body, headers={"X-API-Key": KEY}, timeout=30)
+    assert r.status_code == 400 and "seq_id 777000" in r.json()["detail"] and "already used" in r.json()["detail"]
+
+
+def _wait(server, request_id: str) -> None:
+    while True:
+        r = httpx.post(f"{server.base_url}/api/v1/retrieve_future", json={"request_id": request_id},
+                       headers={"X-API-Key": KEY}, timeout=60)
+        if r.headers["content-type"] != "application/json" or r.json().get("type") != "try_again":
+            return
 
 
 def test_stable_reinforce_trains_on_the_recorded_samples(alice):
@@ -96,6 +113,19 @@ def test_stable_reinforce_trains_on_the_recorded_samples(alice):
     assert abs(again.metrics["sampler_trainer_logprob_diff:mean"]) > 1e-4  # now off-policy
     gspo = tc.forward_backward(data, "gspo").result()  # provenance is fine for any loss
     assert set(gspo.metrics) == {"loss:sum", "seq_ratio:mean", "seq_clipped_frac:mean"}
+
+
+def test_forward_backward_custom_with_provenance(alice):
+    """forward_backward_custom sends the datums' spans along with its cross_entropy passes."""
+    sc, tc, sampler, out = alice
+    data = [rl_loop_datum(s) for s in out.sequences]
+
+    def loss(batch, logprobs):
+        total = sum((lp * d.loss_fn_inputs["advantages"].to_torch()).sum() for d, lp in zip(batch, logprobs))
+        return -total, {"custom:sum": float(total.detach())}
+
+    result = tc.forward_backward_custom(data, loss).result()
+    assert "custom:sum" in result.metrics and len(result.loss_fn_outputs) == 3
 
 
 def _raw_post(server, model_id: str, seq_id: int, mutate, loss_fn="importance_sampling") -> httpx.Response:
