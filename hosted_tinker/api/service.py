@@ -1,4 +1,4 @@
-"""Service endpoints: client config, sessions, telemetry, health, capabilities, metrics."""
+"""Service endpoints: client config, sessions, telemetry, health, capabilities."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
-from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from ..auth import redact
@@ -158,8 +157,3 @@ async def telemetry(request: Request, owner: str = Depends(require_owner), serve
     with open(Path(server.config.data_dir) / "telemetry.jsonl", "a") as f:
         f.write(line + "\n")
     return {"status": "accepted"}
-
-
-@router.get("/metrics")
-def metrics(request: Request, server: Server = Depends(get_server)):
-    return PlainTextResponse(request.app.state.metrics.render(server), media_type="text/plain; version=0.0.4")

@@ -52,6 +52,9 @@ class SampleJob:
     # on_token(index, token, logprob, topk_ids | None, topk_logprobs | None, stop_reason | None);
     # stop_reason is set on a sequence's last token. None (the default) costs one check per token.
     on_token: Callable[[int, int, float, list[int] | None, list[float] | None, str | None], None] | None = None
+    # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
 
 
 @dataclass
@@ -115,6 +118,8 @@ class SamplingEngine:
         self._groups: list[_Group] = []
         self.tokens_generated = 0
         self.requests_done = 0
+        # Observation hook (api/metrics.py): a finished request and the tokens it generated.
+        self.on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None
 
     # -- producer side (any thread; list.append/pop are atomic under the GIL) ------------------------
     def submit(self, job: SampleJob) -> None:
@@ -217,6 +222,9 @@ class SamplingEngine:
                        next_logits=logits[expand, -1])
         self._groups.append(group)
         self._choose(group)
+        now = time.perf_counter()
+        for st, _ in states:
+            st.job.first_token_at = now
 
     def _decode_step(self, group: _Group) -> None:
         if not group.rows:
@@ -296,6 +304,7 @@ class SamplingEngine:
             except Exception as e:  # encoding the answer failed: the request fails, others go on
                 log.exception("delivering a sample result failed")
                 job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+            self.on_request_done(job, sum(len(r.tokens) for r in st.results))
 
 
 def _report_token(job: SampleJob, row: _Row) -> None:
