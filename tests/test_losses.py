@@ -11,7 +11,6 @@ import torch
 
 from hosted_tinker.runtime.losses import (
     KNOWN_UNSUPPORTED,
-    LOSSES,
     LossInputError,
     merge_metrics,
     per_token_loss,
