@@ -25,6 +25,7 @@ from .model_loading import load_base_model, pick_device, pick_dtype
 from .runtime.trainer import TrainingRuntime
 from .sampling.backend import EngineBackend
 from .sampling.engine import SampleJob, SamplingEngine
+from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
 from .scheduler import ClockCycleScheduler, CyclePlan
@@ -109,6 +110,7 @@ class Server:
                         "category 'server'", interrupted)
         self.store.mark_models_unloaded()
         self.futures = FutureStore(self.store)
+        self.sample_records = SampleRecords(self.store, ttl_s=config.sample_record_ttl_s)
         self.models = ModelRegistry([serve_model(config, self.futures, self.store, data_dir,
                                                  observer or _Unobserved())])
 

@@ -2,8 +2,9 @@
 and answers every request of a cycle when the cycle ends.
 
 Real parts: the scheduler, the `FutureStore` over a real SQLite `Store`, the loop's thread.
-Stand-ins (the model runtime cannot be made to fail on demand): the worker is a recorder that
-answers, forgets or raises as each test asks, and the sampling backend a recorder of rounds.
+Stand-ins (the model runtime cannot be made to fail on demand): the worker answers, forgets or
+raises as each test asks, and the sampling backend records its rounds. Each test waits for the
+loop's cycle observer, which runs once a cycle's answers are settled.
 """
 
 from __future__ import annotations
@@ -22,13 +23,29 @@ from hosted_tinker.store import Store
 WAIT = 10.0  # bound on anything that should happen at once; never reached when all is well
 
 
-class RecordingWorker:
-    """Stands in for `TrainingWorker.run_cycle`: runs `behaviour(plan, futures)` per cycle."""
+class CycleLog:
+    """The loop's cycle observer: sees each plan once the loop has settled all its answers."""
+
+    def __init__(self) -> None:
+        self.plans: list[CyclePlan] = []
+        self._cv = threading.Condition()
+
+    def __call__(self, plan: CyclePlan, seconds: float) -> None:
+        with self._cv:
+            self.plans.append(plan)
+            self._cv.notify_all()
+
+    def wait_for(self, n: int) -> list[CyclePlan]:
+        with self._cv:
+            assert self._cv.wait_for(lambda: len(self.plans) >= n, WAIT), f"expected {n} cycles, saw {len(self.plans)}"
+            return list(self.plans)
+
+
+class ScriptedWorker:
+    """Stands in for `TrainingWorker.run_cycle`: runs `behaviour(plan)` per cycle."""
 
     def __init__(self, futures: FutureStore):
         self.futures = futures
-        self.plans: list[CyclePlan] = []
-        self._cv = threading.Condition()
         self.behaviour = self.answer_all
         self.gate: threading.Event | None = None  # when set to an Event, cycles block on it
         self.entered = threading.Event()
@@ -41,18 +58,8 @@ class RecordingWorker:
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(WAIT), "test never released the gate"
-        try:
-            self.behaviour(plan)
-            on_compute_answered({r.model_id for r in plan.compute})
-        finally:
-            with self._cv:
-                self.plans.append(plan)
-                self._cv.notify_all()
-
-    def wait_for(self, n: int) -> list[CyclePlan]:
-        with self._cv:
-            assert self._cv.wait_for(lambda: len(self.plans) >= n, WAIT), f"expected {n} cycles, saw {len(self.plans)}"
-            return list(self.plans)
+        self.behaviour(plan)
+        on_compute_answered({r.model_id for r in plan.compute})
 
 
 class RecordingBackend(SamplingBackend):
@@ -67,7 +74,7 @@ class RecordingBackend(SamplingBackend):
     def submit(self, job) -> None:
         raise AssertionError("not used")
 
-    def cancel(self, job, reason: str) -> None:
+    def cancel(self, job) -> None:
         raise AssertionError("not used")
 
     def adapter_updated(self, model_id, saved_to=None) -> None:
@@ -91,9 +98,9 @@ def parts(tmp_path):
     futures = FutureStore(store)
     wake = threading.Event()
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=60.0, gather_window_s=0.01)
-    worker = RecordingWorker(futures)
+    worker = ScriptedWorker(futures)
     backend = RecordingBackend()
-    loop = DeviceLoop(scheduler, worker, backend, futures, wake, round_seconds=0.25)
+    loop = DeviceLoop(scheduler, worker, backend, futures, wake, round_seconds=0.25, on_cycle=CycleLog())
     yield loop
     if worker.gate is not None:
         worker.gate.set()
@@ -127,7 +134,7 @@ def test_an_exception_fails_exactly_the_cycles_unanswered_requests_and_the_loop_
     loop.scheduler.open_model("a")
     ids = [submit(loop, "a", 0), submit(loop, "a", 1), submit(loop, "a", 2, "optim_step")]
     loop.start()
-    worker.wait_for(1)
+    loop.on_cycle.wait_for(1)
     assert outcome(loop, ids[0]) == {"ok": 1}
     for rid in ids[1:]:
         body = outcome(loop, rid)
@@ -135,7 +142,7 @@ def test_an_exception_fails_exactly_the_cycles_unanswered_requests_and_the_loop_
 
     worker.behaviour = worker.answer_all
     rid = submit(loop, "a", 3)
-    worker.wait_for(2)
+    loop.on_cycle.wait_for(2)
     assert outcome(loop, rid) == {"ok": rid}
     assert loop.scheduler.cycles == 2
 
@@ -147,7 +154,7 @@ def test_a_request_the_worker_forgot_is_failed_when_its_cycle_ends(parts):
     loop.scheduler.open_model("a")
     rid = submit(loop, "a", 0)
     loop.start()
-    loop.worker.wait_for(1)
+    loop.on_cycle.wait_for(1)
     assert outcome(loop, rid) == {"error": UNANSWERED, "category": "server"}
 
 
@@ -157,7 +164,7 @@ def test_orphaned_requests_are_part_of_the_cycle(parts):
     loop.worker.behaviour = lambda plan: None
     rid = submit(loop, "gone", 5)  # no queue was ever opened for this model
     loop.start()
-    (plan,) = loop.worker.wait_for(1)
+    (plan,) = loop.on_cycle.wait_for(1)
     assert [r.request_id for r in plan.orphaned] == [rid]
     assert outcome(loop, rid)["category"] == "server"  # the recorder forgot it: the loop answered
 
@@ -184,7 +191,7 @@ def test_sampling_gets_a_round_after_a_cycle_and_when_woken(parts):
     assert backend.round_done.wait(WAIT)
     assert backend.rounds[1]["training_waiting"] is True  # told that training is waiting
     assert 0.0 <= backend.rounds[1]["min"] <= 0.25 and backend.rounds[1]["max"] == 0.25
-    loop.worker.wait_for(2)
+    loop.on_cycle.wait_for(2)
 
 
 def test_the_loop_wakes_itself_at_the_schedulers_deadline(tmp_path):
@@ -193,13 +200,13 @@ def test_the_loop_wakes_itself_at_the_schedulers_deadline(tmp_path):
     futures = FutureStore(store)
     wake = threading.Event()
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=0.2)
-    worker = RecordingWorker(futures)
-    loop = DeviceLoop(scheduler, worker, RecordingBackend(), futures, wake)
+    worker = ScriptedWorker(futures)
+    loop = DeviceLoop(scheduler, worker, RecordingBackend(), futures, wake, on_cycle=CycleLog())
     try:
         scheduler.open_model("a")
         loop.start()
         rid = submit(loop, "a", 1)  # seq 0 never arrives
-        (plan,) = worker.wait_for(1)
+        (plan,) = loop.on_cycle.wait_for(1)
         assert [r.request_id for r in plan.compute] == [rid]
     finally:
         loop.stop(timeout=WAIT)

@@ -33,7 +33,7 @@ class NewWeightsRecorder(SamplingBackend):
     def submit(self, job) -> None:
         raise AssertionError("not used")
 
-    def cancel(self, job, reason) -> None:
+    def cancel(self, job) -> None:
         raise AssertionError("not used")
 
     def adapter_updated(self, model_id, saved_to=None) -> None:

@@ -16,7 +16,6 @@ cancelled or shut down. Callbacks must be short: they hand results to other thre
 from __future__ import annotations
 
 import logging
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +32,9 @@ class SamplingBackend(ABC):
         """Queue a job (any thread)."""
 
     @abstractmethod
-    def cancel(self, job: SampleJob, reason: str) -> None:
-        """Stop a job whose client went away (any thread); unless it finished first, its
-        `on_error(reason)` is called."""
+    def cancel(self, job: SampleJob) -> None:
+        """Stop a job whose client went away (any thread): it sets `job.cancelled` and stops the
+        job soon; unless it finished first, its `on_error` is called (once)."""
 
     @abstractmethod
     def adapter_updated(self, model_id: str, saved_to: Path | None = None) -> None:
@@ -66,16 +65,13 @@ class EngineBackend(SamplingBackend):
         self.engine = engine
         self.snapshots = snapshots
         self._wake = wake
-        self._cancels: list[tuple[SampleJob, str]] = []  # applied on the loop's thread
-        self._cancels_lock = threading.Lock()
 
     def submit(self, job: SampleJob) -> None:
         self.engine.submit(job)
         self._wake()
 
-    def cancel(self, job: SampleJob, reason: str) -> None:
-        with self._cancels_lock:
-            self._cancels.append((job, reason))
+    def cancel(self, job: SampleJob) -> None:
+        job.cancelled = True  # the engine drops it at admission or before its next decode step
         self._wake()
 
     def adapter_updated(self, model_id: str, saved_to: Path | None = None) -> None:
@@ -87,14 +83,12 @@ class EngineBackend(SamplingBackend):
         return None
 
     def shutdown(self) -> None:
-        self._apply_cancels()
         self.engine.fail_all("the server is shutting down; resubmit this request")
 
     def wants_round(self) -> bool:
-        return self.engine.has_work() or bool(self._cancels)
+        return self.engine.has_work()
 
     def run_round(self, *, should_yield: Callable[[], bool], min_seconds: float, max_seconds: float) -> None:
-        self._apply_cancels()
         if not self.engine.has_work():
             return
         active = self.engine.active_adapter_ids()
@@ -109,9 +103,3 @@ class EngineBackend(SamplingBackend):
         except Exception as e:  # the engine confines known failures to their jobs; this is a bug
             log.exception("a sampling round failed; failing every sampling request in flight")
             self.engine.fail_all(f"sampling failed on the server: {type(e).__name__}: {e}")
-
-    def _apply_cancels(self) -> None:
-        with self._cancels_lock:
-            cancels, self._cancels = self._cancels, []
-        for job, reason in cancels:
-            self.engine.cancel(job, reason)

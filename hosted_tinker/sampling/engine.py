@@ -52,6 +52,10 @@ class SampleJob:
     # on_token(index, token, logprob, topk_ids | None, topk_logprobs | None, stop_reason | None);
     # stop_reason is set on a sequence's last token. None (the default) costs one check per token.
     on_token: Callable[[int, int, float, list[int] | None, list[float] | None, str | None], None] | None = None
+    # Set from any thread when nobody waits for the result any more (its HTTP client left): the
+    # engine drops the job at admission or before its next decode step, with its KV cache, and
+    # calls on_error once.
+    cancelled: bool = False
     # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -119,6 +123,7 @@ class SamplingEngine:
         self._groups: list[_Group] = []
         self.tokens_generated = 0
         self.requests_done = 0
+        self.requests_cancelled = 0
         # Observation (api/metrics.py): a finished request and the tokens it generated.
         self.on_request_done = on_request_done
 
@@ -137,26 +142,6 @@ class SamplingEngine:
         return sum(len(g.rows) for g in self._groups)
 
     # -- the device loop's thread --------------------------------------------------------------------
-    def cancel(self, job: SampleJob, reason: str) -> bool:
-        """Stop `job`, queued or decoding, and call its on_error(reason) once; False if it had
-        already finished. Its rows leave their group; the other rows decode on unchanged."""
-        for i, queued in enumerate(self._pending):
-            if queued is job:
-                del self._pending[i]
-                job.on_error(reason)
-                return True
-        state: _JobState | None = None
-        for group in list(self._groups):
-            keep = [r for r, row in enumerate(group.rows) if row.job.job is not job]
-            if len(keep) < len(group.rows):
-                state = next(row.job for row in group.rows if row.job.job is job)
-                self._keep_rows(group, keep)
-        if state is None or state.failed:
-            return False
-        state.failed = True
-        job.on_error(reason)
-        return True
-
     def fail_all(self, reason: str) -> None:
         """Give up every queued and running job, each told through on_error(reason)."""
         jobs: list[SampleJob] = []
@@ -200,6 +185,9 @@ class SamplingEngine:
         rows = tokens = 0
         while self._pending:
             job = self._pending[0]
+            if job.cancelled:
+                self._cancel(self._pending.pop(0))
+                continue
             if jobs and (rows + job.num_samples > self.max_rows_per_group
                          or tokens + len(job.prompt) > self.max_prefill_tokens):
                 break
@@ -264,7 +252,23 @@ class SamplingEngine:
         for st, _ in states:
             st.job.first_token_at = now
 
+    def _cancel(self, job: SampleJob) -> None:
+        self.requests_cancelled += 1
+        job.on_error("cancelled: nobody is waiting for this request any more")
+
+    def _drop_cancelled(self, group: _Group) -> None:
+        """Rows of cancelled jobs leave the batch, their KV cache rows with them."""
+        keep = [r for r, row in enumerate(group.rows) if not row.job.job.cancelled]
+        if len(keep) == len(group.rows):
+            return
+        for row in group.rows:
+            if row.job.job.cancelled and not row.job.failed:
+                row.job.failed = True
+                self._cancel(row.job.job)
+        self._keep_rows(group, keep)
+
     def _decode_step(self, group: _Group) -> None:
+        self._drop_cancelled(group)
         if not group.rows:
             self._groups.remove(group)
             return
@@ -314,15 +318,15 @@ class SamplingEngine:
                 self._finish_row(row)
         if len(keep) < len(group.rows):
             self._keep_rows(group, keep)
+            if not keep:
+                self._groups.remove(group)
 
     def _keep_rows(self, group: _Group, keep: list[int]) -> None:
-        """Retire every row of `group` but those at the indices `keep`."""
-        if not keep:
-            self._groups.remove(group)
-            return
-        idx = torch.tensor(keep, device=self.device)
-        group.cache.batch_select_indices(idx)
-        group.mask, group.positions = group.mask[idx], group.positions[idx]
+        """Retire every row of `group` but those at the indices `keep` (their KV cache rows too)."""
+        if keep:
+            idx = torch.tensor(keep, device=self.device)
+            group.cache.batch_select_indices(idx)
+            group.mask, group.positions = group.mask[idx], group.positions[idx]
         group.rows = [group.rows[r] for r in keep]
 
     def _hit_stop_string(self, row: _Row, job: SampleJob) -> bool:

@@ -5,6 +5,8 @@ as the request's future.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..futures import FutureStore
@@ -18,11 +20,28 @@ class SamplingService:
         self.backend = backend
         self.futures = futures
 
-    def submit(self, request_id: str, job: SampleJob) -> None:
-        """Run `job` and answer the future `request_id` with its result or error."""
-        job.on_done = lambda result: self._done(request_id, result)
-        job.on_error = lambda message: self.futures.fail(request_id, message, "server")
-        self.backend.submit(job)
+    def submit(self, request_id: str, job: SampleJob,
+               record: Callable[[SampleResult], None] | None = None) -> None:
+        """Queue a job whose result resolves future `request_id`.
+
+        The job's own on_done/on_error run first (the API layer releases the key's sampling
+        allowance there); `record` (see records.py) stores its samples before the answer exists, so
+        a client that sees the answer can train on them at once.
+        """
+        own_done, own_error = job.on_done, job.on_error
+
+        def done(result: SampleResult) -> None:
+            own_done(result)
+            if record is not None:
+                record(result)
+            self.futures.resolve(request_id, encode_result(result), is_proto=True)
+
+        def error(message: str) -> None:
+            own_error(message)
+            self.futures.fail(request_id, message, "server")
+
+        job.on_done, job.on_error = done, error
+        self.submit_job(job)
 
     def submit_job(self, job: SampleJob) -> None:
         """Queue a job with the caller's own callbacks (on_done, on_error, on_token), left untouched.
@@ -31,9 +50,9 @@ class SamplingService:
         """
         self.backend.submit(job)
 
-    def _done(self, request_id: str, result: SampleResult) -> None:
-        """A job submitted with a request id finished (backend thread)."""
-        self.futures.resolve(request_id, encode_result(result), is_proto=True)
+    def cancel(self, job: SampleJob) -> None:
+        """Nobody waits for this job any more (its client left): the backend stops it."""
+        self.backend.cancel(job)
 
 
 def encode_result(result: SampleResult) -> bytes:
