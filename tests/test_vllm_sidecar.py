@@ -23,17 +23,20 @@ from hosted_tinker.sampling.vllm_adapters import AdapterUnavailable, latest_ref
 from hosted_tinker.sampling.vllm_backend import completion_body
 from hosted_tinker.sampling.vllm_sidecar import SHM_DIR, group_shm_files, remove_shm_files
 
-from vllm_support import WAIT, job, start_stack, stop_stack
+from vllm_support import WAIT, StackConfig, job, stop_stack
 
 PROMPT = [5, 77, 300, 12, 900, 40]
 TARGET = [101, 202, 303, 404, 505, 606]  # what training teaches the adapter to answer to PROMPT
 
 
+VLLM_STACK = StackConfig(lora_lm_head=True, max_cpu_loras=2, max_snapshots=3)
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = start_stack(tmp_path_factory.mktemp("vllm"), lora_lm_head=True, max_cpu_loras=2, max_snapshots=3)
+def stack(vllm_stacks):
+    s = vllm_stacks.take(VLLM_STACK)
     yield s
-    stop_stack(s.backend, s.adapters, s.sidecar)
+    stop_stack(s)
 
 
 def _folders(stack, model_id: str) -> list[str]:
