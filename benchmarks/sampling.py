@@ -442,17 +442,17 @@ def measure(args, engine: Engine, baseline: Baseline, vllm: VLLM | None, runtime
           f"per request), extrapolated: one request after another, throughput does not depend on the count")
     print()
     print("Time to first token (ms)")
-    hdr = f"{'path':<44}{'1 request':>11}{f'{args.requests} concurrent: median':>23}{'max':>8}"
+    hdr = f"{'path':<44}{'1 request':>11}{f'{args.requests} concurrent: median':>23}{'max':>10}"
     print(hdr)
     print("-" * len(hdr))
     for p in paths:
         print(f"{label[p].split(' (')[0]:<44}{1000 * med(ttft1[p]):>11.1f}{1000 * med(ttft64_med[p]):>23.1f}"
-              f"{1000 * med(ttft64_max[p]):>8.1f}")
+              f"{1000 * med(ttft64_max[p]):>10.1f}")
     # Request k (0-based) of 64 served one by one waits for k whole requests, then its first token.
     t1b = med(ttft1_base)
     waits = [k * per_req + t1b for k in range(args.requests)]
     print(f"{'transformers generate + PEFT, per request **':<44}{1000 * t1b:>11.1f}{1000 * med(waits):>23.1f}"
-          f"{1000 * max(waits):>8.1f}")
+          f"{1000 * max(waits):>10.1f}")
     print("  engine" + (", vLLM" if vllm is not None else "")
           + ": submitted together with max_tokens=1, from submission to each request's on_done")
     print(f"  ** 1 request measured (max_new_tokens=1); {args.requests} concurrent derived: the k-th request "
