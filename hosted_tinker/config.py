@@ -68,11 +68,24 @@ class ServerConfig(BaseSettings):
     max_sampler_snapshots: int = Field(
         64, ge=1, description="sampler adapter snapshots kept loaded; others are reloaded from disk when "
                               "sampled again")
-    max_num_samples: int = Field(128, ge=1, description="largest num_samples per sample request")
+    max_num_samples: int = Field(128, ge=1, description="largest num_samples per sample request (n for the OpenAI "
+                                                        "API)")
+    max_prompts_per_request: int = Field(64, ge=1, description="prompts in one OpenAI /v1/completions request")
+    max_sampled_tokens_per_request: int = Field(
+        1 << 20, ge=1, description="tokens one sample request may ask for: prompts x samples x max_tokens")
+    max_sampling_requests_per_key: int = Field(
+        1024, ge=1, description="sample requests (Tinker and OpenAI) one API key may have waiting or running; "
+                                "beyond it, 429")
+    max_sampled_tokens_per_key: int = Field(
+        1 << 23, ge=1, description="tokens (samples x max_tokens) one API key's waiting and running sample "
+                                   "requests may ask for; beyond it, 429")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a sample request leaves it unset")
     ephemeral_sampler_ttl_s: int = Field(
         7 * 24 * 3600, ge=1, description="how long snapshots made by save_weights_and_get_sampling_client are "
                                          "kept on disk")
+    sample_record_ttl_s: float = Field(
+        24 * 3600.0, ge=0, description="how long a sample recorded with record_stability_info stays trainable "
+                                       "after its last use (stable_reinforce)")
     max_lora_rank: int = Field(128, ge=1, description="largest LoRA rank a client may ask for")
     long_poll_s: float = Field(30.0, gt=0, description="how long retrieve_future holds a pending request before "
                                                        "try_again")
@@ -90,11 +103,13 @@ class ServerConfig(BaseSettings):
                                 "(back-pressure)")
     max_models_per_key: int = Field(64, ge=1, description="live training models one API key may hold (unload "
                                                           "one to make room)")
-    max_request_bytes: int = Field(512 << 20, ge=1, description="largest request body accepted (after "
-                                                                "decompression)")
+    max_request_bytes: int = Field(512 << 20, ge=1, description="largest forward_backward or checkpoint import "
+                                                                "body accepted (after decompression)")
+    max_json_request_bytes: int = Field(16 << 20, ge=1, description="largest body of every other request (JSON)")
     api_keys_file: Path | None = Field(
-        None, description="file of accepted API keys, one 'owner: tml-key' per line (also read: "
-                          "$HOSTED_TINKER_API_KEYS, comma-separated); with neither, dev mode accepts any tml- key")
+        None, description="file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also "
+                          "read: $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode "
+                          "accepts any tml- key")
     compress_fwdbwd: bool = Field(False, description="ask the SDK to zstd-compress forward_backward bodies (saves "
                                                      "bandwidth to remote clients)")
     log_level: Literal[LOG_LEVELS] = Field("info", description="least severe log records shown")  # type: ignore[valid-type]

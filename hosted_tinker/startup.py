@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .auth import ENV_VAR, KeyRing
+from .auth import ENV_VAR, KeyConfigError, KeyRing
 from .config import ServerConfig, flag
 from .model_loading import ModelUnavailable, check_model_available
 
@@ -70,8 +70,8 @@ def _check_keys(keys_file: Path | None) -> None:
         KeyRing.load(keys_file)
     except OSError as e:
         raise StartupError(f"{flag('api_keys_file')} {keys_file}: cannot read it ({e.strerror})") from None
-    except ValueError as e:
-        raise StartupError(f"{flag('api_keys_file')}: {e}") from None
+    except KeyConfigError as e:  # it names the entry, in the environment or the file
+        raise StartupError(str(e) if e.in_env else f"{flag('api_keys_file')}: {e}") from None
 
 
 def _check_data_dir(path: Path) -> None:

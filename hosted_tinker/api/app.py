@@ -12,11 +12,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..access import Access
 from ..config import ServerConfig
 from ..server import Server
+from ..services.sampling import SamplingRequests
+from ..services.training import TrainingRequests
 from ..startup import base_url, summary_lines
 from . import dashboard, hub, openai_compat, ops, rest, sampling, service, training
 from .access_log import AccessLog
+from .limits import BodyLimit
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,9 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
         app.state.metrics.bind(srv)
         srv.start()
         app.state.server = srv
+        app.state.access = Access(srv.store, srv.scheduler.has_model)
+        app.state.training = TrainingRequests(srv, app.state.access)
+        app.state.sampling = SamplingRequests(srv, app.state.access)
         pruner = asyncio.create_task(_prune_forever(srv))
         sweeper = asyncio.create_task(rest.sweep_expired_forever(srv))  # checkpoint TTLs
         for line in summary_lines(srv, config, base_url(config.host, config.port)):
@@ -46,14 +53,16 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
 
     app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=lifespan)
     app.state.metrics = Metrics()
-
+    app.add_middleware(BodyLimit, config=config)  # inside the access log, which sees its 413s too
     app.add_middleware(AccessLog, metrics=app.state.metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         # Always a non-empty JSON body: the SDK treats an empty 400 as a proxy glitch and retries.
-        return JSONResponse({"detail": exc.detail or "error"}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        detail = exc.detail or "error"
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said precisely
+            detail = "the request body's JSON is nested too deeply to parse"
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -81,4 +90,4 @@ async def _prune_forever(srv: Server) -> None:
     while True:
         await asyncio.sleep(60)
         srv.futures.prune()
-        srv.store.prune_futures(time.time() - 24 * 3600)
+        await asyncio.to_thread(srv.store.prune_futures, time.time() - 24 * 3600)  # SQLite: off the event loop
