@@ -113,14 +113,20 @@ def test_paging_out_and_back_in_changes_nothing(runtime):
 
 @pytest.mark.parametrize("rank", [8, 1])
 def test_same_shape_tenants_share_one_batched_matmul_and_equal_solo(runtime, rank):
-    """Tenants of one rank and one request shape are computed together (one group per layer,
-    `MultiLoRALinear._plan`), and each still gets exactly its solo result. Rank 1 takes the
-    per-segment path (see BATCHED_MIN_RANK) and must be just as exact."""
+    """Tenants of one rank and one request shape are computed together -- one micro-batch, one
+    grouped LoRA call per layer -- wherever this machine's `FusionPolicy` has proven that sharing
+    keeps every tenant's bits; each still gets exactly its solo result, shared or not."""
     losses = ["cross_entropy", "ppo", "importance_sampling", "dro", "cispo", "cross_entropy"]
     cfgs = {"dro": {"beta": 0.1}}
     layer = runtime.layers["model.layers.0.self_attn.q_proj"]
-    groups: list[int] = []
-    hook = layer.register_forward_pre_hook(lambda mod, args: groups.append(len(mod._plan(runtime.routing.segments))))
+    calls: list[list[int]] = []  # per forward of the layer with adapters: tenants per grouped call
+
+    def record(mod, args):
+        plan = runtime.routing.plan_for(mod, args[0])
+        if plan is not None:
+            calls.append([c.n for c in plan.calls])
+
+    hook = layer.register_forward_pre_hook(record)
 
     def train(ids: list[int]):
         for mid in list(runtime.adapters):
@@ -140,8 +146,17 @@ def test_same_shape_tenants_share_one_batched_matmul_and_equal_solo(runtime, ran
 
     try:
         fused_out, fused_state = train(list(range(len(losses))))
-        # One micro-batch, six tenants: rank >= 2 -> one batched group; rank 1 -> one per tenant.
-        assert groups[0] == (1 if rank >= 2 else len(losses))
+        # Two datums of 40 tokens per tenant: the 48-token bucket, 2 x 48 tokens per tenant.
+        n = len(losses)
+        mixed = runtime.policy.mix_tenants(48, 2 * n)
+        grouped = mixed and runtime.policy.group_lora(2 * 48, layer.in_features, layer.out_features, rank, n,
+                                                      torch.float32)
+        if grouped:  # one micro-batch, one call for all six tenants
+            assert calls[0] == [n]
+        elif mixed:  # one micro-batch, each tenant its own canonical call
+            assert calls[0] == [1] * n
+        else:  # each tenant its own micro-batch
+            assert calls[:n] == [[1]] * n
         for i in range(len(losses)):
             solo_out, solo_state = train([i])
             for f, s in zip(fused_out[i], solo_out[i]):
