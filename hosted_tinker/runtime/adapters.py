@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .multi_lora import LoRAWeights, MultiLoRALinear, SlotStack, attach_adapter, detach_adapter, module_kind
-from .torch_compat import adamw_update_, l2_norms, scale_
+from .invariance import squared_norms
+from .torch_compat import adamw_update_, scale_
+
+if TYPE_CHECKING:
+    from .invariance import FusionPolicy
 
 # Tinker does not document its LoRA alpha; we use a fixed alpha of 32 (scaling = 32 / rank),
 # the value used in Thinking Machines' "LoRA Without Regret" write-up, and we write it into
@@ -141,19 +146,27 @@ class LoRAAdapter:
         self._move_optimizer(device)
 
     def _move_optimizer(self, device: torch.device) -> None:
+        moved: dict[int, torch.Tensor] = {}  # a step counter shared by several tensors stays shared
         for state in self.optimizer.state.values():
             for k, v in state.items():  # "step" too: the fused kernel wants it beside its tensor
                 if v.device != device:
-                    state[k] = v.to(device)
+                    state[k] = moved.setdefault(id(v), v.to(device))
         self.device = device
+
+    def grad_tensors(self):
+        """(tensor, its gradient stack or None) for every tensor with a gradient, in `parameters()`
+        order; the stack (the layer's gradient rows, the tensor's at row `slot`) while live."""
+        for path in sorted(self.weights):
+            w = self.weights[path]
+            if w.A.grad is None:
+                continue
+            live = w.stack is not None
+            yield w.A, (w.stack.grad_A if live else None), w.slot
+            yield w.B, (w.stack.grad_B if live else None), w.slot
 
     # -- gradients ---------------------------------------------------------------------------
     def has_gradients(self) -> bool:
         return any(p.grad is not None for p in self.parameters())
-
-    def optim_step(self, params: AdamParams) -> dict[str, float]:
-        """One AdamW step of this adapter alone (see `adamw_step`)."""
-        return adamw_step([(self, params)])[0]
 
     def zero_grad(self) -> None:
         zero_grads([self])
@@ -231,40 +244,68 @@ class AdamWState:
     def __init__(self) -> None:
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
-    def state_for(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    def state_for(self, p: torch.Tensor, new_step: torch.Tensor) -> dict[str, torch.Tensor]:
+        """p's state; a new one counts its steps in `new_step`, which the caller shares among the
+        tensors that start together (one increment per adapter and step, not one per tensor)."""
         st = self.state.get(p)
         if st is None:
             st = self.state[p] = {
-                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "step": new_step,
                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
             }
         return st
 
 
-def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]]) -> list[dict[str, float]]:
+def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[float]:
+    """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' sums of squares.
+
+    A tensor's sum of squares is `squared_norms` of its canonical pair; where the policy has
+    proven it for the shape, every live tensor's comes from one reduction over its layer's
+    gradient stack (a few ops per stack, not per tenant and tensor). All values reach the host
+    in one sync, and each adapter adds its own in its own order.
+    """
+    sources: dict[int, torch.Tensor] = {}  # id -> [rows] squared norms, computed below
+    inputs: dict[int, torch.Tensor] = {}
+    refs: list[list[tuple[int, int]]] = []  # per adapter: (source id, row)
+    for adapter in items:
+        mine = []
+        for p, stack, slot in adapter.grad_tensors():
+            if stack is not None and policy is not None and policy.stacked_norms(
+                    stack.shape[0], tuple(stack.shape[1:]), stack.dtype):
+                inputs[id(stack)] = stack
+                mine.append((id(stack), slot))
+            else:
+                inputs[id(p)] = torch.stack([p.grad, p.grad])
+                mine.append((id(p), 0))
+        refs.append(mine)
+    if not inputs:
+        return [0.0] * len(items)
+    keys = list(inputs)
+    lengths = [inputs[k].shape[0] for k in keys]
+    flat = torch.cat([squared_norms(inputs[k]) for k in keys]).tolist()  # the one host sync
+    offset = dict(zip(keys, [sum(lengths[:i]) for i in range(len(keys))]))
+    return [math.sqrt(math.fsum(flat[offset[k] + row] for k, row in mine)) for mine in refs]
+
+
+def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None
+               ) -> list[dict[str, float]]:
     """One AdamW step (decoupled weight decay) for each (adapter, its hyper-parameters).
 
-    The step of many adapters costs about what one costs: one multi-tensor norm over every
-    gradient, one host sync for all the norms, one multi-tensor scale for every clipped
-    gradient, one fused AdamW kernel per distinct set of hyper-parameters (torch's own
-    `fused=True` kernel, CPU and CUDA; see torch_compat) and one zeroing op per gradient stack.
-    Every tensor's update depends only on its own gradient, moments and step, and an adapter's
-    total norm is summed on the host from its own tensors' norms, so an adapter gets the same
-    bits whether it steps alone or with others.
+    The step of many adapters costs about what one costs: the gradient norms of all of them
+    (`grad_norms`), one multi-tensor scale for every clipped gradient, one fused AdamW kernel
+    per distinct set of hyper-parameters (torch's own `fused=True` kernel, CPU and CUDA; see
+    torch_compat) and one zeroing op per gradient stack. Every tensor's update depends only on
+    its own gradient, moments and step, so an adapter gets the same bits whether it steps alone
+    or with others.
 
     Clipping (grad_clip_norm > 0) scales an adapter's gradients by min(1, max_norm / (norm +
     1e-6)), as torch.nn.utils.clip_grad_norm_; the returned `grad_norm` is the norm before
     clipping. Tensors without a gradient are left alone (as torch.optim does).
     """
     with torch.no_grad():
+        norms = grad_norms([adapter for adapter, _ in items], policy)
         per_adapter = [[p for p in adapter.parameters() if p.grad is not None] for adapter, _ in items]
-        all_grads = [p.grad for params in per_adapter for p in params]
-        host = torch.stack(l2_norms(all_grads)).tolist() if all_grads else []  # the one host sync
-        norms, i = [], 0
-        for params in per_adapter:  # float64 on the host, in the adapter's own tensor order
-            norms.append(math.sqrt(math.fsum(v * v for v in host[i:i + len(params)])))
-            i += len(params)
         clipped: list[torch.Tensor] = []
         factors: list[float] = []
         groups: dict[tuple, list[int]] = {}
@@ -279,18 +320,22 @@ def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]]) -> list[dict[str, fl
             key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, params[0].device)
             groups.setdefault(key, []).append(k)
         scale_(clipped, factors)
-        for (lr, beta1, beta2, eps, wd, _), members in groups.items():
+        for (lr, beta1, beta2, eps, wd, device), members in groups.items():
             ps, gs, m1, m2, steps = [], [], [], [], []
+            counters: dict[int, torch.Tensor] = {}  # each step counter once, however many tensors share it
             for k in members:
                 adapter = items[k][0]
+                new_step = torch.zeros((), dtype=torch.float32, device=device)
                 for p in per_adapter[k]:
-                    st = adapter.optimizer.state_for(p)
+                    st = adapter.optimizer.state_for(p, new_step)
                     ps.append(p)
                     gs.append(p.grad)
                     m1.append(st["exp_avg"])
                     m2.append(st["exp_avg_sq"])
                     steps.append(st["step"])
-            adamw_update_(ps, gs, m1, m2, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)
+                    counters.setdefault(id(st["step"]), st["step"])
+            adamw_update_(ps, gs, m1, m2, steps, list(counters.values()), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                          weight_decay=wd)
         zero_grads([adapter for adapter, _ in items])
         results = []
         for k, (adapter, hp) in enumerate(items):

@@ -18,7 +18,7 @@ Measured on one Intel Xeon (AVX-512, torch 2.13 CPU, MKL):
 So the canonical computation is what a tenant computes alone, and a fused call is used only
 where a probe on this machine, this model, dtype and thread count has shown that it gives the
 canonical bits; otherwise the runtime makes the canonical per-tenant calls (exact by
-construction, slower). Two decisions, each proven lazily per shape and cached:
+construction, slower). Each decision is proven lazily per shape and cached:
 
 - `mix_tenants(width, rows)`: may a micro-batch of `rows` rows x `width` tokens hold several
   tenants? Probed on the real model (forward, backward and a no-grad forward): blocks of 1-3
@@ -29,6 +29,8 @@ construction, slower). Two decisions, each proven lazily per shape and cached:
 - `group_lora(tokens, in, out, rank, n, dtype)`: may n tenants' LoRA deltas share one batched
   matmul (`multi_lora.GroupedLoRA`)? Probed on the kernel itself with random data: entries 0 and
   n-1 of an n-entry batch must equal their canonical two-entry batch (output and all gradients).
+- `stacked_norms(rows, inner, dtype)`: may the optimizer take every tenant's gradient norms
+  from one reduction per slot stack? Probed the same way (`squared_norms`).
 
 Loss blocks are never merged across tenants (`exp` runs in the same vector/scalar loops as
 sigmoid and gains little from merging), and the optimizer works tensor by tensor.
@@ -126,6 +128,22 @@ def grouped_lora_matches_pairs(tokens: int, in_features: int, out_features: int,
     return True
 
 
+def squared_norms(t: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of each row of t [n >= 2, ...] -> [n] (float32 on the tensor's device).
+
+    Canonical for one tensor: a batch of two, the tensor and a copy (a one-row reduction may
+    split its row across threads, see `stacked_norms`)."""
+    return (t * t).sum(dim=tuple(range(1, t.dim())))
+
+
+def squared_norms_match_pairs(rows: int, inner: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    """Do rows 0 and rows-1 of `squared_norms` over `rows` rows get their canonical pair's bits?"""
+    gen = torch.Generator(device="cpu").manual_seed(4321 + rows)
+    t = torch.randn(rows + 1, *inner, generator=gen).to(device=device, dtype=dtype)[1:]
+    whole = squared_norms(t)
+    return all(same_bits(whole[e], squared_norms(t[[e, e]])[0]) for e in {0, rows - 1})
+
+
 class FusionPolicy:
     """The fusions proven on this machine, decided lazily per shape (and per CPU thread count).
 
@@ -134,12 +152,15 @@ class FusionPolicy:
     """
 
     def __init__(self, device: torch.device, *, mixing_probe: Callable[[int, int], bool] | None,
-                 grouping_probe: Callable[..., bool] = grouped_lora_matches_pairs):
+                 grouping_probe: Callable[..., bool] = grouped_lora_matches_pairs,
+                 norms_probe: Callable[..., bool] = squared_norms_match_pairs):
         self.device = device
         self._mixing_probe = mixing_probe
         self._grouping_probe = grouping_probe
+        self._norms_probe = norms_probe
         self._mix: dict[tuple, bool] = {}
         self._group: dict[tuple, bool] = {}
+        self._norms: dict[tuple, bool] = {}
         self.mixing_refused: str | None = None if mixing_probe is not None else "no model probe"
 
     def _threads(self) -> int:
@@ -181,6 +202,20 @@ class FusionPolicy:
                             in_features, out_features)
         return ok
 
+    def stacked_norms(self, rows: int, inner: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """May the gradient norms of many tenants' slots come from one reduction over a slot stack
+        [rows, *inner]? (ATen reduces a single row with several threads when the output has one
+        element, and a row per thread otherwise, so one tensor alone is summed in another order.)"""
+        key = (rows, inner, dtype, self._threads())
+        ok = self._norms.get(key)
+        if ok is None:
+            with torch.no_grad():
+                ok = self._norms[key] = bool(self._norms_probe(rows, inner, dtype, self.device))
+            if not ok:
+                log.warning("gradient norms of a [%d, %s] slot stack are summed per tenant on this machine", rows,
+                            "x".join(map(str, inner)))
+        return ok
+
     def describe(self) -> dict:
         """What was proven and refused so far (for logs, /metrics and health reports)."""
         return {
@@ -193,4 +228,6 @@ class FusionPolicy:
             "mix_shapes_refused": len(self._mix) - sum(self._mix.values()),
             "grouped_lora_shapes_proven": sum(self._group.values()),
             "grouped_lora_shapes_refused": len(self._group) - sum(self._group.values()),
+            "stacked_norm_shapes_proven": sum(self._norms.values()),
+            "stacked_norm_shapes_refused": len(self._norms) - sum(self._norms.values()),
         }

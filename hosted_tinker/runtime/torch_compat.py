@@ -17,35 +17,34 @@ import torch
 from torch.optim.adamw import adamw as _public_adamw
 
 _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
-_FOREACH_NORM = getattr(torch, "_foreach_norm", None)
 _FOREACH_MUL = getattr(torch, "_foreach_mul_", None)
 _FOREACH_ADD = getattr(torch, "_foreach_add_", None)
 
 
 def adamw_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-                  exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float,
-                  beta2: float, eps: float, weight_decay: float) -> None:
-    """One AdamW step (decoupled weight decay) of every tensor, in place; increments `steps`.
+                  exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], counters: list[torch.Tensor], *,
+                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW step (decoupled weight decay) of every tensor, in place.
 
+    `steps[i]` is tensor i's step counter; several tensors may share one, so the distinct
+    counters (`counters`) are incremented once each, before the update, as torch.optim does.
     Fast path: torch's fused AdamW kernel (what `torch.optim.AdamW(fused=True)` runs, CPU and
-    CUDA). Fallback: torch's public single-tensor AdamW.
+    CUDA). Fallback: torch's public single-tensor AdamW, one tensor at a time.
     """
     if not params:
         return
     if _FUSED_ADAMW is not None and _FOREACH_ADD is not None:
-        _FOREACH_ADD(steps, 1)
+        _FOREACH_ADD(counters, 1)
         _FUSED_ADAMW(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                      weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         return
-    _public_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, fused=False, amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-
-
-def l2_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor (0-dim tensors), in one multi-tensor op where torch has it."""
-    if _FOREACH_NORM is not None:
-        return list(_FOREACH_NORM(tensors, 2.0))
-    return [torch.linalg.vector_norm(t, 2.0) for t in tensors]
+    for c in counters:
+        c.add_(1)
+    for i in range(len(params)):
+        # The public function increments the counters it is given: hand it a copy of the count before.
+        _public_adamw(params[i:i + 1], grads[i:i + 1], exp_avgs[i:i + 1], exp_avg_sqs[i:i + 1], [],
+                      [steps[i] - 1], foreach=False, fused=False, amsgrad=False, beta1=beta1, beta2=beta2,
+                      lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
 
 
 def scale_(tensors: list[torch.Tensor], factors: list[float]) -> None:

@@ -310,17 +310,21 @@ class TrainingRuntime:
         """Per-token losses, one `run_losses` call per model on its own rows: a model's loss ops
         see exactly the tensors they see when it trains alone (elementwise kernels may round a
         value differently at another position in a bigger tensor, see invariance.py)."""
+        if len(segments) == 1:
+            pieces = [(logprobs, inputs, mask)]
+        else:  # one split per tensor (its backward is one cat), not a slice per model
+            sizes = [e - s for _, s, e in segments]
+            split = {k: torch.split(v, sizes) for k, v in inputs.items()}
+            pieces = [(lp, {k: v[i] for k, v in split.items()}, m)
+                      for i, (lp, m) in enumerate(zip(torch.split(logprobs, sizes), torch.split(mask, sizes)))]
         parts = []
-        for _, s, e in segments:
+        for (_, s, e), (lp, inp, m) in zip(segments, pieces):
             mine = [(wi, rs, re) for wi, rs, re in runs if s <= rs < e]
-            whole = s == 0 and e == logprobs.shape[0]
             tok_loss, run_metrics = run_losses(
-                [(works[wi].loss_fn, works[wi].loss_config, rs - s, re - s) for wi, rs, re in mine],
-                logprobs if whole else logprobs[s:e], inputs if whole else {k: v[s:e] for k, v in inputs.items()},
-                mask if whole else mask[s:e])
+                [(works[wi].loss_fn, works[wi].loss_config, rs - s, re - s) for wi, rs, re in mine], lp, inp, m)
             parts.append(tok_loss)
-            for (wi, _, _), m in zip(mine, run_metrics):
-                for k, v in m.items():
+            for (wi, _, _), metrics in zip(mine, run_metrics):
+                for k, v in metrics.items():
                     metric_sums[wi][k] = metric_sums[wi].get(k, 0.0) + v
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -352,7 +356,7 @@ class TrainingRuntime:
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]:
         """Every ready model's AdamW step of a cycle, together (one fused kernel per distinct
         set of hyper-parameters; see `adamw_step`). Each model's result is as if stepped alone."""
-        return adamw_step([(self.adapter(mid), params) for mid, params in steps])
+        return adamw_step([(self.adapter(mid), params) for mid, params in steps], self.policy)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int:
