@@ -56,12 +56,24 @@ class SnapshotCache:
         """Load the snapshot if needed (cycle thread only); return its adapter id.
 
         `keep`: ids that running requests still use; they are not evicted now (an older version
-        of a re-saved checkpoint among them goes at a later call).
+        of a re-saved checkpoint among them goes at the next call for that directory).
         """
         aid = self.adapter_id(checkpoint_dir)
-        if aid in self._loaded:
-            self._loaded.move_to_end(aid)
-            return aid
+        if aid not in self._loaded:
+            self._load(aid, checkpoint_dir)
+        self._loaded.move_to_end(aid)
+        for old, (old_dir, _) in list(self._loaded.items()):
+            # Other versions of this directory are stale: no new request can ask for them.
+            if old != aid and old_dir == checkpoint_dir and old not in keep:
+                self._evict(old)
+        for old in list(self._loaded):
+            if len(self._loaded) <= self.capacity:
+                break
+            if old != aid and old not in keep:
+                self._evict(old)
+        return aid
+
+    def _load(self, aid: str, checkpoint_dir: Path) -> None:
         ckpt = read_checkpoint(checkpoint_dir, with_optimizer=False)
         paths = sorted({k.rsplit(".lora_", 1)[0] for k in ckpt.tensors})
         unknown = [p for p in paths if p not in self.layers]
@@ -74,16 +86,6 @@ class SnapshotCache:
         attach_adapter(self.layers, aid, weights)
         self._loaded[aid] = (checkpoint_dir, weights)
         self.loads += 1
-        for old, (old_dir, _) in list(self._loaded.items()):
-            # Other versions of this directory are stale: nobody can ask for them any more.
-            if old != aid and old_dir == checkpoint_dir and old not in keep:
-                self._evict(old)
-        for old in list(self._loaded):
-            if len(self._loaded) <= self.capacity:
-                break
-            if old != aid and old not in keep:
-                self._evict(old)
-        return aid
 
     def _evict(self, aid: str) -> None:
         _, weights = self._loaded.pop(aid)
