@@ -25,6 +25,7 @@ import sqlite3
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -32,6 +33,9 @@ from .checkpoint_admin import CHECKPOINT_FILES, checkpoint_files, extract_checkp
 from .runtime.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, CheckpointError, read_checkpoint
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+# progress(bytes done, bytes in all or None if unknown): how far a download, copy or upload is.
+Progress = Callable[[int, int | None], None]
+CHUNK = 1 << 20
 
 
 class ExportError(RuntimeError):
@@ -65,7 +69,8 @@ def _detail(r: httpx.Response) -> str:
         return r.text or r.reason_phrase
 
 
-def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: str | None) -> None:
+def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: str | None,
+                  progress: Progress) -> None:
     run, kind, name = _parse(tinker_path)
     url, headers = _remote(base_url, api_key)
     archive = dest / ".download.tar"
@@ -75,16 +80,18 @@ def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: s
             if r.status_code != 200:
                 r.read()
                 raise ExportError(f"{tinker_path}: the server answered {r.status_code}: {_detail(r)}")
+            total = int(r.headers["content-length"]) if "content-length" in r.headers else None
             with open(archive, "wb") as f:
-                for block in r.iter_bytes(1 << 20):
+                for block in r.iter_bytes(CHUNK):
                     f.write(block)
+                    progress(f.tell(), total)
     try:
         extract_checkpoint_tar(archive, dest)
     finally:
         archive.unlink()
 
 
-def _fetch_local(tinker_path: str, dest: Path, data_dir: Path) -> None:
+def _fetch_local(tinker_path: str, dest: Path, data_dir: Path, progress: Progress) -> None:
     run, kind, name = _parse(tinker_path)
     db = data_dir / "hosted_tinker.sqlite3"
     if not db.is_file():
@@ -101,9 +108,12 @@ def _fetch_local(tinker_path: str, dest: Path, data_dir: Path) -> None:
         for f in dest.iterdir():
             f.unlink()
         try:
-            for f in checkpoint_files(src):
-                if f.name in CHECKPOINT_FILES:
-                    shutil.copyfile(f, dest / f.name)
+            files = [f for f in checkpoint_files(src) if f.name in CHECKPOINT_FILES]
+            total, done = sum(f.stat().st_size for f in files), 0
+            for f in files:
+                shutil.copyfile(f, dest / f.name)
+                done += f.stat().st_size
+                progress(done, total)
             read_checkpoint(dest, with_optimizer=False)  # verifies the manifest checksums
             return
         except (OSError, CheckpointError) as e:
@@ -122,16 +132,18 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = None, base_url: str | None = None,
                       api_key: str | None = None, merged: bool = False, base_model: str | None = None,
-                      dtype: str = "float32", force: bool = False) -> Path:
-    """Write the checkpoint's adapter directory (or, `merged`, the full merged model) into `out`."""
+                      dtype: str = "float32", force: bool = False, progress: Progress = lambda done, total: None
+                      ) -> Path:
+    """Write the checkpoint's adapter directory (or, `merged`, the full merged model) into `out`;
+    `progress` is told how many bytes of the checkpoint have arrived."""
     out = Path(out)
     _prepare_out(out, force)
     target = Path(tempfile.mkdtemp(prefix="adapter-", dir=out.parent)) if merged else out
     try:
         if data_dir is not None:
-            _fetch_local(tinker_path, target, Path(data_dir))
+            _fetch_local(tinker_path, target, Path(data_dir), progress)
         else:
-            _fetch_remote(tinker_path, target, base_url, api_key)
+            _fetch_remote(tinker_path, target, base_url, api_key, progress)
         if not (target / ADAPTER_CONFIG).is_file() or not (target / ADAPTER_WEIGHTS).is_file():
             raise ExportError(f"{tinker_path} holds no LoRA adapter")
         if merged:
@@ -187,8 +199,10 @@ def _tar_dir(src: Path, archive: Path) -> list[str]:
 
 
 def import_adapter(src: Path, *, name: str, base_url: str | None = None, api_key: str | None = None,
-                   training_run_id: str | None = None, overwrite: bool = False) -> dict:
-    """Upload an adapter directory to a running server; return its answer (with `tinker_path`)."""
+                   training_run_id: str | None = None, overwrite: bool = False,
+                   progress: Progress = lambda done, total: None) -> dict:
+    """Upload an adapter directory to a running server; return its answer (with `tinker_path`).
+    `progress` is told how many bytes have been sent."""
     url, headers = _remote(base_url, api_key)
     src = Path(src)
     if not src.is_dir():
@@ -201,9 +215,17 @@ def import_adapter(src: Path, *, name: str, base_url: str | None = None, api_key
             params["training_run_id"] = training_run_id
         if overwrite:
             params["overwrite"] = "true"
-        with open(archive, "rb") as f, httpx.Client(timeout=TIMEOUT) as http:
-            r = http.post(f"{url}/api/v1/checkpoints/import", params=params, content=f,
-                          headers={**headers, "Content-Type": "application/x-tar"})
+        size = archive.stat().st_size
+
+        def body():
+            with open(archive, "rb") as f:
+                while block := f.read(CHUNK):
+                    yield block
+                    progress(f.tell(), size)
+
+        with httpx.Client(timeout=TIMEOUT) as http:
+            r = http.post(f"{url}/api/v1/checkpoints/import", params=params, content=body(),
+                          headers={**headers, "Content-Type": "application/x-tar", "Content-Length": str(size)})
     if r.status_code != 200:
         raise ExportError(f"the server refused the import ({r.status_code}): {_detail(r)}")
     return r.json()

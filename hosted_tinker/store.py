@@ -85,6 +85,21 @@ CREATE TABLE IF NOT EXISTS sampling_sessions (
 );
 """
 
+# The dashboard's loss curves: `loss:sum` of every forward / forward_backward request, with the
+# number of optimizer steps its model had taken when it ran (a step's chunks and accumulated
+# micro-batches share that number: their sum is the step's loss).
+LOSS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS request_losses (
+    model_id TEXT NOT NULL,
+    seq_id INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    forward_only INTEGER NOT NULL,
+    loss_sum REAL NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (model_id, seq_id)
+);
+"""
+
 
 @dataclass
 class FutureRecord:
@@ -113,6 +128,7 @@ class Store:
         with self._lock:
             self._db.executescript(SCHEMA)
             self._db.executescript(SAMPLING_SCHEMA)
+            self._db.executescript(LOSS_SCHEMA)
         self._migrate_rest()
 
     def close(self) -> None:
@@ -348,6 +364,22 @@ class Store:
     def session_sampler_ids(self, session_id: str) -> list[str]:
         return [r[0] for r in self._all("SELECT sampling_session_id FROM sampling_sessions WHERE session_id=?"
                                         " ORDER BY created_at", (session_id,))]
+
+    # -- loss curves (dashboard) ----------------------------------------------------------------
+    def record_losses(self, rows: list[tuple[str, int, int, bool, float]]) -> None:
+        """(model_id, seq_id, step, forward_only, loss_sum) per finished request; a retry replaces its row."""
+        now = time.time()
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO request_losses(model_id, seq_id, step, forward_only, loss_sum, created_at)"
+                " VALUES (?,?,?,?,?,?)", [(m, q, s, int(f), loss, now) for m, q, s, f, loss in rows])
+
+    def loss_curve(self, model_id: str) -> list[sqlite3.Row]:
+        """Per optimizer step: the summed `loss:sum` of its training requests (and of its forward-only ones)."""
+        return self._all(
+            "SELECT step, SUM(CASE WHEN forward_only = 0 THEN loss_sum END) AS train_loss_sum,"
+            " SUM(CASE WHEN forward_only = 1 THEN loss_sum END) AS eval_loss_sum, COUNT(*) AS requests"
+            " FROM request_losses WHERE model_id = ? GROUP BY step ORDER BY step", (model_id,))
 
 
 def loads(text: str | bytes | None, default: Any = None) -> Any:

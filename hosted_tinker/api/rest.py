@@ -30,14 +30,15 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from ..access import Access
 from ..checkpoint_admin import (
     CHECKPOINT_LOCK, KIND_TYPES, UrlSigner, checkpoint_files, delete_checkpoint, extract_checkpoint_tar,
     is_expired, open_checkpoint_files, prepare_import, recover, sweep_expired, tar_length, tar_stream, write_import,
 )
 from ..runtime.checkpoints import ADAPTER_CONFIG, MANIFEST, CheckpointError
 from ..server import Server
-from .deps import get_server, require_owner
-from .schemas import INT64_MAX
+from .deps import accessible_scope, get_access, get_server, require_owner
+from .schemas import INT64_MAX, str_dict
 from .training import check_name, parse_tinker_path
 
 router = APIRouter()
@@ -45,7 +46,7 @@ router = APIRouter()
 SIGNED_URL_TTL_S = 3600          # download URLs from external_weights_urls live this long
 EXPIRY_SWEEP_S = 2.0             # how often expired checkpoints are removed (files and records)
 MAX_TTL_S = 10 * 365 * 24 * 3600
-_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$")
+_RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}")
 
 
 # -- lifecycle (called from app.py) ----------------------------------------------------------------------
@@ -72,7 +73,7 @@ async def sweep_expired_forever(server: Server) -> None:
 # -- identifiers and access ------------------------------------------------------------------------------
 
 def check_run_id(run_id: str) -> str:
-    if not _RUN_RE.match(run_id) or ".." in run_id:
+    if not _RUN_RE.fullmatch(run_id) or ".." in run_id:
         raise HTTPException(400, f"invalid training run id {run_id!r}")
     return run_id
 
@@ -86,44 +87,10 @@ def checkpoint_ref(run_id: str, kind: str, name: str) -> str:
     return f"{kind}/{name}"
 
 
-def _check_scope(access_scope: str) -> bool:
-    """True for 'accessible' (others' published work too), False for 'owned'."""
-    if access_scope not in ("owned", "accessible"):
-        raise HTTPException(400, f"invalid access_scope {access_scope!r}: expected 'owned' or 'accessible'")
-    return access_scope == "accessible"
-
-
-def _checkpoint(server: Server, owner: str, run_id: str, kind: str, name: str, *, write: bool):
-    """The live checkpoint record; 404 unless the caller owns it (or, to read, it is public)."""
-    checkpoint_id = checkpoint_ref(run_id, kind, name)
-    row = server.store.get_checkpoint(run_id, checkpoint_id)
-    if row is None or is_expired(row) or (row["owner"] != owner and (write or not row["public"])):
-        raise HTTPException(404, f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
-    return row
-
-
-def _run(server: Server, owner: str, run_id: str, accessible: bool):
-    """(model row, caller owns it); others see a run only through its published checkpoints."""
-    check_run_id(run_id)
-    row = server.store.get_model(run_id)
-    if row is not None:
-        if row["owner"] == owner:
-            return row, True
-        if accessible and server.store.run_has_public_checkpoint(run_id):
-            return row, False
-    raise HTTPException(404, f"training run {run_id!r} not found")
-
-
 # -- JSON shapes (tinker.types) --------------------------------------------------------------------------
 
 def iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
-
-
-def str_dict(text: str | None) -> dict[str, str]:
-    """User metadata as the SDK types it ({str: str}); other JSON values are sent as JSON text."""
-    value = json.loads(text) if text else {}
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (value or {}).items()}
 
 
 def checkpoint_json(row) -> dict:
@@ -164,24 +131,25 @@ def run_json(server: Server, row, is_owner: bool) -> dict:
 
 @router.get("/api/v1/training_runs")
 def list_training_runs(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
-                       access_scope: str = "owned", project_id: str | None = None,
+                       accessible: bool = Depends(accessible_scope), project_id: str | None = None,
                        owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    rows, total = server.store.list_runs(owner, accessible=_check_scope(access_scope), project_id=project_id,
+    rows, total = server.store.list_runs(owner, accessible=accessible, project_id=project_id,
                                          limit=limit, offset=offset)
     return {"training_runs": [run_json(server, r, r["owner"] == owner) for r in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
 @router.get("/api/v1/training_runs/{run_id}")
-def get_training_run(run_id: str, access_scope: str = "owned", owner: str = Depends(require_owner),
-                     server: Server = Depends(get_server)):
-    row, is_owner = _run(server, owner, run_id, _check_scope(access_scope))
+def get_training_run(run_id: str, accessible: bool = Depends(accessible_scope), owner: str = Depends(require_owner),
+                     server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    row, is_owner = access.run(owner, check_run_id(run_id), accessible=accessible)
     return run_json(server, row, is_owner)
 
 
 @router.get("/api/v1/training_runs/{run_id}/checkpoints")
-def list_run_checkpoints(run_id: str, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    row, is_owner = _run(server, owner, run_id, accessible=True)
+def list_run_checkpoints(run_id: str, owner: str = Depends(require_owner), server: Server = Depends(get_server),
+                         access: Access = Depends(get_access)):
+    row, is_owner = access.run(owner, check_run_id(run_id), accessible=True)
     rows = server.store.live_checkpoints(run_id, public_only=not is_owner)
     return {"checkpoints": [checkpoint_json(r) for r in rows]}
 
@@ -201,26 +169,26 @@ _ONE = "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"
 
 @router.delete(_ONE)
 def delete_one(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-               server: Server = Depends(get_server)):
-    row = _checkpoint(server, owner, run_id, kind, name, write=True)
+               server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name), write=True)
     delete_checkpoint(server.store, row)
     return {"deleted": f"tinker://{run_id}/{kind}/{name}"}
 
 
 @router.post(_ONE + "/publish")
 def publish(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-            server: Server = Depends(get_server)):
-    return _set_public(server, owner, run_id, kind, name, True)
+            server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    return _set_public(server, access, owner, run_id, kind, name, True)
 
 
 @router.delete(_ONE + "/publish")
 def unpublish(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-              server: Server = Depends(get_server)):
-    return _set_public(server, owner, run_id, kind, name, False)
+              server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    return _set_public(server, access, owner, run_id, kind, name, False)
 
 
-def _set_public(server: Server, owner: str, run_id: str, kind: str, name: str, public: bool) -> dict:
-    row = _checkpoint(server, owner, run_id, kind, name, write=True)
+def _set_public(server: Server, access: Access, owner: str, run_id: str, kind: str, name: str, public: bool) -> dict:
+    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name), write=True)
     if bool(row["public"]) == public:
         # 400, not 409: the SDK retries a 409 for minutes.
         raise HTTPException(400, f"checkpoint tinker://{run_id}/{kind}/{name} is already "
@@ -236,9 +204,9 @@ class TtlBody(BaseModel):
 
 @router.put(_ONE + "/ttl")
 def set_ttl(run_id: str, kind: str, name: str, body: TtlBody, owner: str = Depends(require_owner),
-            server: Server = Depends(get_server)):
+            server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """ttl_seconds from now (1 s to 10 years; the expiry sweep removes it then), or null for never."""
-    row = _checkpoint(server, owner, run_id, kind, name, write=True)
+    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name), write=True)
     if body.ttl_seconds is not None and not 1 <= body.ttl_seconds <= MAX_TTL_S:
         raise HTTPException(400, f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or null to "
                                  f"never expire; got {body.ttl_seconds}")
@@ -249,12 +217,12 @@ def set_ttl(run_id: str, kind: str, name: str, body: TtlBody, owner: str = Depen
 
 @router.get(_ONE + "/external_weights_urls")
 def external_weights_urls(run_id: str, kind: str, name: str, request: Request,
-                          owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+                          owner: str = Depends(require_owner), access: Access = Depends(get_access)):
     checkpoint_ref(run_id, kind, name)
     if kind != "external_weights":
         raise HTTPException(400, f"download URLs exist for external weights only (tinker://<run>/external_weights/"
                                  f"<name>, from save_weights_external); got tinker://{run_id}/{kind}/{name}")
-    row = _checkpoint(server, owner, run_id, kind, name, write=False)
+    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name))
     expires = int(time.time()) + SIGNED_URL_TTL_S
     signer: UrlSigner = request.app.state.url_signer
     base = str(request.base_url).rstrip("/")
@@ -303,9 +271,9 @@ def signed_file(run_id: str, kind: str, name: str, filename: str, request: Reque
 
 @router.get(_ONE + "/archive")
 def archive(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-            server: Server = Depends(get_server)):
+            access: Access = Depends(get_access)):
     """The checkpoint directory as a flat tar: `curl -H "X-API-Key: $KEY" URL | tar -x -C DIR`."""
-    row = _checkpoint(server, owner, run_id, kind, name, write=False)
+    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name))
     files = open_checkpoint_files(Path(row["dir"]))
     return StreamingResponse(tar_stream(files), media_type="application/x-tar", headers={
         "Content-Length": str(tar_length(files)),
@@ -318,9 +286,10 @@ class WeightsInfoBody(BaseModel):
 
 
 @router.post("/api/v1/weights_info")
-def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), server: Server = Depends(get_server),
+                 access: Access = Depends(get_access)):
     run_id, kind, name = parse_tinker_path(body.tinker_path)
-    row = _checkpoint(server, owner, run_id, kind, name, write=False)
+    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name))
     with CHECKPOINT_LOCK:
         try:
             manifest = json.loads((Path(row["dir"]) / MANIFEST).read_text())
@@ -354,7 +323,7 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
     """
     check_name(name)
     run_id = check_run_id(training_run_id) if training_run_id else f"import-{uuid.uuid4().hex[:12]}"
-    existing_run = server.store.get_model(run_id)
+    existing_run = await run_in_threadpool(server.store.get_model, run_id)  # SQLite: off the event loop
     if existing_run is not None and existing_run["owner"] != owner:
         raise HTTPException(404, f"training run {run_id!r} not found")
     uploads = Path(server.config.data_dir) / "uploads"
@@ -364,10 +333,8 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
         archive_path = work / "upload.tar"
         received = 0
         with open(archive_path, "wb") as f:
-            async for chunk in request.stream():
+            async for chunk in request.stream():  # bounded by max_request_bytes (api/limits.py)
                 received += len(chunk)
-                if received > server.config.max_request_bytes:
-                    raise HTTPException(413, f"upload is above the limit of {server.config.max_request_bytes} bytes")
                 f.write(chunk)
         if received == 0:
             raise HTTPException(400, "empty upload: send the adapter directory as a tar archive in the body")

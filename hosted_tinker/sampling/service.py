@@ -37,8 +37,12 @@ class SamplingService:
         return self.engine.has_work()
 
     def submit(self, request_id: str, job: SampleJob) -> None:
-        job.on_done = lambda result: self.futures.resolve(request_id, encode_result(result), is_proto=True)
-        job.on_error = lambda message: self.futures.fail(request_id, message, "server")
+        """Queue a job whose result resolves future `request_id`; the job's own on_done/on_error run
+        first (the API layer releases the key's sampling allowance there)."""
+        done, error = job.on_done, job.on_error
+        job.on_done = lambda result: (done(result),
+                                      self.futures.resolve(request_id, encode_result(result), is_proto=True))
+        job.on_error = lambda message: (error(message), self.futures.fail(request_id, message, "server"))
         self.submit_job(job)
 
     def submit_job(self, job: SampleJob) -> None:
