@@ -127,6 +127,7 @@ class LoRAAdapter:
             return
         detach_adapter(layers, self.adapter_id, self.weights, device or self.device)
         self._layers = None
+        self._move_optimizer(device or self.device)
 
     def move_to(self, device: torch.device) -> None:
         """Put weights, gradients and optimizer moments on `device` (paging to/from CPU memory).

@@ -241,7 +241,10 @@ class LoRARouting:
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self._free: dict[int, list[int]] = {}  # rank -> freed slots (a heap: lowest first)
         self._next: dict[int, int] = {}
-        self._classes: dict[frozenset[str], int] = {}
+        # Interned sets of adapter ids (one object per distinct set, kept while a layer has it):
+        # layers with the same adapters share plans, and a plan lookup compares by identity.
+        self._sets: dict[frozenset[str], frozenset[str]] = {}
+        self._set_users: dict[frozenset[str], int] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}
 
     # -- slots -------------------------------------------------------------------------------
@@ -264,10 +267,16 @@ class LoRARouting:
             t = self._anchors[device] = torch.zeros((), device=device, requires_grad=True)
         return t
 
-    def class_of(self, adapter_ids) -> int:
-        """A small id per distinct set of adapters: layers with the same set share plans."""
+    def member_set(self, adapter_ids, previous: frozenset[str] | None) -> frozenset[str]:
+        """The interned set of `adapter_ids`, for a layer whose set was `previous`."""
         key = frozenset(adapter_ids)
-        return self._classes.setdefault(key, len(self._classes))
+        key = self._sets.setdefault(key, key)
+        self._set_users[key] = self._set_users.get(key, 0) + 1
+        if previous is not None:
+            self._set_users[previous] -= 1
+            if not self._set_users[previous]:
+                del self._set_users[previous], self._sets[previous]
+        return key
 
     # -- the batch -----------------------------------------------------------------------------
     @contextmanager
@@ -286,7 +295,7 @@ class LoRARouting:
         if not self.segments or not layer.adapters:
             return None
         tokens_per_row = x.numel() // max(1, x.shape[0] * x.shape[-1])
-        key = (layer.class_id, layer.in_features, layer.out_features, tokens_per_row, x.dtype)
+        key = (layer.members, layer.in_features, layer.out_features, tokens_per_row, x.dtype)
         if key not in self._plans:
             self._plans[key] = self._build(layer, tokens_per_row, x.dtype, x.device)
         return self._plans[key]
@@ -341,7 +350,7 @@ class MultiLoRALinear(nn.Module):
         # Not registered as parameters or buffers: `model.parameters()` stays the frozen base.
         self.adapters: dict[str, LoRAWeights] = {}
         self.stacks: dict[int, SlotStack] = {}
-        self.class_id = routing.class_of(())
+        self.members = routing.member_set((), None)  # ids of the adapters attached here
 
     @property
     def in_features(self) -> int:
@@ -362,12 +371,12 @@ class MultiLoRALinear(nn.Module):
                                                     self.base.weight.device)
         stack.put(slot, w)
         self.adapters[adapter_id] = w
-        self.class_id = self.routing.class_of(self.adapters)
+        self.members = self.routing.member_set(self.adapters, self.members)
 
     def detach(self, adapter_id: str, device: torch.device) -> None:
         w = self.adapters.pop(adapter_id)
         self.stacks[w.rank].take(w.slot, w, device)
-        self.class_id = self.routing.class_of(self.adapters)
+        self.members = self.routing.member_set(self.adapters, self.members)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
