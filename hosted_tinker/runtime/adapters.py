@@ -184,11 +184,21 @@ def zero_grads(adapters: list[LoRAAdapter]) -> None:
             if w.stack is not None:
                 by_stack.setdefault(id(w.stack), (w.stack, []))[1].append(w.slot)
             w.A.grad = w.B.grad = None
+    _fill_slots([(stack, slots) for stack, slots in by_stack.values()], 0.0)
+
+
+def _fill_slots(rows: list[tuple[SlotStack, list[int]]], value: float) -> None:
+    """Set the gradient rows `slots` of each stack to `value`; one index tensor per distinct slot
+    list (an adapter's slot index is the same in every layer)."""
+    index: dict[tuple, torch.Tensor] = {}
     with torch.no_grad():
-        for stack, slots in by_stack.values():
-            idx = torch.tensor(slots, dtype=torch.long, device=stack.device)
-            stack.grad_A.index_fill_(0, idx, 0.0)
-            stack.grad_B.index_fill_(0, idx, 0.0)
+        for stack, slots in rows:
+            key = (tuple(slots), stack.device)
+            idx = index.get(key)
+            if idx is None:
+                idx = index[key] = torch.tensor(slots, dtype=torch.long, device=stack.device)
+            stack.grad_A.index_fill_(0, idx, value)
+            stack.grad_B.index_fill_(0, idx, value)
 
 
 class GradientPass:
@@ -203,7 +213,7 @@ class GradientPass:
     def __init__(self, adapters: list[LoRAAdapter]):
         self.adapters = adapters
         self._saved: list[tuple[SlotStack, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._fresh: list[tuple[SlotStack, torch.Tensor]] = []
+        self._fresh: list[tuple[SlotStack, list[int]]] = []
         held: dict[int, tuple[SlotStack, list[int], list[int]]] = {}  # stack -> (slots with, without grads)
         for adapter in adapters:
             for w in adapter.weights.values():
@@ -217,7 +227,7 @@ class GradientPass:
                     self._saved.append((stack, idx, stack.grad_A.index_select(0, idx),
                                         stack.grad_B.index_select(0, idx)))
                 if without:
-                    self._fresh.append((stack, torch.tensor(without, dtype=torch.long, device=stack.device)))
+                    self._fresh.append((stack, without))
 
     def commit(self) -> None:
         for adapter in self.adapters:
@@ -230,9 +240,7 @@ class GradientPass:
             for stack, idx, grad_A, grad_B in self._saved:
                 stack.grad_A.index_copy_(0, idx, grad_A)
                 stack.grad_B.index_copy_(0, idx, grad_B)
-            for stack, idx in self._fresh:
-                stack.grad_A.index_fill_(0, idx, 0.0)
-                stack.grad_B.index_fill_(0, idx, 0.0)
+        _fill_slots(self._fresh, 0.0)
 
 
 class AdamWState:

@@ -24,9 +24,9 @@ Exactness: a tenant's bits may not depend on who shares a call with it. Measured
 2.13, MKL): a `bmm` gives entry 0 different bits when it holds 1 entry than when it holds 2 or
 more (14-18 of 72 LoRA shapes), while batches of 2, 3, 4, 8 and 16 entries all agree. So the
 canonical computation of one tenant's delta is a batch of two -- the tenant and a copy of
-itself -- never a batch of one, and a group of n >= 2 tenants runs as one batch only where
-`FusionPolicy.group_lora` has checked, for that shape on this machine, that it gives every
-entry its canonical bits; otherwise each tenant runs its own canonical pair.
+itself -- and a batch of n tenants (n = 1 included) runs only where `FusionPolicy.group_lora`
+has checked, for that shape on this machine, that it gives every entry its canonical bits;
+otherwise each tenant runs its own canonical pair.
 
 The delta is PEFT's (`lora_B(lora_A(x)) * scaling`), so a checkpoint exported in PEFT's format
 reproduces our logprobs in PEFT (to float rounding).
@@ -172,15 +172,17 @@ def lora_backward(gd: torch.Tensor, xs: torch.Tensor, A: torch.Tensor, B: torch.
     return grad_x, grad_A, grad_B
 
 
-def _canonical_batch(t: torch.Tensor) -> torch.Tensor:
-    """A one-entry batch as the two-entry batch it is computed in (see the module docstring)."""
-    return torch.cat([t, t]) if t.shape[0] == 1 else t
+def _canonical_batch(t: torch.Tensor, entries: int) -> torch.Tensor:
+    """A one-entry batch as the two-entry batch it is computed in, where `entries` says so (see
+    the module docstring)."""
+    return torch.cat([t, t]) if entries > t.shape[0] else t
 
 
 class GroupedLoRA(torch.autograd.Function):
     """Deltas of `x.shape[0]` tenants (equal row blocks) through their slots of one `SlotStack`.
 
-    forward(x [n, M, in], anchor, stack, slots [max(2, n)], scaling) -> [n, M, out]. The weight
+    forward(x [n, M, in], anchor, stack, slots, scaling) -> [n, M, out]: `slots` has n entries,
+    or two (the same slot twice) where one tenant runs as its canonical pair. The weight
     gradients go straight into the stack's gradient rows (nothing is returned for them);
     `anchor` is a leaf that requires grad, so the backward runs even where x needs no gradient.
     """
@@ -191,7 +193,7 @@ class GroupedLoRA(torch.autograd.Function):
         B = stack.B.index_select(0, slots)
         if A.dtype != x.dtype:  # bf16 base on GPU: fp32 master weights, cast per call
             A, B = A.to(x.dtype), B.to(x.dtype)
-        h, d = lora_forward(_canonical_batch(x), A, B, scaling)
+        h, d = lora_forward(_canonical_batch(x, slots.shape[0]), A, B, scaling)
         ctx.save_for_backward(x, A, B, h)
         ctx.stack, ctx.slots, ctx.scaling = stack, slots, scaling
         return d[:x.shape[0]]
@@ -200,8 +202,9 @@ class GroupedLoRA(torch.autograd.Function):
     def backward(ctx, gd):
         x, A, B, h = ctx.saved_tensors
         n = x.shape[0]
-        grad_x, grad_A, grad_B = lora_backward(_canonical_batch(gd.contiguous()), _canonical_batch(x), A, B, h,
-                                               ctx.scaling, ctx.needs_input_grad[0])
+        entries = ctx.slots.shape[0]
+        grad_x, grad_A, grad_B = lora_backward(_canonical_batch(gd.contiguous(), entries), _canonical_batch(x, entries),
+                                               A, B, h, ctx.scaling, ctx.needs_input_grad[0])
         ctx.stack.accumulate(ctx.slots[:n], grad_A[:n], grad_B[:n])
         return (None if grad_x is None else grad_x[:n]), None, None, None, None
 
@@ -214,7 +217,7 @@ class LoRACall:
     rank: int
     n: int
     rows: int
-    slots: torch.Tensor  # [max(2, n)] on the device
+    slots: torch.Tensor  # [n] on the device, or [2] (one slot twice) for a canonical pair
     scaling: float
 
 
@@ -322,12 +325,16 @@ class LoRARouting:
                 calls.append(None)
                 continue
             rank, scaling, per = key
-            together = len(ws) >= 2 and self.policy is not None and self.policy.group_lora(
-                per * tokens_per_row, layer.in_features, layer.out_features, rank, len(ws), dtype)
-            for group in ([ws] if together else [[w] for w in ws]):
+            tokens = per * tokens_per_row
+
+            def proven(n: int) -> bool:  # n entries in one batch give each its canonical pair's bits
+                return self.policy is not None and self.policy.group_lora(
+                    tokens, layer.in_features, layer.out_features, rank, n, dtype)
+
+            for group in ([ws] if len(ws) >= 2 and proven(len(ws)) else [[w] for w in ws]):
                 slots = [w.slot for w in group]
                 sizes.append(per * len(group))
-                if len(slots) == 1:
+                if len(slots) == 1 and not proven(1):
                     slots = slots * 2  # the canonical pair (see GroupedLoRA)
                 calls.append(LoRACall(rank, len(group), per, self._slot_tensor(slots, device), scaling))
         return LayerPlan(sizes, calls)

@@ -307,21 +307,15 @@ class TrainingRuntime:
 
     @staticmethod
     def _losses(works, runs, segments, logprobs, inputs, mask, metric_sums) -> torch.Tensor:
-        """Per-token losses, one `run_losses` call per model on its own rows: a model's loss ops
-        see exactly the tensors they see when it trains alone (elementwise kernels may round a
-        value differently at another position in a bigger tensor, see invariance.py)."""
-        if len(segments) == 1:
-            pieces = [(logprobs, inputs, mask)]
-        else:  # one split per tensor (its backward is one cat), not a slice per model
-            sizes = [e - s for _, s, e in segments]
-            split = {k: torch.split(v, sizes) for k, v in inputs.items()}
-            pieces = [(lp, {k: v[i] for k, v in split.items()}, m)
-                      for i, (lp, m) in enumerate(zip(torch.split(logprobs, sizes), torch.split(mask, sizes)))]
+        """Per-token losses, one `run_losses` call per model with its own runs only: the loss ops
+        then see the model's rows exactly as when it trains alone (row slices of the same shape),
+        and never a block merged with another model's rows (elementwise kernels may round a value
+        differently at another position in a bigger tensor, see invariance.py)."""
         parts = []
-        for (_, s, e), (lp, inp, m) in zip(segments, pieces):
+        for _, s, e in segments:
             mine = [(wi, rs, re) for wi, rs, re in runs if s <= rs < e]
             tok_loss, run_metrics = run_losses(
-                [(works[wi].loss_fn, works[wi].loss_config, rs - s, re - s) for wi, rs, re in mine], lp, inp, m)
+                [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in mine], logprobs, inputs, mask)
             parts.append(tok_loss)
             for (wi, _, _), metrics in zip(mine, run_metrics):
                 for k, v in metrics.items():
