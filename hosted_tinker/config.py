@@ -83,6 +83,9 @@ class ServerConfig(BaseSettings):
     ephemeral_sampler_ttl_s: int = Field(
         7 * 24 * 3600, ge=1, description="how long snapshots made by save_weights_and_get_sampling_client are "
                                          "kept on disk")
+    sample_record_ttl_s: float = Field(
+        24 * 3600.0, ge=0, description="how long a sample recorded with record_stability_info stays trainable "
+                                       "after its last use (stable_reinforce)")
     max_lora_rank: int = Field(128, ge=1, description="largest LoRA rank a client may ask for")
     long_poll_s: float = Field(30.0, gt=0, description="how long retrieve_future holds a pending request before "
                                                        "try_again")

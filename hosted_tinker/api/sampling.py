@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +10,12 @@ from pydantic import Field
 
 from ..access import Access
 from ..sampling.engine import SampleJob
+from ..sampling.records import sequence_ids
 from ..server import Server
 from ..services.sampling import SamplingRequests
 from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
-from .training import _checkpoint_for_load
+from .training import _checkpoint_for_load, parse_tinker_path
 
 router = APIRouter()
 
@@ -93,9 +93,6 @@ def _prompt_tokens(prompt: dict) -> list[int]:
 def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
     """Validate a sample request against the model and the server's limits."""
     cfg, runtime = server.config, server.runtime
-    if body.record_stability_info:
-        raise HTTPException(400, "record_stability_info is not supported by this server (it serves no "
-                                 "stable_reinforce loss); sample without it")
     if body.prompt_alt_tokens_k:
         raise HTTPException(400, "prompt_alt_tokens_k is not supported by this server")
     if body.target_prompt_logprobs is not None:
@@ -155,10 +152,30 @@ def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: S
         job = build_job(server, body, grant.adapter_dir)
         if grant.adapter_dir is not None and not Path(grant.adapter_dir).is_dir():
             raise HTTPException(404, f"the weights of sampling session {body.sampling_session_id!r} were deleted")
-        request_id = sampling.submit_for_future(owner, body.sampling_session_id, body.seq_id, job)
+        if server.sample_records.request_was_recorded(body.sampling_session_id, body.seq_id):
+            # its future was pruned, its records were not: new samples must not reuse their ids
+            raise HTTPException(400, f"seq_id {body.seq_id} of sampling session {body.sampling_session_id!r} was "
+                                     "already used; each sample request needs a new seq_id")
+        request_id = sampling.submit_for_future(
+            owner, body.sampling_session_id, body.seq_id, job,
+            record=lambda request_id: _recorder(server, body, grant.row, request_id, job))
     else:
         request_id = existing
-    # Stable per request, so a resubmitted sample hands out the same sequence ids.
-    digest = hashlib.sha256(request_id.encode()).hexdigest()[:12]
+    # Fixed at submission: a deduplicated re-POST of the same seq_id hands out the same ids.
     return {"request_id": request_id,
-            "sample_sequence_ids": [f"seq-{digest}-{i}" for i in range(body.num_samples)]}
+            "sample_sequence_ids": sequence_ids(body.sampling_session_id, body.seq_id, body.num_samples)}
+
+
+def _recorder(server: Server, body: AsampleRequest, row, request_id: str, job: SampleJob):
+    """What stores the request's samples for stable_reinforce, or None when not asked to."""
+    if not body.record_stability_info:
+        return None
+    version = None
+    if row["model_path"] is not None:
+        run, kind, name = parse_tinker_path(row["model_path"])
+        ckpt = server.store.get_checkpoint(run, f"{kind}/{name}")
+        version = None if ckpt is None else ckpt["created_at"]
+    return server.sample_records.recorder(
+        request_id=request_id, owner=row["owner"], session_id=row["session_id"],
+        sampling_session_id=body.sampling_session_id, seq_id=body.seq_id,
+        weights=row["model_path"] or f"base:{row['base_model']}", weights_version=version, job=job)

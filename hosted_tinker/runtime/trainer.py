@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, adamw_step
 from .checkpoints import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
 from .invariance import FusionPolicy, RowIndependenceProbe
-from .losses import LOSS_INPUT_KEYS, run_losses
+from .losses import LOSS_INPUT_KEYS, merge_metrics, run_losses
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, segments_of
 
 log = logging.getLogger(__name__)
@@ -318,8 +318,7 @@ class TrainingRuntime:
                 [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in mine], logprobs, inputs, mask)
             parts.append(tok_loss)
             for (wi, _, _), metrics in zip(mine, run_metrics):
-                for k, v in metrics.items():
-                    metric_sums[wi][k] = metric_sums[wi].get(k, 0.0) + v
+                merge_metrics(metric_sums[wi], metrics)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # -- the fusion probe (see invariance.py) -----------------------------------------------------

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import Callable
 
 from fastapi import HTTPException
 
 from ..access import Access
-from ..sampling.engine import SampleJob
+from ..sampling.engine import SampleJob, SampleResult
 from ..server import Server
 from . import check_base_model
 
@@ -123,8 +124,11 @@ class SamplingRequests:
         self.server.store.create_sampling_session(sampling_session_id, session_id, owner, self.config.base_model,
                                                   model_path, checkpoint_dir)
 
-    def submit_for_future(self, owner: str, sampling_session_id: str, seq_id: int, job: SampleJob) -> str:
-        """asample: queue `job` under a new future (or find the one a retry already made); its request id."""
+    def submit_for_future(self, owner: str, sampling_session_id: str, seq_id: int, job: SampleJob,
+                          record: Callable[[str], Callable[[SampleResult], None] | None] | None = None) -> str:
+        """asample: queue `job` under a new future (or find the one a retry already made); its request id.
+
+        `record(request_id)` gives what stores the request's samples (records.py), or None."""
         self.check_size([job])
         lease = self.allowance.take(owner, [job])
         request_id, is_new = self.server.futures.create(owner, "sample", sampling_session_id, seq_id)
@@ -132,7 +136,7 @@ class SamplingRequests:
             lease.release()
             return request_id
         lease.release_when_done([job])
-        self.server.sampler.submit(request_id, job)
+        self.server.sampler.submit(request_id, job, record=None if record is None else record(request_id))
         return request_id
 
     def submit_jobs(self, owner: str, jobs: list[SampleJob]) -> None:

@@ -17,6 +17,7 @@ from ..access import Access
 from ..runtime.adapters import AdamParams, LoRAConfig
 from ..runtime.checkpoints import MANIFEST
 from ..runtime.losses import LossInputError, resolve_loss_config, validate_datum
+from ..runtime.provenance import RecordNotFound, loss_inputs, named_sequences
 from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request
 from ..server import Server
@@ -113,7 +114,7 @@ class TrainingRequests:
 
     # -- work in a model's seq_id order ---------------------------------------------------------
     def forward_backward(self, owner: str, call: ForwardBackwardCall) -> dict:
-        self.access.loaded_model(owner, call.model_id)
+        model = self.access.loaded_model(owner, call.model_id)
         if call.seq_id < 1:
             raise HTTPException(400, f"seq_id must be >= 1, got {call.seq_id}")
         runtime, limit = self.server.runtime, self.config.max_datums_per_request
@@ -127,8 +128,17 @@ class TrainingRequests:
             config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
             for i, d in enumerate(call.data):
                 validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context)
-            return FBWork(model_id=call.model_id, data=[DatumWork(d.tokens, d.loss_fn_inputs) for d in call.data],
-                          loss_fn=call.loss_fn, loss_config=config, forward_only=call.forward_only)
+            records = {}  # stable_reinforce trains on recorded samples, named by the datums' provenance
+            if call.loss_fn == "stable_reinforce":
+                names = set().union(*(named_sequences(d) for d in call.data))
+                records = self.server.sample_records.for_training(owner, model["session_id"], names)
+            try:
+                data = [DatumWork(d.tokens, loss_inputs(i, d, call.loss_fn, config, len(call.data), records))
+                        for i, d in enumerate(call.data)]
+            except RecordNotFound as e:
+                raise HTTPException(404, str(e)) from None
+            return FBWork(model_id=call.model_id, data=data, loss_fn=call.loss_fn, loss_config=config,
+                          forward_only=call.forward_only)
 
         kind = "forward" if call.forward_only else "forward_backward"
         return self._submit(owner, call.model_id, call.seq_id, kind, validate)
