@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, adamw_step
 from .checkpoints import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
 from .invariance import FusionPolicy, RowIndependenceProbe
-from .losses import LOSS_INPUT_KEYS, merge_metrics, run_losses
+from .losses import LOSS_INPUT_KEYS, LOSSES, merge_metrics, run_losses
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, segments_of
 
 log = logging.getLogger(__name__)
@@ -314,8 +314,12 @@ class TrainingRuntime:
         parts = []
         for _, s, e in segments:
             mine = [(wi, rs, re) for wi, rs, re in runs if s <= rs < e]
+            # Only the inputs its losses take (their specs name them): run_losses slices every
+            # input it is given, per block, and there is a block per model.
+            specs = [LOSSES[works[wi].loss_fn] for wi, _, _ in mine]
+            used = {k: v for k, v in inputs.items() if any(k in sp.required_inputs or k in sp.inputs for sp in specs)}
             tok_loss, run_metrics = run_losses(
-                [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in mine], logprobs, inputs, mask)
+                [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in mine], logprobs, used, mask)
             parts.append(tok_loss)
             for (wi, _, _), metrics in zip(mine, run_metrics):
                 merge_metrics(metric_sums[wi], metrics)
