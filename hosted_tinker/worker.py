@@ -135,12 +135,6 @@ class TrainingWorker:
             outcomes = self.runtime.forward_backward(works)
         except Exception as e:
             log.exception("fused forward/backward over %d requests failed", len(live))
-            # Whatever partial gradient exists must not be applied later as if it were whole.
-            # TODO(coordinator): once core's transactional forward_backward lands (a failed pass
-            # leaves earlier calls' gradients as they were), delete this zero_grad: it throws
-            # away gradients that earlier, acknowledged forward_backward calls accumulated.
-            for mid in {r.model_id for r in live if not r.payload.forward_only}:
-                self.runtime.adapter(mid).zero_grad()
             for r in live:
                 self.futures.fail(r.request_id, f"forward_backward failed on the server: {type(e).__name__}: {e}",
                                   "server")
