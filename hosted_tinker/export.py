@@ -28,8 +28,12 @@ from pathlib import Path
 
 import httpx
 
-from .checkpoint_admin import CHECKPOINT_FILES, checkpoint_files, extract_checkpoint_tar
-from .runtime.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, CheckpointError, read_checkpoint
+from .checkpoints.format import (
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_FILES, MANIFEST, CheckpointError, read_checkpoint,
+)
+from .checkpoints.paths import InvalidPath, TinkerPath
+from .checkpoints.transfer import extract_checkpoint_tar
+from .store import db_path
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 
@@ -38,13 +42,11 @@ class ExportError(RuntimeError):
     """A user-facing failure of export or import (printed without a traceback)."""
 
 
-def _parse(tinker_path: str) -> tuple[str, str, str]:
-    if not tinker_path.startswith("tinker://"):
-        raise ExportError(f"invalid checkpoint path {tinker_path!r}: expected tinker://<run>/<kind>/<name>")
-    parts = tinker_path[len("tinker://"):].split("/")
-    if len(parts) != 3 or not all(parts) or ".." in tinker_path:
-        raise ExportError(f"invalid checkpoint path {tinker_path!r}: expected tinker://<run>/<kind>/<name>")
-    return parts[0], parts[1], parts[2]
+def _parse(tinker_path: str) -> TinkerPath:
+    try:
+        return TinkerPath.parse(tinker_path)
+    except InvalidPath as e:
+        raise ExportError(str(e)) from None
 
 
 def _remote(base_url: str | None, api_key: str | None) -> tuple[str, dict]:
@@ -66,11 +68,11 @@ def _detail(r: httpx.Response) -> str:
 
 
 def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: str | None) -> None:
-    run, kind, name = _parse(tinker_path)
+    path = _parse(tinker_path)
     url, headers = _remote(base_url, api_key)
     archive = dest / ".download.tar"
     with httpx.Client(timeout=TIMEOUT) as http:
-        with http.stream("GET", f"{url}/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/archive",
+        with http.stream("GET", f"{url}/api/v1/training_runs/{path.run}/checkpoints/{path.kind}/{path.name}/archive",
                          headers=headers) as r:
             if r.status_code != 200:
                 r.read()
@@ -79,31 +81,32 @@ def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: s
                 for block in r.iter_bytes(1 << 20):
                     f.write(block)
     try:
-        extract_checkpoint_tar(archive, dest)
+        extract_checkpoint_tar(archive, dest, max_bytes=None)  # a plain tar: as large as the checkpoint is
+    except CheckpointError as e:
+        raise ExportError(f"{tinker_path}: the server's archive cannot be read: {e}") from None
     finally:
         archive.unlink()
 
 
 def _fetch_local(tinker_path: str, dest: Path, data_dir: Path) -> None:
-    run, kind, name = _parse(tinker_path)
-    db = data_dir / "hosted_tinker.sqlite3"
+    path = _parse(tinker_path)
+    db = db_path(data_dir)
     if not db.is_file():
         raise ExportError(f"{data_dir} is not a hosted-tinker data directory (no {db.name})")
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         conn.row_factory = sqlite3.Row
         row = conn.execute("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?",
-                           (run, f"{kind}/{name}")).fetchone()
+                           (path.run, path.checkpoint_id)).fetchone()
     if row is None or (row["expires_at"] is not None and row["expires_at"] <= time.time()):
         raise ExportError(f"checkpoint {tinker_path} not found in {data_dir}")
-    src = data_dir / "checkpoints" / run / kind / name
-    src = src if src.is_dir() else Path(row["dir"])
+    src = data_dir / "checkpoints" / path.run / path.kind / path.name
     for attempt in range(3):  # a save may replace the directory while we copy: verify, retry
         for f in dest.iterdir():
             f.unlink()
         try:
-            for f in checkpoint_files(src):
-                if f.name in CHECKPOINT_FILES:
-                    shutil.copyfile(f, dest / f.name)
+            for name in CHECKPOINT_FILES:
+                if (src / name).is_file():
+                    shutil.copyfile(src / name, dest / name)
             read_checkpoint(dest, with_optimizer=False)  # verifies the manifest checksums
             return
         except (OSError, CheckpointError) as e:

@@ -7,10 +7,14 @@ HTTP route (api/) -> FutureStore (futures.py) + ClockCycleScheduler (scheduler.p
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 
 from .auth import ENV_VAR, KeyRing
+from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
+from .checkpoints.recovery import recover
+from .checkpoints.transfer import UrlSigner
 from .config import ServerConfig
 from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
@@ -19,7 +23,7 @@ from .sampling.engine import SamplingEngine
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
 from .scheduler import ClockCycleScheduler
-from .store import Store
+from .store import Store, db_path
 from .worker import TrainingWorker
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,7 @@ class Server:
             log.info("%d API key(s) configured", len(self.keyring))
         data_dir = Path(config.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.store = Store(data_dir / "hosted_tinker.sqlite3")
+        self.store = Store(db_path(data_dir))
         interrupted = self.store.fail_interrupted_futures(
             "the server restarted while this request was running; resubmit it")
         if interrupted:
@@ -72,7 +76,11 @@ class Server:
                                        wake=lambda: self.scheduler.wake(),
                                        training_waiting=lambda: self.scheduler.has_training_work(),
                                        last_cycle_seconds=lambda: self.scheduler.last_cycle_seconds)
-        self.worker = TrainingWorker(self.runtime, self.futures, self.store, data_dir / "checkpoints", self.sampler)
+        self.checkpoints = CheckpointCatalog(self.store, data_dir / "checkpoints")
+        self.expiry = ExpirySweeper(self.checkpoints)
+        self.url_signer = UrlSigner(data_dir / "url_signing.key")
+        self.uploads = data_dir / "uploads"  # imports being received
+        self.worker = TrainingWorker(self.runtime, self.futures, self.store, self.checkpoints, self.sampler)
         self.scheduler = ClockCycleScheduler(self.worker.run_cycle, gap_timeout_s=config.gap_timeout_s,
                                              side_work=self.sampler.has_work,
                                              gather_window_s=config.gather_window_s,
@@ -81,9 +89,13 @@ class Server:
         self.worker.on_compute_done = self.scheduler.compute_done
 
     def start(self) -> None:
+        recover(self.checkpoints)  # checkpoint records and folders agree again, before any work runs
+        shutil.rmtree(self.uploads, ignore_errors=True)  # imports cut short by the last stop
         self.scheduler.start()
+        self.expiry.start()
 
     def stop(self) -> None:
         log.info("shutting down: finishing the running cycle")
+        self.expiry.stop()
         self.scheduler.stop()
         self.store.close()

@@ -20,6 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+DB_FILENAME = "hosted_tinker.sqlite3"  # inside --data-dir
+
+
+def db_path(data_dir: Path) -> Path:
+    return Path(data_dir) / DB_FILENAME
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,

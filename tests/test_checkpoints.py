@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hosted_tinker.runtime import checkpoints
+from hosted_tinker.checkpoints import format as checkpoints
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
-from hosted_tinker.runtime.checkpoints import (
+from hosted_tinker.checkpoints.format import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MANIFEST,

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import tinker
 
+from helpers import database
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -58,7 +59,7 @@ def test_ten_random_kills(tmp_path):
     try:
         while True:
             srv.start()
-            with sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite3") as db:
+            with sqlite3.connect(database(srv)) as db:
                 assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
             resume, start = acknowledged[-1] if acknowledged else ("-", 0)
             seen = len(records(out))

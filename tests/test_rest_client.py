@@ -5,8 +5,6 @@ through signed URLs with a plain GET, and a TTL removes a checkpoint's files and
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import sqlite3
 import time
 from datetime import datetime, timedelta, timezone
@@ -18,8 +16,10 @@ import tinker
 from safetensors.torch import load_file
 from tinker import types
 
-from helpers import BASE_MODEL, checkpoint_dir, logprobs_of, read_adapter, sft_batch
+from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, read_adapter, sft_batch
 from hosted_tinker.auth import anonymous_owner
+from hosted_tinker.checkpoints.paths import TinkerPath
+from hosted_tinker.checkpoints.transfer import DownloadGrant, UrlSigner
 
 pytestmark = pytest.mark.e2e
 ALICE, BOB = "tml-rest-alice", "tml-rest-bob"
@@ -203,7 +203,7 @@ def test_ttl_expiry_removes_files_and_record(server, world):
     while any(f.exists() for f in folders) and time.monotonic() < deadline:
         time.sleep(0.25)
     assert not any(f.exists() for f in folders), "the expiry sweep did not remove the files"
-    with sqlite3.connect(server.data_dir / "hosted_tinker.sqlite3") as db:
+    with sqlite3.connect(database(server)) as db:
         assert db.execute("SELECT COUNT(*) FROM checkpoints WHERE model_id=? AND checkpoint_id IN (?, ?)",
                           (tc.model_id, "weights/short-lived", "sampler_weights/later")).fetchone()[0] == 0
     paths = {c.tinker_path for c in alice.list_checkpoints(tc.model_id).result().checkpoints}
@@ -263,11 +263,13 @@ def test_external_weights_and_signed_urls(server, world):
                      url.replace("adapter_model.safetensors?", "manifest.json?")):
         r = httpx.get(tampered, timeout=30)
         assert r.status_code == 403 and "invalid download URL" in r.json()["detail"]
-    # a correctly signed URL past its expiry is 410 Gone
-    key = bytes.fromhex((server.data_dir / "url_signing.key").read_text().strip())
-    target, past = url.split("/api/v1/signed_files/")[1].split("?")[0], int(time.time()) - 10
-    sig = hmac.new(key, f"{target.replace('%3A', ':')}\n{past}".encode(), hashlib.sha256).hexdigest()
-    r = httpx.get(f"{url.split('?')[0]}?expires={past}&signature={sig}", timeout=30)
+    # a correctly signed URL past its expiry is 410 Gone (signed with the server's key file)
+    signer = UrlSigner(server.data_dir / "url_signing.key")
+    query = dict(httpx.URL(url).params)
+    past = int(time.time()) - 10
+    grant = DownloadGrant(TinkerPath.parse(ext), "adapter_model.safetensors", past, query["version"], query["scope"])
+    r = httpx.get(url.split("?")[0], params={**query, "expires": past, "signature": signer.signature(grant)},
+                  timeout=30)
     assert r.status_code == 410 and "expired" in r.json()["detail"]
 
     with pytest.raises(ValueError, match="external weights"):  # the SDK refuses other kinds itself...

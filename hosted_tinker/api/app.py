@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..checkpoints.paths import InvalidPath
 from ..config import ServerConfig
 from ..server import Server
 from . import openai_compat, rest, sampling, service, training
@@ -32,17 +33,14 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         srv = server or Server(config)
         srv.futures.bind_loop(asyncio.get_running_loop())
-        rest.on_startup(app, srv)  # checkpoint crash recovery, before any work runs
         srv.start()
         app.state.server = srv
         pruner = asyncio.create_task(_prune_forever(srv))
-        sweeper = asyncio.create_task(rest.sweep_expired_forever(srv))  # checkpoint TTLs
         log.info("hosted-tinker serving %s on http://%s:%d", config.base_model, config.host, config.port)
         try:
             yield
         finally:
             pruner.cancel()
-            sweeper.cancel()
             srv.stop()
 
     app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=lifespan)
@@ -68,6 +66,10 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
         # Always a non-empty JSON body: the SDK treats an empty 400 as a proxy glitch and retries.
         return JSONResponse({"detail": exc.detail or "error"}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(InvalidPath)
+    async def invalid_path(request: Request, exc: InvalidPath):  # a malformed tinker:// path, name or run id
+        return JSONResponse({"detail": str(exc)}, status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

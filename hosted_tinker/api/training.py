@@ -9,8 +9,6 @@ request id, so the SDK's retries are applied once.
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 from typing import Callable
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
@@ -18,8 +16,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import Field
 
+from ..checkpoints.format import CheckpointError, read_manifest
+from ..checkpoints.paths import TinkerPath, check_name
 from ..runtime.adapters import AdamParams, LoRAConfig
-from ..runtime.checkpoints import MANIFEST
 from ..runtime.losses import LossInputError, resolve_loss_config, validate_datum
 from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request as WorkRequest
@@ -34,33 +33,6 @@ from .schemas import (
 from .service import _owned_session
 
 router = APIRouter()
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-TINKER_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-
-
-def check_name(name: str, what: str = "checkpoint name") -> str:
-    if not _NAME_RE.match(name) or ".." in name:
-        raise HTTPException(400, f"invalid {what} {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
-                                 "starting with a letter or digit")
-    return name
-
-
-def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """'tinker://<run>/<kind>/<name>' -> (run, kind, name), strictly."""
-    if not path.startswith("tinker://"):
-        raise HTTPException(400, f"invalid checkpoint path {path!r}: expected tinker://<run>/<kind>/<name>")
-    parts = path[len("tinker://"):].split("/")
-    if len(parts) != 3 or not all(parts):
-        raise HTTPException(400, f"invalid checkpoint path {path!r}: expected tinker://<run>/<kind>/<name>")
-    run, kind, name = parts
-    if kind not in TINKER_KINDS:
-        raise HTTPException(400, f"invalid checkpoint kind {kind!r} in {path!r}: expected one of {sorted(TINKER_KINDS)}")
-    if ".." in run or run.startswith("."):
-        raise HTTPException(400, f"invalid training run id in {path!r}")
-    check_name(name)
-    return run, kind, name
-
 
 def _active_model(server: Server, model_id: str, owner: str):
     row = server.store.get_model(model_id)
@@ -288,14 +260,26 @@ def save_weights_external(body: SaveWeightsExternalRequest, owner: str = Depends
 
 
 def _checkpoint_for_load(server: Server, owner: str, path: str, with_optimizer: bool) -> LoadSpec:
-    run, kind, name = parse_tinker_path(path)
-    if kind == "external_weights" or (with_optimizer and kind != "weights"):
+    """The checkpoint at `path`, if this key may load it and this server can: its kind, its
+    owner or publication, and its manifest's rank against --max-lora-rank (the worker checks the
+    files themselves again when it loads them)."""
+    where = TinkerPath.parse(path)
+    if where.kind == "external_weights" or (with_optimizer and where.kind != "weights"):
         need = "a training state saved with save_state (tinker://.../weights/...)"
         raise HTTPException(400, f"cannot load {path!r} {'with optimizer' if with_optimizer else ''}: needs {need}")
-    row = server.store.get_checkpoint(run, f"{kind}/{name}")
+    row = server.checkpoints.record(where)
     if row is None or (row["owner"] != owner and not row["public"]):
         raise HTTPException(404, f"checkpoint {path!r} not found")
-    return LoadSpec(checkpoint_dir=Path(row["dir"]), with_optimizer=with_optimizer, path=path)
+    folder = server.checkpoints.folder(where)
+    try:
+        lora = read_manifest(folder).lora_config
+    except CheckpointError as e:
+        raise HTTPException(400, f"checkpoint {path!r} cannot be loaded: {e}") from None
+    limit = server.config.max_lora_rank
+    if lora.rank > limit:
+        raise HTTPException(400, f"checkpoint {path!r} has LoRA rank {lora.rank}, above this server's limit of {limit}")
+    return LoadSpec(checkpoint_dir=folder, with_optimizer=with_optimizer, path=where, max_rank=limit,
+                    config=lora.config())
 
 
 @router.post("/api/v1/load_weights")
@@ -313,8 +297,7 @@ def load_weights(body: LoadWeightsRequest, owner: str = Depends(require_owner), 
         raise HTTPException(400, f"base model {body.base_model!r} is not served here; this server serves "
                                  f"{server.config.base_model!r}")
     spec = _checkpoint_for_load(server, owner, body.path, body.optimizer)
-    manifest = spec.checkpoint_dir / MANIFEST
-    lora = json.loads(manifest.read_text())["lora_config"] if manifest.is_file() else {}
+    lora = spec.config.to_dict()
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     return _create(server, owner, model_id, body.session_id, "load_weights", lora,
                    body.optimizer_config or {"type": "adamw"}, body.user_metadata or {}, spec)

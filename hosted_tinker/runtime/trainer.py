@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapters import AdamParams, LoRAAdapter, LoRAConfig, adamw_step
-from .checkpoints import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
+from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
 from .losses import LOSS_INPUT_KEYS, run_losses
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.checkpoints import read_checkpoint
+from ..checkpoints.format import read_checkpoint
 from ..runtime.multi_lora import LoRAWeights, MultiLoRALinear
 
 
