@@ -21,6 +21,7 @@ from tinker import types
 from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, sft_batch
 from hosted_tinker import faults
 from hosted_tinker.checkpoints.format import read_checkpoint
+from hosted_tinker.checkpoints.paths import TinkerPath
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -123,7 +124,7 @@ def test_every_crash_point_of_a_checkpoint_write(tmp_path):
         for point in ("checkpoint.after_tensors", "checkpoint.before_record"):
             with Armed(srv, point) as armed:
                 model = armed.model_from(source)
-                new[point] = f"tinker://{model}/weights/y"
+                new[point] = str(TinkerPath(model, "weights", "y"))
                 armed.save(model, 1, "y", wait=False)
         # ... and of a delete
         for point, path in doomed.items():

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from ..checkpoints.paths import SCHEME, TinkerPath
 from ..sampling.engine import SampleJob, SampleResult
 from ..server import Server
 from .deps import get_server, require_owner
@@ -149,7 +150,7 @@ def resolve_model(server: Server, owner: str, model: str) -> str | None:
         raise HTTPException(400, "model is required")
     if model == server.config.base_model:
         return None
-    if model.startswith("tinker://"):
+    if model.startswith(SCHEME):
         ckpt_dir = _checkpoint_for_load(server, owner, model, with_optimizer=False).checkpoint_dir
     else:
         row = server.store.get_model(model)
@@ -181,7 +182,8 @@ def list_models(owner: str = Depends(require_owner), server: Server = Depends(ge
     rows, _ = server.store.owner_checkpoints(owner, limit=1 << 30, offset=0)
     for c in rows:
         if c["kind"] == "sampler" and Path(c["dir"]).is_dir():
-            data.append(_model_card(f"tinker://{c['model_id']}/{c['checkpoint_id']}", c["created_at"], owner, base))
+            path = TinkerPath.of_record(c["model_id"], c["checkpoint_id"])
+            data.append(_model_card(str(path), c["created_at"], owner, base))
     return {"object": "list", "data": data}
 
 
