@@ -184,8 +184,9 @@ def _read_small(folder: Path, name: str) -> bytes:
 
 
 def read_json_object(folder: Path, name: str) -> dict:
+    raw = _read_small(folder, name)
     try:
-        value = json.loads(_read_small(folder, name))
+        value = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError / UnicodeDecodeError / nesting
         raise CheckpointError(f"{name}: not valid JSON, the checkpoint is corrupt ({type(e).__name__})") from None
     if not isinstance(value, dict):
