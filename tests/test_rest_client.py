@@ -320,3 +320,51 @@ def test_wrong_kind_for_load_is_a_clear_400(world):
     external = world["tc"].save_weights_external("not-loadable").result().path
     with pytest.raises(tinker.BadRequestError, match="cannot load"):
         sc.create_training_client_from_state(external).result()
+
+
+def test_signed_urls_end_with_the_version_and_the_access_they_were_made_for(server, world):
+    """A URL is for one version of a checkpoint under the access its requester had: saving
+    again (or deleting and saving again) ends it; unpublishing ends the URLs others got while it
+    was public, but not the owner's own."""
+    alice, bob, tc = world["alice"], world["bob"], world["tc"]
+
+    def status(url: str) -> int:
+        return httpx.get(url, timeout=30).status_code
+
+    shared = tc.save_weights_external("shared").result().path
+    alice.publish_checkpoint_from_tinker_path(shared).result()
+    mine = alice.get_external_weights_urls(shared).result().urls["adapter_model.safetensors"]
+    theirs = bob.get_external_weights_urls(shared).result().urls["adapter_model.safetensors"]
+    assert status(mine) == status(theirs) == 200
+    alice.unpublish_checkpoint_from_tinker_path(shared).result()
+    assert status(theirs) == 404 and status(mine) == 200
+    alice.publish_checkpoint_from_tinker_path(shared).result()  # public again: anyone may read this version
+    assert status(theirs) == 200
+
+    _step(tc, 11)
+    assert tc.save_weights_external("shared").result().path == shared  # a new version, private again
+    assert status(mine) == 404
+    mine = alice.get_external_weights_urls(shared).result().urls["adapter_model.safetensors"]
+    alice.delete_checkpoint_from_tinker_path(shared).result()
+    assert tc.save_weights_external("shared").result().path == shared  # deleted, then saved again
+    r = httpx.get(mine, timeout=30)
+    assert r.status_code == 404 and "no longer exists" in r.json()["detail"]
+    assert status(alice.get_external_weights_urls(shared).result().urls["adapter_model.safetensors"]) == 200
+
+
+def test_names_ending_in_a_newline_are_refused(server, world):
+    """Names and run ids are matched whole: `$` would match before a trailing newline."""
+    tc, run = world["tc"], world["tc"].model_id
+    with pytest.raises(tinker.BadRequestError, match="invalid checkpoint name"):
+        tc.save_state("s1\n").result()
+    with httpx.Client(base_url=server.base_url, headers={"X-API-Key": ALICE}, timeout=30) as http:
+        for method, route, needle in [
+            ("DELETE", f"/api/v1/training_runs/{run}/checkpoints/weights/s1%0A", "invalid checkpoint name"),
+            ("POST", f"/api/v1/training_runs/{run}/checkpoints/weights/s1%0A/publish", "invalid checkpoint name"),
+            ("GET", f"/api/v1/training_runs/{run}%0A", "invalid training run id"),
+            ("POST", "/api/v1/checkpoints/import?name=x%0A", "invalid checkpoint name"),
+        ]:
+            r = http.request(method, route, content=b"x")
+            assert r.status_code == 400 and needle in r.json()["detail"], (route, r.text)
+        r = http.post("/api/v1/weights_info", json={"tinker_path": world["s1"] + "\n"})
+        assert r.status_code == 400 and "invalid checkpoint name" in r.json()["detail"], r.text
