@@ -427,3 +427,20 @@ def test_import_limits_and_hostile_state_left_on_disk(tmp_path):
                 sc.create_training_client_from_state(victim).result()
     finally:
         srv.stop()
+
+
+def test_import_refuses_optimizer_state_that_does_not_fit(server, fresh, source, tmp_path):
+    """AdamW steps are fused across tenants, so moments of the wrong shape would fail the step
+    of every tenant in that cycle: they are refused at import, whatever the manifest says."""
+    _, _, path = source
+    out = export_checkpoint(path, tmp_path / "state", data_dir=server.data_dir)
+    optim = load_file(str(out / "optimizer.safetensors"))
+    name = next(k for k in optim if k.endswith(".exp_avg"))
+    optim[name] = optim[name].t().contiguous()
+    save_file(optim, str(out / "optimizer.safetensors"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    data = (out / "optimizer.safetensors").read_bytes()
+    manifest["files"]["optimizer.safetensors"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (out / "manifest.json").write_text(json.dumps(manifest))  # checksums that match: only the shape is wrong
+    with pytest.raises(ExportError, match="does not fit its weights"):
+        import_adapter(out, name="bad-moments", base_url=fresh.base_url, api_key=KEY_B)
