@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -27,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tinker import types
 
-from helpers import BASE_MODEL, logprobs_of, model_dir, sft_batch
+from helpers import BASE_MODEL, database, logprobs_of, model_dir, sft_batch
 from hosted_tinker.export import ExportError, export_checkpoint, import_adapter
 from server_process import ServerProcess
 
@@ -402,9 +403,13 @@ def test_import_limits_and_hostile_state_left_on_disk(tmp_path):
             assert r.status_code == 200, r.text  # so every tenant's accessible listing shows its run
         srv.stop()
 
-        # while the server is down, the victim's manifest gets a time no listing can print
+        # while the server is down, the victim's manifest gets a time no listing can print, and so
+        # does the record of "wide" (as an older version, which copied manifest times, left it)
         manifest = srv.data_dir / "checkpoints" / victim[len("tinker://"):] / "manifest.json"
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "created_at": 1e300}))
+        with sqlite3.connect(database(srv)) as db:
+            db.execute("UPDATE checkpoints SET created_at=1e300, expires_at=1e300 WHERE model_id=?",
+                       (wide.split("/")[2],))
         srv.args = ("--max-request-bytes", str(limit), "--max-lora-rank", "16")
         srv.start()
         assert "its manifest is not used" in srv.log()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .catalog import CheckpointCatalog, dir_size
-from .format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, read_manifest
+from .format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LATEST_TIME, CheckpointError, read_manifest
 from .paths import KINDS, InvalidPath, TinkerPath
 
 log = logging.getLogger(__name__)
@@ -104,8 +104,14 @@ def recover(catalog: CheckpointCatalog) -> RecoveryReport:
                 continue
             known.add(folder)
             written = _written_at(folder, path)
-            if written is not None and written > row["created_at"]:  # an overwrite renamed in, record not updated
+            if not 0 <= row["created_at"] <= LATEST_TIME:  # copied from an unchecked manifest by an older version
+                written = written if written is not None else folder.stat().st_mtime
+            if written is not None and not written <= row["created_at"] <= LATEST_TIME:
+                # an overwrite renamed in with its record not updated (or a record time no listing can print)
                 store.set_checkpoint_files(path.run, path.checkpoint_id, dir_size(folder), written)
+                report.refreshed.append(str(path))
+            if row["expires_at"] is not None and not row["expires_at"] <= LATEST_TIME:
+                store.set_checkpoint_expiry(path.run, path.checkpoint_id, None)  # a TTL beyond printable time
                 report.refreshed.append(str(path))
         # Folders no record lists, only in runs the database knows.
         for run_dir in run_dirs:
