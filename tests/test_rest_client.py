@@ -368,3 +368,13 @@ def test_names_ending_in_a_newline_are_refused(server, world):
             assert r.status_code == 400 and needle in r.json()["detail"], (route, r.text)
         r = http.post("/api/v1/weights_info", json={"tinker_path": world["s1"] + "\n"})
         assert r.status_code == 400 and "invalid checkpoint name" in r.json()["detail"], r.text
+
+
+def test_save_ttl_is_bounded_like_set_ttl(world):
+    """A save's ttl_seconds has the same 1 s - 10 years bound as set_checkpoint_ttl: a time past
+    what a listing can print would make every listing of the run fail."""
+    tc, alice = world["tc"], world["alice"]
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be between 1 and"):
+        tc.save_state("far-future", ttl_seconds=10 ** 15).result()
+    assert alice.list_checkpoints(tc.model_id).result().checkpoints  # still listable
+    _step(tc, 12)  # and the model goes on after the refused save
