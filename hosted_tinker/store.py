@@ -266,12 +266,6 @@ class Store:
     def get_checkpoint(self, model_id: str, checkpoint_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?", (model_id, checkpoint_id))
 
-    def list_checkpoints(self, model_id: str) -> list[sqlite3.Row]:
-        return self._all("SELECT * FROM checkpoints WHERE model_id=? ORDER BY created_at", (model_id,))
-
-    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
-        self._exec("DELETE FROM checkpoints WHERE model_id=? AND checkpoint_id=?", (model_id, checkpoint_id))
-
     # -- REST: runs and checkpoints -------------------------------------------------------------
     # Listings never show an expired checkpoint, even before the sweeper has removed it.
     _LIVE = "(c.expires_at IS NULL OR c.expires_at > ?)"

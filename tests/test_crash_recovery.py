@@ -30,7 +30,9 @@ HERE = Path(__file__).parent
 
 
 def run_client(base_url: str, resume: str, start: int, out: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(HERE), "TINKER_TELEMETRY": "0"}
+    # helpers.py imports hosted_tinker: keep the PYTHONPATH that chose which checkout that is
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "TINKER_TELEMETRY": "0"}
     return subprocess.Popen([sys.executable, str(HERE / "crash_client.py"), base_url, resume, str(start), str(TOTAL),
                              str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..checkpoints.catalog import MAX_TTL_S, CheckpointExists, version_of
 from ..checkpoints.format import CheckpointError, read_manifest
-from ..checkpoints.paths import TinkerPath, check_name, check_run_id
+from ..checkpoints.paths import TinkerPath, check_run_id
 from ..checkpoints.transfer import (
     SIGNED_URL_TTL_S, ArchiveTooLarge, DownloadGrant, extract_checkpoint_tar, prepare_import, tar_length, tar_stream,
     write_import,
@@ -319,12 +319,10 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
     and its rank limit; it becomes a training checkpoint `tinker://<run>/weights/<name>` of a new
     imported run (or of `training_run_id`, an existing run of the caller's or a new id).
     """
-    check_name(name)
-    run_id = check_run_id(training_run_id) if training_run_id else f"import-{uuid.uuid4().hex[:12]}"
-    path = TinkerPath(run_id, "weights", name)
-    existing_run = server.store.get_model(run_id)
+    path = TinkerPath(training_run_id or f"import-{uuid.uuid4().hex[:12]}", "weights", name)
+    existing_run = server.store.get_model(path.run)
     if existing_run is not None and existing_run["owner"] != owner:
-        raise HTTPException(404, f"training run {run_id!r} not found")
+        raise HTTPException(404, f"training run {path.run!r} not found")
     limit = server.config.max_request_bytes
     server.uploads.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="import-", dir=server.uploads))
