@@ -42,13 +42,6 @@ class ExportError(RuntimeError):
     """A user-facing failure of export or import (printed without a traceback)."""
 
 
-def _parse(tinker_path: str) -> TinkerPath:
-    try:
-        return TinkerPath.parse(tinker_path)
-    except InvalidPath as e:
-        raise ExportError(str(e)) from None
-
-
 def _remote(base_url: str | None, api_key: str | None) -> tuple[str, dict]:
     base_url = base_url or os.environ.get("TINKER_BASE_URL")
     api_key = api_key or os.environ.get("TINKER_API_KEY")
@@ -67,8 +60,7 @@ def _detail(r: httpx.Response) -> str:
         return r.text or r.reason_phrase
 
 
-def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: str | None) -> None:
-    path = _parse(tinker_path)
+def _fetch_remote(path: TinkerPath, dest: Path, base_url: str | None, api_key: str | None) -> None:
     url, headers = _remote(base_url, api_key)
     archive = dest / ".download.tar"
     with httpx.Client(timeout=TIMEOUT) as http:
@@ -76,20 +68,19 @@ def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: s
                          headers=headers) as r:
             if r.status_code != 200:
                 r.read()
-                raise ExportError(f"{tinker_path}: the server answered {r.status_code}: {_detail(r)}")
+                raise ExportError(f"{path}: the server answered {r.status_code}: {_detail(r)}")
             with open(archive, "wb") as f:
                 for block in r.iter_bytes(1 << 20):
                     f.write(block)
     try:
         extract_checkpoint_tar(archive, dest, max_bytes=None)  # a plain tar: as large as the checkpoint is
     except CheckpointError as e:
-        raise ExportError(f"{tinker_path}: the server's archive cannot be read: {e}") from None
+        raise ExportError(f"{path}: the server's archive cannot be read: {e}") from None
     finally:
         archive.unlink()
 
 
-def _fetch_local(tinker_path: str, dest: Path, data_dir: Path) -> None:
-    path = _parse(tinker_path)
+def _fetch_local(path: TinkerPath, dest: Path, data_dir: Path) -> None:
     db = db_path(data_dir)
     if not db.is_file():
         raise ExportError(f"{data_dir} is not a hosted-tinker data directory (no {db.name})")
@@ -98,7 +89,7 @@ def _fetch_local(tinker_path: str, dest: Path, data_dir: Path) -> None:
         row = conn.execute("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?",
                            (path.run, path.checkpoint_id)).fetchone()
     if row is None or (row["expires_at"] is not None and row["expires_at"] <= time.time()):
-        raise ExportError(f"checkpoint {tinker_path} not found in {data_dir}")
+        raise ExportError(f"checkpoint {path} not found in {data_dir}")
     src = data_dir / "checkpoints" / path.run / path.kind / path.name
     for attempt in range(3):  # a save may replace the directory while we copy: verify, retry
         for f in dest.iterdir():
@@ -111,7 +102,7 @@ def _fetch_local(tinker_path: str, dest: Path, data_dir: Path) -> None:
             return
         except (OSError, CheckpointError) as e:
             if attempt == 2:
-                raise ExportError(f"cannot copy {tinker_path} out of {data_dir}: {e}") from None
+                raise ExportError(f"cannot copy {path} out of {data_dir}: {e}") from None
             time.sleep(0.2)
 
 
@@ -127,16 +118,20 @@ def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = No
                       api_key: str | None = None, merged: bool = False, base_model: str | None = None,
                       dtype: str = "float32", force: bool = False) -> Path:
     """Write the checkpoint's adapter directory (or, `merged`, the full merged model) into `out`."""
+    try:
+        path = TinkerPath.parse(tinker_path)
+    except InvalidPath as e:
+        raise ExportError(str(e)) from None
     out = Path(out)
     _prepare_out(out, force)
     target = Path(tempfile.mkdtemp(prefix="adapter-", dir=out.parent)) if merged else out
     try:
         if data_dir is not None:
-            _fetch_local(tinker_path, target, Path(data_dir))
+            _fetch_local(path, target, Path(data_dir))
         else:
-            _fetch_remote(tinker_path, target, base_url, api_key)
+            _fetch_remote(path, target, base_url, api_key)
         if not (target / ADAPTER_CONFIG).is_file() or not (target / ADAPTER_WEIGHTS).is_file():
-            raise ExportError(f"{tinker_path} holds no LoRA adapter")
+            raise ExportError(f"{path} holds no LoRA adapter")
         if merged:
             manifest = json.loads((target / MANIFEST).read_text()) if (target / MANIFEST).is_file() else {}
             name = base_model or manifest.get("base_model") or json.loads(
