@@ -14,17 +14,32 @@ TORCH_PIN="torch==2.13.0"
 
 install() {  # $1: serve | test
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  local stamp="$VENV/.installed-$1-$(cat pyproject.toml tools/install_cookbook.sh | sha256sum | cut -c1-12)"
+  local hash stamp
+  hash="$(cat pyproject.toml tools/install_cookbook.sh | sha256sum | cut -c1-12)"
+  stamp="$VENV/.installed-$1-$hash"
   [ -f "$stamp" ] && return 0
+  # The test install is a superset of the serve install: after `test`, `serve` installs nothing.
+  [ "$1" = serve ] && [ -f "$VENV/.installed-test-$hash" ] && return 0
   echo "installing into $VENV ($1) ..." >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_PIN"
+  "$VENV/bin/python" -m pip install --disable-pip-version-check "$TORCH_PIN"
   if [ "$1" = test ]; then
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]" "$TORCH_PIN"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -e ".[test]" "$TORCH_PIN"
     bash tools/install_cookbook.sh "$VENV/bin/python"
   else
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e . "$TORCH_PIN"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -e . "$TORCH_PIN"
   fi
   touch "$stamp"
+}
+
+# The dashboard's browser test drives Debian's Chromium (never a browser download of Playwright's own).
+install_chromium() {
+  command -v chromium >/dev/null && return 0
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  echo "installing chromium (Debian package) for the dashboard's browser test ..." >&2
+  if ! { $sudo apt-get update -qq && $sudo apt-get install -y -qq chromium; }; then
+    echo "chromium could not be installed: the dashboard's browser test will be skipped" >&2
+  fi
 }
 
 cmd="${1:-serve}"
@@ -36,6 +51,7 @@ case "$cmd" in
     ;;
   test)
     install test
+    install_chromium
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)

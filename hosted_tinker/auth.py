@@ -1,7 +1,8 @@
 """API keys: who may call the server, and which owner each key acts for.
 
-Keys come from `HOSTED_TINKER_API_KEYS` (comma-separated) and/or a keys file (`--api-keys-file`,
-one `owner: key` or bare `key` per line, `#` comments). Only SHA-256 digests of keys are held
+Keys come from `HOSTED_TINKER_API_KEYS` (comma-separated entries) and/or a keys file
+(`--api-keys-file`, one entry per line, `#` comments). Both take the same entries, `owner: key` or a
+bare `key`, parsed by one function; a malformed entry stops the server at start-up. Only SHA-256 digests of keys are held
 in memory, and a presented key is checked against every digest with a constant-time compare, so
 neither the keys nor which one matched leak through timing or logs.
 
@@ -30,6 +31,30 @@ def anonymous_owner(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+class KeyConfigError(ValueError):
+    """A malformed API key entry; the message names the entry (never the key)."""
+
+    def __init__(self, message: str, *, in_env: bool):
+        super().__init__(message)
+        self.in_env = in_env  # from $HOSTED_TINKER_API_KEYS, else from the keys file
+
+
+def parse_entry(text: str, where: str, *, in_env: bool) -> tuple[str, str] | None:
+    """`owner: tml-key` or a bare `tml-key` -> (owner, key); None for a blank entry."""
+    text = text.strip()
+    if not text:
+        return None
+    owner, _, key = text.rpartition(":")
+    owner, key = owner.strip(), key.strip()
+    if not key.startswith("tml-") or len(key) <= len("tml-"):
+        raise KeyConfigError(f"{where}: API keys must start with 'tml-' (the SDK refuses others); "
+                             "expected 'owner: tml-key' or 'tml-key'", in_env=in_env)
+    if any(c.isspace() for c in key):
+        raise KeyConfigError(f"{where}: an API key contains whitespace; expected 'owner: tml-key' or 'tml-key'",
+                             in_env=in_env)
+    return owner or anonymous_owner(key), key
+
+
 class KeyRing:
     def __init__(self, entries: list[tuple[str, str]]):
         """entries: (owner, key) pairs."""
@@ -44,21 +69,18 @@ class KeyRing:
 
     @classmethod
     def load(cls, keys_file: Path | None, env: dict | None = None) -> "KeyRing":
+        """Raises KeyConfigError if any entry is malformed, OSError if the keys file cannot be read."""
         env = os.environ if env is None else env
         entries: list[tuple[str, str]] = []
-        for key in (k.strip() for k in env.get(ENV_VAR, "").split(",")):
-            if key:
-                entries.append((anonymous_owner(key), key))
+        for n, raw in enumerate(env.get(ENV_VAR, "").split(","), 1):
+            entry = parse_entry(raw, f"${ENV_VAR} entry {n}", in_env=True)
+            if entry is not None:
+                entries.append(entry)
         if keys_file is not None:
             for n, raw in enumerate(Path(keys_file).read_text().splitlines(), 1):
-                line = raw.split("#", 1)[0].strip()
-                if not line:
-                    continue
-                owner, _, key = line.rpartition(":") if ":" in line else ("", "", line)
-                owner, key = owner.strip(), key.strip()
-                if not key.startswith("tml-"):
-                    raise ValueError(f"{keys_file}:{n}: API keys must start with 'tml-' (the SDK refuses others)")
-                entries.append((owner or anonymous_owner(key), key))
+                entry = parse_entry(raw.split("#", 1)[0], f"{keys_file}:{n}", in_env=False)
+                if entry is not None:
+                    entries.append(entry)
         return cls(entries)
 
     def owner(self, key: str | None) -> str | None:

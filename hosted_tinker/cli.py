@@ -7,34 +7,76 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import ServerConfig
+from .config import ServerConfig, SettingsError
+
+log = logging.getLogger("hosted_tinker")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _fail(command: str, problems: list[str]) -> int:
+    for line in problems:
+        print(f"hosted-tinker {command}: error: {line}", file=sys.stderr)
+    return 2
+
+
+def _serve(config: ServerConfig) -> int:
+    from .logs import configure_logging
+    from .startup import StartupError, preflight
+
+    configure_logging(config.log_level, config.log_format)
+    try:
+        checked = preflight(config)  # before anything slow: the model loads only once all of this passed
+    except StartupError as e:
+        return _fail("serve", [str(e)])
+    log.info("base model %s will be loaded from %s", config.base_model, checked.model_source)
+    config = config.model_copy(update={"port": checked.port})
+
     import uvicorn
 
     from .api.app import create_app
 
-    config = ServerConfig.from_args(args)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(config)
-    # Our own access log (api/app.py) carries request ids; uvicorn's would duplicate it.
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=60, access_log=False)
+    # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:
+    # uvicorn's records go through the handler configure_logging set up, in the same format.
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_config=None, log_level=config.log_level,
+                                           timeout_graceful_shutdown=60, access_log=False))
+    server.run(sockets=[checked.sock])
     return 0
+
+
+class _ProgressBar:
+    """A byte progress bar on stderr (tqdm) for export / import; silent when stderr is not a terminal."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.bar = None
+
+    def __call__(self, done: int, total: int | None) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=self.label, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            file=sys.stderr, disable=None)  # None: off when not a terminal
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _export(args: argparse.Namespace) -> int:
     from .export import ExportError, export_checkpoint
+    from .logs import configure_logging
 
+    configure_logging("info", "text")  # --merged loads the base model: its stages are logged
+    bar = _ProgressBar("checkpoint")
     try:
         out = export_checkpoint(args.tinker_path, args.out, data_dir=args.data_dir, base_url=args.base_url,
                                 api_key=args.api_key, merged=args.merged, base_model=args.base_model,
-                                dtype=args.dtype, force=args.force)
+                                dtype=args.dtype, force=args.force, progress=bar)
     except ExportError as e:
+        bar.close()
         print(f"hosted-tinker export: {e}", file=sys.stderr)
         return 1
+    bar.close()
     print(out)
     return 0
 
@@ -42,12 +84,15 @@ def _export(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from .export import ExportError, import_adapter
 
+    bar = _ProgressBar("upload")
     try:
         answer = import_adapter(args.adapter_dir, name=args.name, base_url=args.base_url, api_key=args.api_key,
-                                training_run_id=args.run_id, overwrite=args.overwrite)
+                                training_run_id=args.run_id, overwrite=args.overwrite, progress=bar)
     except ExportError as e:
+        bar.close()
         print(f"hosted-tinker import: {e}", file=sys.stderr)
         return 1
+    bar.close()
     print(answer["tinker_path"])
     return 0
 
@@ -61,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hosted-tinker", description="Self-hosted server for the Tinker training API")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ServerConfig.add_arguments(serve)
-    serve.set_defaults(func=_serve)
+                           description="Run the server. Every setting is also read from $HOSTED_TINKER_<NAME> "
+                                       "(e.g. HOSTED_TINKER_PORT=8001) and from --config FILE (YAML or TOML); "
+                                       "flags win over variables, variables over the file.")
+    settings_source = ServerConfig.cli_source(serve)
 
     export = sub.add_parser(
         "export", help="write a checkpoint as a PEFT adapter directory (or a merged model) without the SDK",
@@ -92,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_remote(imp)
     imp.set_defaults(func=_import)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            config = ServerConfig.from_cli(settings_source, args)
+        except SettingsError as e:
+            return _fail("serve", e.problems)
+        return _serve(config)
     return args.func(args)
 
 

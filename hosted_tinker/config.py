@@ -1,75 +1,203 @@
-"""All server settings in one dataclass; `hosted-tinker serve --help` is generated from it."""
+"""All server settings in one pydantic-settings class: validation, `--help`, env vars and a config file.
+
+Every setting `foo_bar` can be given, highest priority first, as
+
+    --foo-bar VALUE                      on the command line (flag names as vLLM's where vLLM has the setting)
+    HOSTED_TINKER_FOO_BAR=VALUE          in the environment
+    foo_bar: VALUE  (or foo-bar)         in a YAML or TOML file named by --config / HOSTED_TINKER_CONFIG
+
+and is validated (type, range, choice) before anything slow starts. `hosted-tinker serve --help` is
+generated from this class. Start-up checks that need the outside world (the port, the device, the
+model's files) are in `startup.py`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from dataclasses import dataclass, field
+import os
+import re
 from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings, CliSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
 
 from .embedded_model import EMBEDDED_MODEL_NAME
 
+ENV_PREFIX = "HOSTED_TINKER_"
+# vLLM's dtype names and aliases (half = float16, float = float32), plus "auto".
+DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
 
-def _opt(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
 
+class ServerConfig(BaseSettings):
+    """Settings of `hosted-tinker serve`."""
 
-@dataclass
-class ServerConfig:
-    host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8000, "port to listen on")
-    base_model: str = _opt(
-        EMBEDDED_MODEL_NAME,
-        "Hugging Face causal LM id or local path (e.g. Qwen/Qwen3-8B); the default is a tiny "
-        "model built locally, deterministically, with no download")
-    data_dir: Path = _opt(Path("./data"), "where the SQLite database, checkpoints and built models live")
-    device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
-    dtype: str = _opt("auto", "base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16")
-    max_tokens_per_micro_batch: int = _opt(
-        0, "padded tokens per fused forward/backward micro-batch (bounds activation memory); 0 = auto: "
-           "8192 on GPU; on CPU 512-8192 by the model's MLP width, since passes whose activations "
-           "outgrow the caches run slower per token")
-    max_tokens_per_cycle: int = _opt(
-        65536, "tokens of forward/backward work packed into one clock cycle, shared fairly across models")
-    max_live_adapters: int = _opt(
-        64, "adapters kept on the device; idle ones beyond this are paged out to CPU memory (with their "
-            "optimizer state) and back on their next request")
-    max_sampler_snapshots: int = _opt(
-        64, "sampler adapter snapshots kept loaded; others are reloaded from disk when sampled again")
-    max_num_samples: int = _opt(128, "largest num_samples per sample request")
-    default_max_tokens: int = _opt(512, "max_tokens when a sample request leaves it unset")
-    ephemeral_sampler_ttl_s: int = _opt(
-        7 * 24 * 3600, "how long snapshots made by save_weights_and_get_sampling_client are kept on disk")
-    max_lora_rank: int = _opt(128, "largest LoRA rank a client may ask for")
-    long_poll_s: float = _opt(30.0, "how long retrieve_future holds a pending request before try_again")
-    gap_timeout_s: float = _opt(
-        120.0, "how long a model's later seq_ids wait for a missing earlier one before it is skipped")
-    gather_window_s: float = _opt(
-        0.05, "how long a pipelining client's forward_backward waits for its optim_step, to share a cycle "
-              "(only clients seen posting optim_step before their forward_backward finished wait)")
-    max_datums_per_request: int = _opt(1024, "datums per forward_backward request (the SDK chunks to this)")
-    max_pending_per_key: int = _opt(
-        4096, "unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)")
-    max_models_per_key: int = _opt(64, "live training models one API key may hold (unload one to make room)")
-    max_request_bytes: int = _opt(512 << 20, "largest request body accepted (after decompression)")
-    api_keys_file: Path | None = _opt(
-        None, "file of accepted API keys, one 'owner: tml-key' per line (also read: $HOSTED_TINKER_API_KEYS, "
-              "comma-separated); with neither, dev mode accepts any tml- key")
-    compress_fwdbwd: bool = _opt(False, "ask the SDK to zstd-compress forward_backward bodies (saves bandwidth to remote clients)")
-    log_level: str = _opt("info", "debug, info, warning or error")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
+                                      cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True,
+                                      cli_shortcuts={"base-model": "model"})  # vLLM's --model
+
+    config: Path | None = Field(
+        None, description="YAML (.yaml/.yml) or TOML (.toml) file of settings, keyed by setting name "
+                          "(base_model or base-model); flags and HOSTED_TINKER_* variables override it")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    base_model: str = Field(
+        EMBEDDED_MODEL_NAME, min_length=1,
+        description="Hugging Face causal LM id or local directory (e.g. Qwen/Qwen3-8B); the default is a tiny "
+                    "model built locally, deterministically, with no download")
+    data_dir: Path = Field(Path("./data"), description="where the SQLite database, checkpoints and built models live")
+    device: str = Field("auto", description="torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
+    dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
+        "auto", description="base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (= float), "
+                            "bfloat16, float16 (= half)")
+    max_tokens_per_micro_batch: int = Field(
+        0, ge=0, description="padded tokens per fused forward/backward micro-batch (bounds activation memory); "
+                             "0 = auto: 8192 on GPU; on CPU 512-8192 by the model's MLP width, since passes whose "
+                             "activations outgrow the caches run slower per token")
+    max_tokens_per_cycle: int = Field(
+        65536, ge=1, description="tokens of forward/backward work packed into one clock cycle, shared fairly "
+                                 "across models")
+    max_live_adapters: int = Field(
+        64, ge=1, description="adapters kept on the device; idle ones beyond this are paged out to CPU memory "
+                              "(with their optimizer state) and back on their next request")
+    max_sampler_snapshots: int = Field(
+        64, ge=1, description="sampler adapter snapshots kept loaded; others are reloaded from disk when "
+                              "sampled again")
+    max_num_samples: int = Field(128, ge=1, description="largest num_samples per sample request (n for the OpenAI "
+                                                        "API)")
+    max_prompts_per_request: int = Field(64, ge=1, description="prompts in one OpenAI /v1/completions request")
+    max_sampled_tokens_per_request: int = Field(
+        1 << 20, ge=1, description="tokens one sample request may ask for: prompts x samples x max_tokens")
+    max_sampling_requests_per_key: int = Field(
+        1024, ge=1, description="sample requests (Tinker and OpenAI) one API key may have waiting or running; "
+                                "beyond it, 429")
+    max_sampled_tokens_per_key: int = Field(
+        1 << 23, ge=1, description="tokens (samples x max_tokens) one API key's waiting and running sample "
+                                   "requests may ask for; beyond it, 429")
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a sample request leaves it unset")
+    ephemeral_sampler_ttl_s: int = Field(
+        7 * 24 * 3600, ge=1, description="how long snapshots made by save_weights_and_get_sampling_client are "
+                                         "kept on disk")
+    sample_record_ttl_s: float = Field(
+        24 * 3600.0, ge=0, description="how long a sample recorded with record_stability_info stays trainable "
+                                       "after its last use (stable_reinforce)")
+    max_lora_rank: int = Field(128, ge=1, description="largest LoRA rank a client may ask for")
+    long_poll_s: float = Field(30.0, gt=0, description="how long retrieve_future holds a pending request before "
+                                                       "try_again")
+    gap_timeout_s: float = Field(
+        120.0, gt=0, description="how long a model's later seq_ids wait for a missing earlier one before it is "
+                                 "skipped")
+    gather_window_s: float = Field(
+        0.05, ge=0, description="how long a pipelining client's forward_backward waits for its optim_step, to "
+                                "share a cycle (only clients seen posting optim_step before their "
+                                "forward_backward finished wait)")
+    max_datums_per_request: int = Field(1024, ge=1, description="datums per forward_backward request (the SDK "
+                                                                "chunks to this)")
+    max_pending_per_key: int = Field(
+        4096, ge=1, description="unfinished requests one API key may have queued; beyond it submissions get 429 "
+                                "(back-pressure)")
+    max_models_per_key: int = Field(64, ge=1, description="live training models one API key may hold (unload "
+                                                          "one to make room)")
+    max_request_bytes: int = Field(512 << 20, ge=1, description="largest forward_backward or checkpoint import "
+                                                                "body accepted (after decompression)")
+    max_json_request_bytes: int = Field(16 << 20, ge=1, description="largest body of every other request (JSON)")
+    api_keys_file: Path | None = Field(
+        None, description="file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also "
+                          "read: $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode "
+                          "accepts any tml- key")
+    compress_fwdbwd: bool = Field(False, description="ask the SDK to zstd-compress forward_backward bodies (saves "
+                                                     "bandwidth to remote clients)")
+    log_level: Literal[LOG_LEVELS] = Field("info", description="least severe log records shown")  # type: ignore[valid-type]
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text: one line per record; json: one JSON object per record (uvicorn's too)")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise ValueError(f"{value!r} is not a device: use auto, cpu, cuda, cuda:N, mps or xpu")
+        return value
+
+    @field_validator("log_level", "log_format", "dtype", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in (bool, "bool"):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                    help=f"{f.metadata['help']} (default: %(default)s)")
-                continue
-            kind = f.type if not isinstance(f.type, str) else {"int": int, "float": float, "Path": Path,
-                                                                 "Path | None": Path}.get(f.type, str)
-            parser.add_argument(flag, type=kind, default=f.default, help=f"{f.metadata['help']} (default: %(default)s)")
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+    # -- the command line -------------------------------------------------------------------------------
+    @classmethod
+    def cli_source(cls, parser: argparse.ArgumentParser) -> CliSettingsSource:
+        """Add a flag per setting to `parser`; call the source with `parsed_args=` to read them."""
+        return CliSettingsSource(cls, root_parser=parser, cli_show_env_vars=True)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    def from_cli(cls, source: CliSettingsSource, args: argparse.Namespace) -> "ServerConfig":
+        """Settings from the parsed flags, the environment and the config file; raises `SettingsError`."""
+        try:
+            return cls(_cli_settings_source=source(parsed_args=args))
+        except ValidationError as e:
+            raise SettingsError([_explain(err, args) for err in e.errors()]) from None
+
+
+class SettingsError(ValueError):
+    """Invalid settings: one line per mistake, each naming where the value came from and what is expected."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _explain(err: dict, args: argparse.Namespace) -> str:
+    field = str(err["loc"][0]) if err["loc"] else ""
+    if err["type"] == "extra_forbidden":
+        return f"config file: unknown setting {field!r} (see hosted-tinker serve --help for the settings)"
+    env = ENV_PREFIX + field.upper()
+    if getattr(args, field, None) is not None:
+        where = f"{flag(field)} {getattr(args, field)!s}"
+    elif env in os.environ:
+        where = f"${env}={os.environ[env]}"
+    else:
+        where = f"{field} in the config file"
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "literal_error":  # pydantic's "Input should be 'a', 'b' or 'c'"
+        message = "expected one of " + ", ".join(str(c) for c in err["ctx"]["expected"].replace("'", "").replace(
+            " or ", ", ").split(", "))
+    return f"{where}: {message}"
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The file named by the `config` setting (from the flag or the environment, read before this source)."""
+
+    def get_field_value(self, field, field_name):  # required by the base class; __call__ does the work
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = self.current_state.get("config")
+        if path is None:
+            return {}
+        path = Path(path)
+        if not path.is_file():
+            raise SettingsError([f"{flag('config')} {path}: no such file"])
+        readers = {".yaml": YamlConfigSettingsSource, ".yml": YamlConfigSettingsSource,
+                   ".toml": TomlConfigSettingsSource}
+        reader = readers.get(path.suffix.lower())
+        if reader is None:
+            raise SettingsError([f"{flag('config')} {path}: expected a .yaml, .yml or .toml file"])
+        try:
+            data = reader(self.settings_cls, path)()
+        except Exception as e:  # a syntax error in the file (the parser's message says where)
+            raise SettingsError([f"{flag('config')} {path}: cannot parse it: {' '.join(str(e).split())}"]) from None
+        return {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -25,6 +25,7 @@ import sqlite3
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -36,6 +37,9 @@ from .checkpoints.transfer import extract_checkpoint_tar
 from .store import db_path
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+# progress(bytes done, bytes in all or None if unknown): how far a download, copy or upload is.
+Progress = Callable[[int, int | None], None]
+CHUNK = 1 << 20
 
 
 class ExportError(RuntimeError):
@@ -60,7 +64,8 @@ def _detail(r: httpx.Response) -> str:
         return r.text or r.reason_phrase
 
 
-def _fetch_remote(path: TinkerPath, dest: Path, base_url: str | None, api_key: str | None) -> None:
+def _fetch_remote(path: TinkerPath, dest: Path, base_url: str | None, api_key: str | None,
+                  progress: Progress) -> None:
     url, headers = _remote(base_url, api_key)
     archive = dest / ".download.tar"
     with httpx.Client(timeout=TIMEOUT) as http:
@@ -69,9 +74,11 @@ def _fetch_remote(path: TinkerPath, dest: Path, base_url: str | None, api_key: s
             if r.status_code != 200:
                 r.read()
                 raise ExportError(f"{path}: the server answered {r.status_code}: {_detail(r)}")
+            total = int(r.headers["content-length"]) if "content-length" in r.headers else None
             with open(archive, "wb") as f:
-                for block in r.iter_bytes(1 << 20):
+                for block in r.iter_bytes(CHUNK):
                     f.write(block)
+                    progress(f.tell(), total)
     try:
         extract_checkpoint_tar(archive, dest, max_bytes=None)  # a plain tar: as large as the checkpoint is
     except CheckpointError as e:
@@ -80,7 +87,7 @@ def _fetch_remote(path: TinkerPath, dest: Path, base_url: str | None, api_key: s
         archive.unlink()
 
 
-def _fetch_local(path: TinkerPath, dest: Path, data_dir: Path) -> None:
+def _fetch_local(path: TinkerPath, dest: Path, data_dir: Path, progress: Progress) -> None:
     db = db_path(data_dir)
     if not db.is_file():
         raise ExportError(f"{data_dir} is not a hosted-tinker data directory (no {db.name})")
@@ -95,9 +102,12 @@ def _fetch_local(path: TinkerPath, dest: Path, data_dir: Path) -> None:
         for f in dest.iterdir():
             f.unlink()
         try:
-            for name in CHECKPOINT_FILES:
-                if (src / name).is_file():
-                    shutil.copyfile(src / name, dest / name)
+            files = [src / name for name in CHECKPOINT_FILES if (src / name).is_file()]
+            total, done = sum(f.stat().st_size for f in files), 0
+            for f in files:
+                shutil.copyfile(f, dest / f.name)
+                done += f.stat().st_size
+                progress(done, total)
             read_checkpoint(dest, with_optimizer=False)  # verifies the manifest checksums
             return
         except (OSError, CheckpointError) as e:
@@ -116,8 +126,10 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = None, base_url: str | None = None,
                       api_key: str | None = None, merged: bool = False, base_model: str | None = None,
-                      dtype: str = "float32", force: bool = False) -> Path:
-    """Write the checkpoint's adapter directory (or, `merged`, the full merged model) into `out`."""
+                      dtype: str = "float32", force: bool = False, progress: Progress = lambda done, total: None
+                      ) -> Path:
+    """Write the checkpoint's adapter directory (or, `merged`, the full merged model) into `out`;
+    `progress` is told how many bytes of the checkpoint have arrived."""
     try:
         path = TinkerPath.parse(tinker_path)
     except InvalidPath as e:
@@ -127,9 +139,9 @@ def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = No
     target = Path(tempfile.mkdtemp(prefix="adapter-", dir=out.parent)) if merged else out
     try:
         if data_dir is not None:
-            _fetch_local(path, target, Path(data_dir))
+            _fetch_local(path, target, Path(data_dir), progress)
         else:
-            _fetch_remote(path, target, base_url, api_key)
+            _fetch_remote(path, target, base_url, api_key, progress)
         if not (target / ADAPTER_CONFIG).is_file() or not (target / ADAPTER_WEIGHTS).is_file():
             raise ExportError(f"{path} holds no LoRA adapter")
         if merged:
@@ -185,8 +197,10 @@ def _tar_dir(src: Path, archive: Path) -> list[str]:
 
 
 def import_adapter(src: Path, *, name: str, base_url: str | None = None, api_key: str | None = None,
-                   training_run_id: str | None = None, overwrite: bool = False) -> dict:
-    """Upload an adapter directory to a running server; return its answer (with `tinker_path`)."""
+                   training_run_id: str | None = None, overwrite: bool = False,
+                   progress: Progress = lambda done, total: None) -> dict:
+    """Upload an adapter directory to a running server; return its answer (with `tinker_path`).
+    `progress` is told how many bytes have been sent."""
     url, headers = _remote(base_url, api_key)
     src = Path(src)
     if not src.is_dir():
@@ -199,9 +213,17 @@ def import_adapter(src: Path, *, name: str, base_url: str | None = None, api_key
             params["training_run_id"] = training_run_id
         if overwrite:
             params["overwrite"] = "true"
-        with open(archive, "rb") as f, httpx.Client(timeout=TIMEOUT) as http:
-            r = http.post(f"{url}/api/v1/checkpoints/import", params=params, content=f,
-                          headers={**headers, "Content-Type": "application/x-tar"})
+        size = archive.stat().st_size
+
+        def body():
+            with open(archive, "rb") as f:
+                while block := f.read(CHUNK):
+                    yield block
+                    progress(f.tell(), size)
+
+        with httpx.Client(timeout=TIMEOUT) as http:
+            r = http.post(f"{url}/api/v1/checkpoints/import", params=params, content=body(),
+                          headers={**headers, "Content-Type": "application/x-tar", "Content-Length": str(size)})
     if r.status_code != 200:
         raise ExportError(f"the server refused the import ({r.status_code}): {_detail(r)}")
     return r.json()

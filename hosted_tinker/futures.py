@@ -99,15 +99,17 @@ class FutureStore:
                             rec.completed_at or time.time())
 
     async def wait(self, request_id: str, timeout: float) -> FutureResult | None:
-        """The result, or None if it is still pending after `timeout` seconds."""
-        hit = self.lookup(request_id)
-        if hit is not None:
-            return hit
+        """The result, or None if it is still pending after `timeout` seconds.
+
+        Runs on the event loop, so it reads memory only, never SQLite: the caller has read the
+        record (pending) from the store already, and a result that arrives after that is in
+        memory before any waiter is woken (`_finish`).
+        """
         event = self._events.get(request_id)
         if event is None:
             event = self._events[request_id] = asyncio.Event()
-        # Re-check after registering: a resolve that raced us is either visible now or will
-        # call _wake on this loop later (both steps above run without yielding).
+        # Checked after registering: a resolve that raced us is either visible now or will call
+        # _wake on this loop later (both steps above run without yielding).
         with self._lock:
             hit = self._results.get(request_id)
         if hit is not None:
@@ -116,7 +118,8 @@ class FutureStore:
             await asyncio.wait_for(event.wait(), timeout)
         except asyncio.TimeoutError:
             return None
-        return self.lookup(request_id)
+        with self._lock:
+            return self._results.get(request_id)
 
     def prune(self) -> None:
         """Drop in-memory results older than the keep window (they stay in SQLite)."""

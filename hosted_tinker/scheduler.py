@@ -108,6 +108,8 @@ class ClockCycleScheduler:
         self.last_cycle_requests = 0
         self.last_cycle_seconds = 0.0
         self.cycle_seconds_total = 0.0
+        # Observation hook (api/metrics.py): called on this thread after each training cycle.
+        self.on_cycle: Callable[[CyclePlan, float], None] = lambda plan, seconds: None
 
     # -- producer side (API threads) --------------------------------------------------------------
     def open_model(self, model_id: str, first_seq: int = 0) -> None:
@@ -180,6 +182,10 @@ class ClockCycleScheduler:
         self._thread = threading.Thread(target=self._loop, name="clock-cycle", daemon=True)
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        """The cycle thread is running (GET /health)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 60.0) -> None:
         """Finish the running cycle, then stop."""
         with self._cv:
@@ -218,6 +224,10 @@ class ClockCycleScheduler:
                 self.last_cycle_requests = len(plan.compute) + len(plan.optim) + len(plan.tail)
                 self.last_cycle_seconds = elapsed
                 self.cycle_seconds_total += elapsed
+            try:  # outside the lock: observers may ask for queue_depth()
+                self.on_cycle(plan, elapsed)
+            except Exception:
+                log.exception("a cycle observer failed")
 
     def _plan(self) -> tuple[CyclePlan, float | None]:
         """Build the next cycle (called with the lock held). Also returns the next deadline."""

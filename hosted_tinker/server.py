@@ -20,6 +20,7 @@ from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
 from .runtime.trainer import TrainingRuntime
 from .sampling.engine import SamplingEngine
+from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
 from .scheduler import ClockCycleScheduler
@@ -63,6 +64,7 @@ class Server:
                         "category 'server'", interrupted)
         self.store.mark_models_unloaded()
         self.futures = FutureStore(self.store)
+        self.sample_records = SampleRecords(self.store, ttl_s=config.sample_record_ttl_s)
         device = pick_device(config.device)
         model, self.tokenizer = load_base_model(config.base_model, data_dir, device,
                                                 pick_dtype(config.dtype, device))

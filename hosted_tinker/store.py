@@ -1,4 +1,4 @@
-"""Durable state in one embedded SQLite file: sessions, models, futures, checkpoints.
+"""Durable state in one embedded SQLite file: sessions, models, futures, checkpoints, sample records.
 
 WAL journaling with synchronous=NORMAL: a commit survives kill -9 of the server (the WAL is
 in the OS page cache and is replayed at the next open), at the price of one fsync per
@@ -92,6 +92,51 @@ CREATE TABLE IF NOT EXISTS sampling_sessions (
 );
 """
 
+# Recorded samples (sampling/records.py): one row per recorded sample request (its prompt is shared
+# by its num_samples sequences), one per sequence. A request row goes with its last sequence.
+SAMPLE_RECORDS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sample_requests (
+    request_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    sampling_session_id TEXT NOT NULL,
+    seq_id INTEGER NOT NULL,
+    weights TEXT NOT NULL,           -- tinker:// sampler path, or "base:<model>"
+    weights_version REAL,            -- that checkpoint's created_at
+    prompt BLOB NOT NULL,            -- int32 tokens
+    temperature REAL NOT NULL,
+    top_k INTEGER NOT NULL,
+    top_p REAL NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sample_requests_seq ON sample_requests(sampling_session_id, seq_id);
+CREATE TABLE IF NOT EXISTS sample_records (
+    sequence_id TEXT PRIMARY KEY,
+    request_id TEXT NOT NULL,
+    sample_index INTEGER NOT NULL,
+    tokens BLOB NOT NULL,            -- int32, as returned
+    logprobs BLOB NOT NULL,          -- float32, as returned
+    last_used_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sample_records_request ON sample_records(request_id);
+CREATE INDEX IF NOT EXISTS sample_records_last_used ON sample_records(last_used_at);
+"""
+
+# The dashboard's loss curves: `loss:sum` of every forward / forward_backward request, with the
+# number of optimizer steps its model had taken when it ran (a step's chunks and accumulated
+# micro-batches share that number: their sum is the step's loss).
+LOSS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS request_losses (
+    model_id TEXT NOT NULL,
+    seq_id INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    forward_only INTEGER NOT NULL,
+    loss_sum REAL NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (model_id, seq_id)
+);
+"""
+
 
 @dataclass
 class FutureRecord:
@@ -120,6 +165,8 @@ class Store:
         with self._lock:
             self._db.executescript(SCHEMA)
             self._db.executescript(SAMPLING_SCHEMA)
+            self._db.executescript(SAMPLE_RECORDS_SCHEMA)
+            self._db.executescript(LOSS_SCHEMA)
         self._migrate_rest()
 
     def close(self) -> None:
@@ -254,6 +301,53 @@ class Store:
     def get_sampling_session(self, sampling_session_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM sampling_sessions WHERE sampling_session_id=?", (sampling_session_id,))
 
+    # -- sample records -------------------------------------------------------------------------
+    def insert_sample_records(self, request: dict, sequences: list[tuple[str, int, bytes, bytes]], now: float) -> None:
+        """One recorded request and its (sequence_id, index, tokens, logprobs), in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute(
+                    "INSERT INTO sample_requests(request_id, owner, session_id, sampling_session_id, seq_id, weights,"
+                    " weights_version, prompt, temperature, top_k, top_p, created_at) VALUES (:request_id, :owner,"
+                    " :session_id, :sampling_session_id, :seq_id, :weights, :weights_version, :prompt, :temperature,"
+                    " :top_k, :top_p, :created_at)", request)
+                self._db.executemany(
+                    "INSERT INTO sample_records(sequence_id, request_id, sample_index, tokens, logprobs, last_used_at)"
+                    " VALUES (?,?,?,?,?,?)", [(sid, request["request_id"], i, t, lp, now) for sid, i, t, lp in sequences])
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def sample_request_exists(self, sampling_session_id: str, seq_id: int) -> bool:
+        return self._one("SELECT 1 FROM sample_requests WHERE sampling_session_id=? AND seq_id=?",
+                         (sampling_session_id, seq_id)) is not None
+
+    def get_sample_records(self, sequence_ids: list[str]) -> list[sqlite3.Row]:
+        rows: list[sqlite3.Row] = []
+        for i in range(0, len(sequence_ids), 500):  # SQLite caps the number of bound parameters
+            part = sequence_ids[i:i + 500]
+            rows += self._all(
+                "SELECT r.sequence_id, r.tokens, r.logprobs, r.last_used_at, q.owner, q.session_id, q.prompt,"
+                " q.weights, q.weights_version, q.temperature, q.top_k, q.top_p FROM sample_records r"
+                f" JOIN sample_requests q ON q.request_id = r.request_id WHERE r.sequence_id IN ({','.join('?' * len(part))})",
+                tuple(part))
+        return rows
+
+    def touch_sample_records(self, sequence_ids: list[str], now: float) -> None:
+        with self._lock:
+            self._db.executemany("UPDATE sample_records SET last_used_at=? WHERE sequence_id=?",
+                                 [(now, sid) for sid in sequence_ids])
+
+    def delete_sample_records_unused_since(self, before: float) -> int:
+        """Delete sequences last used at or before `before`, and requests left without any."""
+        with self._lock:
+            n = self._db.execute("DELETE FROM sample_records WHERE last_used_at <= ?", (before,)).rowcount
+            self._db.execute("DELETE FROM sample_requests WHERE NOT EXISTS"
+                             " (SELECT 1 FROM sample_records r WHERE r.request_id = sample_requests.request_id)")
+            return n
+
     # -- checkpoints ----------------------------------------------------------------------------
     def upsert_checkpoint(self, model_id: str, checkpoint_id: str, kind: str, owner: str, dir: str,
                           size_bytes: int, expires_at: float | None, user_metadata: dict) -> None:
@@ -349,6 +443,22 @@ class Store:
     def session_sampler_ids(self, session_id: str) -> list[str]:
         return [r[0] for r in self._all("SELECT sampling_session_id FROM sampling_sessions WHERE session_id=?"
                                         " ORDER BY created_at", (session_id,))]
+
+    # -- loss curves (dashboard) ----------------------------------------------------------------
+    def record_losses(self, rows: list[tuple[str, int, int, bool, float]]) -> None:
+        """(model_id, seq_id, step, forward_only, loss_sum) per finished request; a retry replaces its row."""
+        now = time.time()
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO request_losses(model_id, seq_id, step, forward_only, loss_sum, created_at)"
+                " VALUES (?,?,?,?,?,?)", [(m, q, s, int(f), loss, now) for m, q, s, f, loss in rows])
+
+    def loss_curve(self, model_id: str) -> list[sqlite3.Row]:
+        """Per optimizer step: the summed `loss:sum` of its training requests (and of its forward-only ones)."""
+        return self._all(
+            "SELECT step, SUM(CASE WHEN forward_only = 0 THEN loss_sum END) AS train_loss_sum,"
+            " SUM(CASE WHEN forward_only = 1 THEN loss_sum END) AS eval_loss_sum, COUNT(*) AS requests"
+            " FROM request_losses WHERE model_id = ? GROUP BY step ORDER BY step", (model_id,))
 
 
 def loads(text: str | bytes | None, default: Any = None) -> Any:

@@ -8,6 +8,7 @@ loads, in per-model order. A failure is confined to the request (and model) it b
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from pathlib import Path
@@ -120,6 +121,10 @@ class TrainingWorker:
         self.last_cycle_tokens = stats.tokens
         self.last_cycle_models = stats.models
         self.fused_passes += stats.models > 1
+        # The dashboard's loss curves; written before the results are visible, so it never lags a client.
+        self.store.record_losses([
+            (r.model_id, r.seq_id, self.runtime.adapters[r.model_id].step, r.payload.forward_only, out.metrics["loss:sum"])
+            for r, out in zip(live, outcomes) if math.isfinite(out.metrics.get("loss:sum", math.nan))])
         for r, out in zip(live, outcomes):
             body = encode_forward_backward_output(out.outputs, out.metrics)
             self.futures.resolve(r.request_id, body, is_proto=True)

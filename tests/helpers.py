@@ -39,9 +39,9 @@ def rl_datum(tokens: list[int], sampling_logprobs: list[float], advantages: list
                                        "advantages": advantages})
 
 
-def database(server) -> Path:
-    """The server's SQLite file (for tests that look at or tamper with records directly)."""
-    return db_path(server.data_dir)
+def database(data_dir: Path) -> Path:
+    """A data dir's SQLite file (for tests that look at or tamper with records directly)."""
+    return db_path(data_dir)
 
 
 def checkpoint_dir(server, tinker_path: str) -> Path:

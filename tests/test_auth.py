@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sqlite3
+import subprocess
+import sys
+
 import httpx
 import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, sft_batch
-from hosted_tinker.auth import KeyRing, anonymous_owner, redact
+from helpers import BASE_MODEL, database, sft_batch
+from hosted_tinker.auth import KeyConfigError, KeyRing, anonymous_owner, redact
 from server_process import ServerProcess
 
 
@@ -23,6 +28,33 @@ def test_keyring_from_env_and_file(tmp_path):
     for bad in ("tml-alice-2", "tml-", "", None, "alice", "sk-tml-alice-1"):
         assert ring.owner(bad) is None
     assert "tml-alice-1" not in repr(ring.__dict__)  # only digests are held
+
+
+def test_env_entries_are_parsed_like_the_keys_file():
+    """`owner:key` in the environment names an owner, as in the keys file (it was one key that never matched)."""
+    ring = KeyRing.load(None, env={"HOSTED_TINKER_API_KEYS": "alice:tml-alice-key, bob: tml-bob-key,tml-bare,"})
+    assert len(ring) == 3
+    assert ring.owner("tml-alice-key") == "alice" and ring.owner("tml-bob-key") == "bob"
+    assert ring.owner("tml-bare") == anonymous_owner("tml-bare")
+    assert ring.owner("alice:tml-alice-key") is None
+
+
+@pytest.mark.parametrize("entry", ["alice:sk-alice", "alice:", "tml-ok, carol:tml-", "dave:tml-two words"])
+def test_malformed_env_entries_are_refused_without_echoing_the_key(entry):
+    with pytest.raises(KeyConfigError, match=r"\$HOSTED_TINKER_API_KEYS entry \d") as e:
+        KeyRing.load(None, env={"HOSTED_TINKER_API_KEYS": entry})
+    assert "sk-alice" not in str(e.value) and "words" not in str(e.value)
+
+
+def test_serve_refuses_a_malformed_key_with_one_line(tmp_path):
+    env = {**os.environ, "HOSTED_TINKER_API_KEYS": "alice:sk-not-tinker"}
+    out = subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path), "--port", "1"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "hosted-tinker serve: error: $HOSTED_TINKER_API_KEYS entry 1: API keys must start with 'tml-' (the SDK refuses "
+        "others); expected 'owner: tml-key' or 'tml-key'"]
+    assert not database(tmp_path).exists()  # refused before touching the data dir
 
 
 def test_keys_file_rejects_non_tinker_keys(tmp_path):
@@ -50,15 +82,18 @@ def test_redact_blanks_credentials_everywhere():
 def test_server_with_configured_keys(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("alice: tml-alice-secret\n")
-    srv = ServerProcess(tmp_path / "srv", env={"HOSTED_TINKER_API_KEYS": "tml-ci-key"},
+    srv = ServerProcess(tmp_path / "srv", env={"HOSTED_TINKER_API_KEYS": "tml-ci-key, carol:tml-carol-key"},
                         args=("--api-keys-file", str(keys))).start()
     try:
-        assert "DEV MODE" not in srv.log()
-        for key in ("tml-alice-secret", "tml-ci-key"):
+        assert "DEV MODE" not in srv.log() and "3 API key(s) configured" in srv.log()
+        for key in ("tml-alice-secret", "tml-ci-key", "tml-carol-key"):
             sc = tinker.ServiceClient(base_url=srv.base_url, api_key=key)
             tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
             tc.forward_backward(sft_batch(2), "cross_entropy").result()
             tc.optim_step(types.AdamParams()).result()
+        with sqlite3.connect(database(srv.data_dir)) as db:
+            owners = {row[0] for row in db.execute("SELECT owner FROM models")}
+        assert owners == {"alice", anonymous_owner("tml-ci-key"), "carol"}
         for headers in ({"X-API-Key": "tml-unknown"}, {}, {"Authorization": "Bearer tml-unknown"}):
             r = httpx.post(f"{srv.base_url}/api/v1/create_session", json={"tags": []}, headers=headers, timeout=10)
             assert r.status_code == 401 and r.json()["detail"]

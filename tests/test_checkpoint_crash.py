@@ -134,7 +134,7 @@ def test_every_crash_point_of_a_checkpoint_write(tmp_path):
                     armed.http.delete(f"/api/v1/training_runs/{run}/checkpoints/{checkpoint}")
 
         # -- laid out while the server is down: a TTL that ran out, a lost folder, an unknown run
-        with sqlite3.connect(database(srv)) as db:
+        with sqlite3.connect(database(srv.data_dir)) as db:
             db.execute("UPDATE checkpoints SET expires_at=? WHERE model_id=? AND checkpoint_id='weights/t'",
                        (time.time() - 1, run))
         shutil.rmtree(checkpoint_dir(srv, lost))  # e's folder lost: its record must not stay listed
@@ -169,7 +169,7 @@ def test_every_crash_point_of_a_checkpoint_write(tmp_path):
         while not swept() and time.monotonic() < deadline:
             time.sleep(0.25)
         assert swept()
-        with sqlite3.connect(database(srv)) as db:
+        with sqlite3.connect(database(srv.data_dir)) as db:
             assert db.execute("SELECT COUNT(*) FROM checkpoints WHERE model_id=? AND checkpoint_id='weights/t'",
                               (run,)).fetchone()[0] == 0
 

@@ -61,7 +61,7 @@ def test_ten_random_kills(tmp_path):
     try:
         while True:
             srv.start()
-            with sqlite3.connect(database(srv)) as db:
+            with sqlite3.connect(database(srv.data_dir)) as db:
                 assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
             resume, start = acknowledged[-1] if acknowledged else ("-", 0)
             seen = len(records(out))

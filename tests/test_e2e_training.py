@@ -137,7 +137,7 @@ def _proto_body(model_id: str, seq_id: int, data, loss_fn="cross_entropy") -> by
     ("target_out_of_vocab", "target token"),
     ("nan_weight", "non-finite"),
     ("inf_advantage", "non-finite"),
-    ("gspo", "'gspo' is not supported"),
+    ("gspo_without_ratio_rows", "gspo's sequence ratio has no rows"),
     ("dro_without_beta", "needs loss_fn_config['beta']"),
     ("unknown_config_key", "are not used by"),
 ])
@@ -169,8 +169,12 @@ def test_bad_inputs_rejected_then_training_continues(service_client, case, needl
         loss_fn = "ppo"
         data = [types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
                             loss_fn_inputs={**rl_ok, "advantages": [float("inf")] + [1.0] * 8})]
-    elif case in ("gspo", "dro_without_beta", "unknown_config_key"):
-        loss_fn = {"gspo": "gspo", "dro_without_beta": "dro", "unknown_config_key": "ppo"}[case]
+    elif case == "gspo_without_ratio_rows":
+        loss_fn = "gspo"
+        data = [types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                            loss_fn_inputs={**rl_ok, "sequence_ratio_mask": [0.0] * 9})]
+    elif case in ("dro_without_beta", "unknown_config_key"):
+        loss_fn = {"dro_without_beta": "dro", "unknown_config_key": "ppo"}[case]
         cfg = {"clip_epsilon": 0.2} if case == "unknown_config_key" else None
         data = [types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs=rl_ok)]
     with pytest.raises(tinker.BadRequestError) as err:

@@ -407,7 +407,7 @@ def test_import_limits_and_hostile_state_left_on_disk(tmp_path):
         # does the record of "wide" (as an older version, which copied manifest times, left it)
         manifest = srv.data_dir / "checkpoints" / victim[len("tinker://"):] / "manifest.json"
         manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "created_at": 1e300}))
-        with sqlite3.connect(database(srv)) as db:
+        with sqlite3.connect(database(srv.data_dir)) as db:
             db.execute("UPDATE checkpoints SET created_at=1e300, expires_at=1e300 WHERE model_id=?",
                        (wide.split("/")[2],))
         srv.args = ("--max-request-bytes", str(limit), "--max-lora-rank", "16")

@@ -34,7 +34,7 @@ def alice(server):
     sampler_path = tc.save_weights_for_sampler("private-sampler").result().path
     tc.save_weights_and_get_sampling_client().result()
     external = tc.save_weights_external("private-export").result().path
-    with sqlite3.connect(database(server)) as db:
+    with sqlite3.connect(database(server.data_dir)) as db:
         owner = anonymous_owner(A)
         (request_id,) = db.execute("SELECT request_id FROM futures WHERE owner=? AND status='done' LIMIT 1",
                                    (owner,)).fetchone()

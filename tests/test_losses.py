@@ -11,10 +11,12 @@ import torch
 
 from hosted_tinker.runtime.losses import (
     KNOWN_UNSUPPORTED,
-    LOSSES,
     LossInputError,
+    merge_metrics,
     per_token_loss,
+    prepare_inputs,
     resolve_loss_config,
+    run_losses,
     validate_datum,
 )
 
@@ -63,7 +65,7 @@ def test_unknown_loss_name():
 
 @pytest.mark.parametrize("name", sorted(KNOWN_UNSUPPORTED))
 def test_known_unsupported_losses_are_refused_not_mapped(name):
-    """gspo, stable_reinforce and custom get their explicit refusal message, never a fallback."""
+    """Server-side custom losses get their explicit refusal message, never a fallback."""
     with pytest.raises(LossInputError) as exc:
         resolve_loss_config(name, {})
     assert str(exc.value) == KNOWN_UNSUPPORTED[name]
@@ -247,9 +249,10 @@ CONFIGS = {"cross_entropy": {}, "importance_sampling": {}, "ppo": resolve_loss_c
            "cispo": resolve_loss_config("cispo", {}), "dro": {"beta": 0.3}}
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_loss_of_concatenation_is_sum_of_parts(name):
-    """Loss and gradient of a concatenated sequence equal the sums over its parts (no mean)."""
+    """Loss and gradient of a concatenated sequence equal the sums over its parts (no mean), for
+    every token-wise loss (gspo's ratio is per datum: see test_gspo_batch_is_the_sum_of_its_datums)."""
     gen = torch.Generator().manual_seed(0)
     n1, n2 = 3, 5
     lp = -torch.rand(n1 + n2, generator=gen, dtype=torch.float64)
@@ -284,3 +287,183 @@ def test_loss_of_concatenation_is_sum_of_parts(name):
     mask[0, :n1], mask[1] = 1, 1
     block = (per_token_loss(name, cfg, block_lp, block_in) * mask).sum()
     assert block.item() == pytest.approx(sum(parts), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# SDK 0.38: gspo, stable_reinforce, per-row clip bounds, sequence_ratio_mask
+# ---------------------------------------------------------------------------------------------
+
+
+def test_new_loss_configs_defaults_and_keys():
+    """gspo takes ppo's ratio bounds; stable_reinforce takes only kl_coeff (default 0.01, >= 0)."""
+    assert resolve_loss_config("gspo", {}) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert resolve_loss_config("stable_reinforce", {}) == {"kl_coeff": 0.01}
+    assert resolve_loss_config("stable_reinforce", {"kl_coeff": 0}) == {"kl_coeff": 0.0}
+    with pytest.raises(LossInputError, match=r"\['beta'\].*'stable_reinforce'.*\['kl_coeff'\]"):
+        resolve_loss_config("stable_reinforce", {"beta": 0.1})
+    with pytest.raises(LossInputError, match=r"\['kl_coeff'\].*'gspo'.*clip_high_threshold"):
+        resolve_loss_config("gspo", {"kl_coeff": 0.1})
+    with pytest.raises(LossInputError, match=r"kl_coeff'\] must be >= 0, got -0.5"):
+        resolve_loss_config("stable_reinforce", {"kl_coeff": -0.5})
+    with pytest.raises(LossInputError, match=r"kl_coeff'\] must be a finite number, got the text '0.1'"):
+        resolve_loss_config("stable_reinforce", {"kl_coeff": "0.1"})
+
+
+def test_clip_and_ratio_mask_tensors_are_validated_per_token():
+    """The SDK's float32 per-row keys are checked like the others: shape [N], finite."""
+    for key in ("clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask"):
+        with pytest.raises(LossInputError, match=rf"datum 7: loss_fn_inputs\['{key}'\] has shape \[2\]"):
+            check([1, 2, 3], {**rl_inputs(3), key: np.ones(2, np.float32)}, "gspo")
+        with pytest.raises(LossInputError, match=rf"datum 7: loss_fn_inputs\['{key}'\] has a non-finite value at position 1"):
+            check([1, 2, 3], {**rl_inputs(3), key: np.array([1, np.nan, 1], np.float32)}, "ppo")
+
+
+def prepared(loss_fn, inputs, cfg=None, num_datums=1, **kw):
+    cfg = resolve_loss_config(loss_fn, cfg or {})
+    arrays = prepare_inputs(IDX, loss_fn, cfg, {k: np.asarray(v) for k, v in inputs.items()}, num_datums, **kw)
+    return cfg, {k: torch.tensor(np.asarray(v), dtype=torch.float64) for k, v in arrays.items() if k != "target_tokens"}
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "cispo", "gspo"])
+def test_per_row_clip_tensors_override_the_config_for_their_row(loss_fn):
+    """Rows with a per-row bound use it; prepare_inputs fills the others from the config."""
+    base = {"target_tokens": np.zeros(5, np.int64), "logprobs": np.array(SLP, np.float32),
+            "advantages": np.array(ADV, np.float32)}
+    cfg, given = prepared(loss_fn, {**base, "clip_high_threshold": np.array([1.1, 9, 9, 9, 9], np.float32)})
+    np.testing.assert_allclose(given["clip_low_threshold"].numpy(), resolve_loss_config(loss_fn, {})["clip_low_threshold"])
+    np.testing.assert_allclose(given["clip_high_threshold"].numpy(), np.float32([1.1, 9, 9, 9, 9]))
+    with pytest.raises(LossInputError, match="datum 7: clip_low_threshold 0.8 is above clip_high_threshold 0.5 at position 2"):
+        prepared(loss_fn, {**base, "clip_high_threshold": np.float32([2, 2, 0.5, 2, 2]),
+                           "clip_low_threshold": np.full(5, 0.8, np.float32)})
+    if loss_fn == "ppo":  # row 0: r=1.221 clipped at the row's own 1.1, not the config's 1.2
+        tok = per_token_loss("ppo", cfg, t(LP), given)
+        assert tok[0].item() == pytest.approx(-1.1 * ADV[0], rel=1e-6)
+
+
+def gspo_reference(lp, q, adv, m, lo, hi):
+    """GSPO-token written out in float64: one ratio per datum over M, value s, gradient s*dlp."""
+    lp, q, adv, m = (np.asarray(x, np.float64) for x in (lp, q, adv, m))
+    s = math.exp(((lp - q) * m).sum() / m.sum()) if m.sum() else 1.0
+    clipped = np.clip(s, lo, hi)
+    loss = -np.minimum(s * adv, clipped * adv)
+    active = (s * adv <= clipped * adv) | ((s >= lo) & (s <= hi))  # the unclipped branch is taken
+    return loss, np.where(active, -adv * s, 0.0), s
+
+
+def test_gspo_values_gradient_and_clipping():
+    """One sequence ratio s per datum from the rows in M; every row's value is s, its gradient
+    s*dlp; clipped rows (s past a bound in A's favour) get no gradient."""
+    adv = [0.0, 0.0, 1.0, -2.0, 0.5]
+    m = [0.0, 0.0, 1.0, 1.0, 1.0]
+    q = [0.0, 0.0, -0.9, -1.6, -2.6]  # placeholders on prompt rows (outside M), as rl_loop sends
+    for lo, hi in ((0.8, 1.2), (0.99, 1.01), (0.1, 0.5)):
+        cfg, inputs = prepared("gspo", {"target_tokens": np.zeros(5, np.int64), "logprobs": np.float32(q),
+                                        "advantages": np.float32(adv), "sequence_ratio_mask": np.float32(m)},
+                               {"clip_low_threshold": lo, "clip_high_threshold": hi})
+        inputs["logprobs"] = t(q)  # float64 throughout for exact hand values
+        tok, g = loss_and_grad("gspo", cfg, inputs)
+        # the bounds travel as float32 per-row tensors
+        want_loss, want_grad, s = gspo_reference(LP, q, adv, m, float(np.float32(lo)), float(np.float32(hi)))
+        assert tok == pytest.approx(want_loss.tolist(), rel=1e-12, abs=1e-15)
+        assert g == pytest.approx(want_grad.tolist(), rel=1e-12, abs=1e-15)
+    assert s > 0.5  # the last bounds clip every row with A > 0
+
+
+def test_gspo_ratio_rows_default_and_empty():
+    """Without sequence_ratio_mask: the sampled provenance rows, else the rows with A != 0. An
+    empty M is an error when some A != 0, and a zero (not NaN) contribution otherwise."""
+    base = {"target_tokens": np.zeros(4, np.int64), "logprobs": np.float32([0, -1, -2, -3]),
+            "advantages": np.float32([0, 1, 0, 1])}
+    _, inputs = prepared("gspo", base)
+    assert inputs["sequence_ratio_mask"].tolist() == [0, 1, 0, 1]
+    _, inputs = prepared("gspo", base, sampled_rows=np.array([False, True, True, True]))
+    assert inputs["sequence_ratio_mask"].tolist() == [0, 1, 1, 1]
+    with pytest.raises(LossInputError, match=r"datum 7: gspo's sequence ratio has no rows .* advantages\[1\] is 1.0"):
+        prepared("gspo", {**base, "sequence_ratio_mask": np.zeros(4, np.float32)})
+    cfg, inputs = prepared("gspo", {**base, "advantages": np.zeros(4, np.float32)})
+    lp = t([-1.0, -2.0, -0.5, -0.3], grad=True)
+    tok = per_token_loss("gspo", cfg, lp, inputs)
+    (g,) = torch.autograd.grad(tok.sum(), lp)
+    assert tok.tolist() == [0.0] * 4 and g.tolist() == [0.0] * 4
+
+
+def test_gspo_batch_is_the_sum_of_its_datums():
+    """In a padded [rows, T] block each row keeps its own ratio: the block's per-token loss, gradient
+    and metrics equal each datum's computed alone, bit for bit."""
+    gen = np.random.default_rng(3)
+    lengths = (5, 8, 3)
+    width = 8
+    lp = np.zeros((3, width))
+    block = {k: np.zeros((3, width)) for k in ("logprobs", "advantages", "sequence_ratio_mask",
+                                                  "clip_low_threshold", "clip_high_threshold", "request_datums")}
+    singles = []
+    for r, n in enumerate(lengths):
+        raw = {"target_tokens": np.zeros(n, np.int64), "logprobs": gen.normal(-1, 0.3, n).astype(np.float32),
+               "advantages": gen.normal(0, 1, n).astype(np.float32),
+               "sequence_ratio_mask": (gen.random(n) > 0.3).astype(np.float32)}
+        raw["sequence_ratio_mask"][0] = 1
+        cfg, one = prepared("gspo", raw, {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}, num_datums=3)
+        lp[r, :n] = gen.normal(-1, 0.3, n)
+        for k, v in one.items():
+            block[k][r, :n] = v.numpy()
+        singles.append((n, one))
+    mask = torch.tensor((np.arange(width) < np.array(lengths)[:, None]).astype(np.float64))
+    block_lp = torch.tensor(lp, requires_grad=True)
+    tok, metrics = run_losses([("gspo", cfg, 0, 3)], block_lp, {k: torch.tensor(v) for k, v in block.items()}, mask)
+    (g_block,) = torch.autograd.grad(tok.sum(), block_lp)
+    ratios = []
+    for r, (n, one) in enumerate(singles):
+        row_lp = torch.tensor(lp[r, :n], requires_grad=True)
+        out = per_token_loss("gspo", cfg, row_lp, one)
+        (g,) = torch.autograd.grad(out.sum(), row_lp)
+        assert torch.equal(tok[r, :n].detach(), out.detach()) and torch.equal(g_block[r, :n], g)
+        m = one["sequence_ratio_mask"].numpy() != 0
+        ratios.append(math.exp(np.mean(lp[r, :n][m] - one["logprobs"].numpy()[m])))
+    assert metrics[0]["seq_ratio:mean"] == pytest.approx(np.mean(ratios), rel=1e-12)
+    assert 0 <= metrics[0]["seq_clipped_frac:mean"] <= 1 + 1e-12
+
+
+def sr_inputs(n_prompt: int, adv: list[float], q: list[float], datum_lp: list[float] | None = None):
+    n = n_prompt + len(adv)
+    inputs = {"target_tokens": np.zeros(n, np.int64), "advantages": np.float32([0.0] * n_prompt + adv)}
+    if datum_lp is not None:
+        inputs["logprobs"] = np.float32([0.0] * n_prompt + datum_lp)
+    sampled = np.arange(n) >= n_prompt
+    recorded = np.float32([0.0] * n_prompt + q)
+    return inputs, sampled, recorded
+
+
+def test_stable_reinforce_values_gradient_and_metrics():
+    """Version 0: on sampled rows, -A*l + kl_coeff/2*(l - q)^2 with q the RECORDED logprob (the
+    datum's own logprobs only feed the mismatch metric); prompt rows contribute nothing."""
+    beta = 0.3
+    lp_vals = [-0.7, -1.0, -2.0, -0.5, -0.3]
+    adv, q = [1.0, -2.0, 0.5], [-0.375, -0.875, -0.25]  # exact in float32, as records are
+    inputs, sampled, recorded = sr_inputs(2, adv, q, datum_lp=[-0.5, -0.875, -0.25])
+    cfg, arrays = prepared("stable_reinforce", inputs, {"kl_coeff": beta}, num_datums=2,
+                           sampled_rows=sampled, recorded_logprobs=recorded)
+    assert "logprobs" not in arrays  # never the client's copy
+    lp = t(lp_vals, grad=True)
+    out = run_losses([("stable_reinforce", cfg, 0, 1)], lp[None], {k: v[None] for k, v in arrays.items()},
+                     torch.ones(1, 5, dtype=torch.float64))
+    tok, metrics = out[0][0], out[1][0]
+    (g,) = torch.autograd.grad(tok.sum(), lp)
+    l_s = lp_vals[2:]
+    want = [0.0, 0.0] + [-a * l + 0.5 * beta * (l - qq) ** 2 for a, l, qq in zip(adv, l_s, q)]
+    assert tok.tolist() == pytest.approx(want, rel=1e-12)
+    assert g.tolist() == pytest.approx([0.0, 0.0] + [-a + beta * (l - qq) for a, l, qq in zip(adv, l_s, q)], rel=1e-12)
+    assert metrics["pg_loss:sum"] == pytest.approx(sum(-a * l for a, l in zip(adv, l_s)), rel=1e-12)
+    assert metrics["kl_penalty:sum"] == pytest.approx(sum(0.5 * beta * (l - qq) ** 2 for l, qq in zip(l_s, q)), rel=1e-12)
+    assert metrics["sampled_tokens:sum"] == 3
+    # a mean over datums: this datum is one of the request's two
+    assert metrics["sampler_trainer_logprob_diff:mean"] == pytest.approx(np.mean(np.subtract(q, l_s)) / 2, rel=1e-12)
+    assert metrics["datum_logprobs_mismatch:max"] == 0.125
+
+
+def test_metrics_merge_across_micro_batches():
+    """A request split over micro-batches gets sums added, maxima maxed and means (pre-divided by
+    the request's datum count) added up to the mean."""
+    total: dict[str, float] = {}
+    merge_metrics(total, {"loss:sum": 1.0, "x:mean": 0.25, "m:max": 3.0})
+    merge_metrics(total, {"loss:sum": 2.0, "x:mean": 0.5, "m:max": 1.0})
+    assert total == {"loss:sum": 3.0, "x:mean": 0.75, "m:max": 3.0}

@@ -118,7 +118,7 @@ def test_base_model_chat_and_completion(oai):
     assert texts == {c.index: c.text for c in plain.choices}
     assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
 
-    # a client that leaves mid-stream costs the server nothing more than the finished job
+    # a client that leaves mid-stream: its job is cancelled (test_edge_limits.py), others are answered as before
     with chat(oai, BASE_MODEL, max_tokens=48, stream=True) as stream:
         next(iter(stream))
     assert chat(oai, BASE_MODEL, temperature=0).choices[0].message.content == text
@@ -126,7 +126,7 @@ def test_base_model_chat_and_completion(oai):
 
 def test_choice_text_matches_decode(tok):
     """Token by token, held back and cut at stop strings, the pieces join into the decoded text."""
-    from hosted_tinker.api.openai_compat import _ChoiceText
+    from hosted_tinker.api.openai_compat.text import ChoiceText
 
     rng = np.random.default_rng(0)
     multibyte = tok.encode("héllo wörld — 你好 🙂 naïve")
@@ -137,7 +137,7 @@ def test_choice_text_matches_decode(tok):
         full = tok.decode(ids, skip_special_tokens=True)
         stop = full[int(rng.integers(0, max(1, len(full) - 2))):][:int(rng.integers(1, 4))] if trial % 3 else ""
         stops = (stop, "never") if stop else ()
-        c = _ChoiceText(tok, tok.encode("Hi"), stops, frozenset())
+        c = ChoiceText(tok, tok.encode("Hi"), stops, frozenset())
         pieces, released = [], 0
         for k, t in enumerate(ids):
             text, a, b = c.feed(t, -1.0, None, None, "length" if k == len(ids) - 1 else None)

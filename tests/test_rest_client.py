@@ -203,7 +203,7 @@ def test_ttl_expiry_removes_files_and_record(server, world):
     while any(f.exists() for f in folders) and time.monotonic() < deadline:
         time.sleep(0.25)
     assert not any(f.exists() for f in folders), "the expiry sweep did not remove the files"
-    with sqlite3.connect(database(server)) as db:
+    with sqlite3.connect(database(server.data_dir)) as db:
         assert db.execute("SELECT COUNT(*) FROM checkpoints WHERE model_id=? AND checkpoint_id IN (?, ?)",
                           (tc.model_id, "weights/short-lived", "sampler_weights/later")).fetchone()[0] == 0
     paths = {c.tinker_path for c in alice.list_checkpoints(tc.model_id).result().checkpoints}

@@ -21,6 +21,7 @@ from tinker.resources.training import AsyncTrainingResource
 
 from hosted_tinker.wire import (
     TOPK_EMPTY_LOGPROB,
+    ProvenanceSpan,
     SampledSequenceOut,
     TopkOut,
     WireError,
@@ -134,6 +135,33 @@ def test_decode_legacy_numeric_config_without_v2():
     msg = valid_request()
     msg.loss_fn_config["beta"] = 0.25
     assert decode_forward_backward_request(msg.SerializeToString()).loss_fn_config == {"beta": 0.25}
+
+
+def test_decode_prefers_v2_config_over_the_legacy_map():
+    """When loss_fn_config_v2 is set it is the whole config: the legacy map's keys are ignored."""
+    msg = valid_request()
+    msg.loss_fn_config["kl_coeff"] = 9.0
+    msg.loss_fn_config["stale"] = 1.0
+    msg.loss_fn_config_v2["kl_coeff"].number = 0.5
+    msg.loss_fn_config_v2["mode"].text = "fast"
+    assert decode_forward_backward_request(msg.SerializeToString()).loss_fn_config == {"kl_coeff": 0.5, "mode": "fast"}
+
+
+def test_decode_provenance_spans_as_the_sdk_sends_them():
+    """Datum.with_provenance as rl_loop builds it (a zero-length sampled run included) arrives as
+    ordered runs per field; a datum without provenance has none."""
+    with_spans = datum([1, 2, 3, 4], target_tokens=[0, 0, 7, 8]).with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s:0:1", length=3),
+                     types.SampledProvenanceSpan(sequence_id="s:0:1", length=1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s:0:1", offset=1, length=2),
+                        types.SampledProvenanceSpan(sequence_id="s:0:1", length=2),
+                        types.SampledProvenanceSpan(sequence_id="s:5:0", offset=4, length=0)])
+    call = decode_forward_backward_request(sdk_post([with_spans, datum([1], target_tokens=[2])], "gspo")[0])
+    d0, d1 = call.data
+    assert d0.model_input_spans == [ProvenanceSpan("prompt", "s:0:1", 0, 3), ProvenanceSpan("sampled", "s:0:1", 0, 1)]
+    assert d0.loss_fn_input_spans == [ProvenanceSpan("prompt", "s:0:1", 1, 2), ProvenanceSpan("sampled", "s:0:1", 0, 2),
+                                      ProvenanceSpan("sampled", "s:5:0", 4, 0)]
+    assert d1.model_input_spans == [] and d1.loss_fn_input_spans == []
 
 
 def test_decode_multi_frame_zstd_and_zstd_without_content_size():
@@ -322,6 +350,16 @@ MUTATIONS = {
                        "data[1].loss_fn_inputs['weights']: the decoded request is larger than the server's limit"),
     "v2 config without value": (lambda m: m.loss_fn_config_v2["beta"].SetInParent(),
                                 "loss_fn_config_v2['beta']: has neither a number nor a text value"),
+    "span without arm": (lambda m: m.data[1].model_input_spans.add(),
+                         "data[1].model_input_spans[0]: has neither prompt_tokens nor sampled_tokens"),
+    "span without id": (lambda m: setattr(m.data[1].loss_fn_input_spans.add().sampled_tokens, "length", 3),
+                        "data[1].loss_fn_input_spans[0].sampled_tokens: sequence_id is empty"),
+    "span negative offset": (lambda m: m.data[1].model_input_spans.add().prompt_tokens.MergeFrom(
+        pb.PromptProvenanceSpan(sequence_id="x", offset=-1, length=3)),
+        "data[1].model_input_spans[0].prompt_tokens: offset (-1) and length (3) must be >= 0"),
+    "span negative length": (lambda m: m.data[1].loss_fn_input_spans.add().sampled_tokens.MergeFrom(
+        pb.SampledProvenanceSpan(sequence_id="x", length=-2)),
+        "data[1].loss_fn_input_spans[0].sampled_tokens: offset (0) and length (-2) must be >= 0"),
 }
 
 

@@ -1,11 +1,10 @@
-"""The FastAPI application: auth, error bodies, metrics, and the routers."""
+"""The FastAPI application: access log, error bodies, metrics, and the routers."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -13,17 +12,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..access import Access
 from ..checkpoints.paths import InvalidPath
 from ..config import ServerConfig
 from ..server import Server
-from . import openai_compat, rest, sampling, service, training
+from ..services.sampling import SamplingRequests
+from ..services.training import TrainingRequests
+from ..startup import base_url, summary_lines
+from . import dashboard, hub, openai_compat, ops, rest, sampling, service, training
+from .access_log import AccessLog
+from .limits import BodyLimit
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
-access = logging.getLogger("hosted_tinker.access")
-# Polled or background routes: logged only at debug level unless they fail.
-QUIET_ROUTES = {"/api/v1/retrieve_future", "/api/v1/session_heartbeat", "/api/v1/telemetry", "/api/v1/healthz",
-                "/metrics"}
 
 
 def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
@@ -33,10 +34,15 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         srv = server or Server(config)
         srv.futures.bind_loop(asyncio.get_running_loop())
+        app.state.metrics.bind(srv)
         srv.start()
         app.state.server = srv
+        app.state.access = Access(srv.store, srv.scheduler.has_model)
+        app.state.training = TrainingRequests(srv, app.state.access)
+        app.state.sampling = SamplingRequests(srv, app.state.access)
         pruner = asyncio.create_task(_prune_forever(srv))
-        log.info("hosted-tinker serving %s on http://%s:%d", config.base_model, config.host, config.port)
+        for line in summary_lines(srv, config, base_url(config.host, config.port)):
+            log.info("%s", line)
         try:
             yield
         finally:
@@ -45,27 +51,16 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
 
     app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=lifespan)
     app.state.metrics = Metrics()
-
-    @app.middleware("http")
-    async def access_log(request: Request, call_next):
-        """One structured line per request, with a request id echoed as X-Request-ID."""
-        start = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
-        response = await call_next(request)
-        elapsed = time.perf_counter() - start
-        path = getattr(request.scope.get("route"), "path", "unmatched")
-        app.state.metrics.observe_request(path, response.status_code, elapsed)
-        response.headers["X-Request-ID"] = request_id
-        level = logging.DEBUG if path in QUIET_ROUTES and response.status_code < 400 else logging.INFO
-        access.log(level, "request_id=%s method=%s route=%s status=%d ms=%.1f", request_id, request.method,
-                   path, response.status_code, elapsed * 1000)
-        return response
+    app.add_middleware(BodyLimit, config=config)  # inside the access log, which sees its 413s too
+    app.add_middleware(AccessLog, metrics=app.state.metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         # Always a non-empty JSON body: the SDK treats an empty 400 as a proxy glitch and retries.
-        return JSONResponse({"detail": exc.detail or "error"}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        detail = exc.detail or "error"
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said precisely
+            detail = "the request body's JSON is nested too deeply to parse"
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(InvalidPath)
     async def invalid_path(request: Request, exc: InvalidPath):  # a malformed tinker:// path, name or run id
@@ -87,6 +82,9 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
     app.include_router(sampling.router)
     app.include_router(openai_compat.router)
     app.include_router(rest.router)
+    app.include_router(ops.router)
+    app.include_router(dashboard.router)
+    app.include_router(hub.router)  # last: its routes match any "<org>/<name>/resolve/..." path
     return app
 
 
@@ -94,4 +92,4 @@ async def _prune_forever(srv: Server) -> None:
     while True:
         await asyncio.sleep(60)
         srv.futures.prune()
-        srv.store.prune_futures(time.time() - 24 * 3600)
+        await asyncio.to_thread(srv.store.prune_futures, time.time() - 24 * 3600)  # SQLite: off the event loop

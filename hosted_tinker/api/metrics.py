@@ -1,73 +1,186 @@
-"""`/metrics` in Prometheus text format: what an operator watches."""
+"""`/metrics` (Prometheus, rendered by prometheus_client) and the recent-cycle history the dashboard shows.
+
+Two kinds of series:
+
+* histograms and counters observed as things happen: request latency by route (the access-log
+  middleware), queue wait, cycle time, fused-pass tokens and tenants (the scheduler's `on_cycle`
+  hook), sampling time to first token and tokens per second (the sampling engine's
+  `on_request_done` hook);
+* values the components already keep (cycles run, queue depth, adapters, sampled tokens...), read
+  from their attributes at scrape time by `_ServerCollector`, under the names they always had.
+
+Each app has its own registry, so several servers in one process (tests) never share series.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Callable
 
 import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics import disable_created_metrics
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ..sampling.engine import SampleJob
+    from ..scheduler import CyclePlan
+    from ..server import Server
+
+# The *_created series would double the output for no reader we know of.
+disable_created_metrics()
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKENS = tuple(float(1 << k) for k in range(4, 21))  # 16 ... 1M
+_TENANTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+_RATES = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+CYCLE_HISTORY = 600  # cycles the dashboard's utilisation chart can show
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("hosted_tinker_http_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.request_seconds = Counter("hosted_tinker_http_request_seconds", "time spent answering, by route",
+                                       ["route"], registry=r)
+        self.request_latency = Histogram("hosted_tinker_http_request_duration_seconds",
+                                         "time to answer a request, by route", ["route"], buckets=_SECONDS,
+                                         registry=r)
+        self.queue_wait = Histogram("hosted_tinker_queue_wait_seconds",
+                                    "time a training request waited between arriving and its cycle starting, by kind",
+                                    ["kind"], buckets=_SECONDS, registry=r)
+        self.cycle_duration = Histogram("hosted_tinker_cycle_duration_seconds", "duration of a clock cycle",
+                                        buckets=_SECONDS, registry=r)
+        self.fused_tokens = Histogram("hosted_tinker_fused_pass_tokens", "tokens in a fused forward/backward pass",
+                                      buckets=_TOKENS, registry=r)
+        self.fused_models = Histogram("hosted_tinker_fused_pass_models",
+                                      "tenants (adapters) in a fused forward/backward pass", buckets=_TENANTS,
+                                      registry=r)
+        self.ttft = Histogram("hosted_tinker_sampling_time_to_first_token_seconds",
+                              "time from a sample request's arrival to its first generated token", buckets=_SECONDS,
+                              registry=r)
+        self.tokens_per_second = Histogram("hosted_tinker_sampling_tokens_per_second",
+                                           "generated tokens per second of a sample request, after its first token",
+                                           buckets=_RATES, registry=r)
+        self._server: Server | None = None
+        r.register(_ServerCollector(lambda: self._server))
         self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)
-        self.seconds: dict[str, float] = defaultdict(float)
+        self._cycles: deque[dict] = deque(maxlen=CYCLE_HISTORY)
 
+    def bind(self, server: "Server") -> None:
+        """Start observing a running server (called once it is built)."""
+        self._server = server
+        server.scheduler.on_cycle = self.observe_cycle
+        server.sampler.engine.on_request_done = self.observe_sample
+
+    # -- observations ------------------------------------------------------------------------------
     def observe_request(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.request_seconds.labels(route).inc(seconds)
+        self.request_latency.labels(route).observe(seconds)
+
+    def observe_cycle(self, plan: "CyclePlan", seconds: float) -> None:
+        """Called on the cycle thread after each training cycle."""
+        started = time.monotonic() - seconds
+        for req in (*plan.compute, *plan.optim, *plan.tail):
+            self.queue_wait.labels(req.kind).observe(max(0.0, started - req.arrived_at))
+        self.cycle_duration.observe(seconds)
+        tokens = tenants = 0
+        if plan.compute and self._server is not None:
+            stats = self._server.runtime.last_pass
+            tokens, tenants = stats.tokens, stats.models
+            self.fused_tokens.observe(tokens)
+            self.fused_models.observe(tenants)
+        queued = self._server.scheduler.queue_depth() if self._server is not None else 0
         with self._lock:
-            self.requests[(route, status)] += 1
-            self.seconds[route] += seconds
+            self._cycles.append({"t": time.time(), "seconds": seconds, "tokens": tokens, "tenants": tenants,
+                                 "requests": len(plan.compute) + len(plan.optim) + len(plan.tail),
+                                 "queue_depth": queued})
 
-    def render(self, server) -> str:
-        lines: list[str] = []
+    def observe_sample(self, job: "SampleJob", generated_tokens: int) -> None:
+        """Called on the cycle thread when a sample request has all its sequences."""
+        if job.first_token_at is None:
+            return
+        now = time.perf_counter()
+        self.ttft.observe(job.first_token_at - job.submitted_at)
+        decoding = now - job.first_token_at
+        if decoding > 0 and generated_tokens > job.num_samples:
+            self.tokens_per_second.observe((generated_tokens - job.num_samples) / decoding)
 
-        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]):
-            lines.append(f"# HELP {name} {help}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lines.append(f"{name}{labels} {value}")
-
+    def recent_cycles(self) -> list[dict]:
         with self._lock:
-            reqs = sorted(self.requests.items())
-            secs = sorted(self.seconds.items())
-        metric("hosted_tinker_http_requests_total", "counter", "HTTP requests by route and status",
-               [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in reqs])
-        metric("hosted_tinker_http_request_seconds_total", "counter", "time spent answering, by route",
-               [(f'{{route="{r}"}}', v) for r, v in secs])
+            return list(self._cycles)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ServerCollector(Collector):
+    """Series read from the components' own counters when /metrics is scraped."""
+
+    def __init__(self, server: Callable[[], "Server | None"]):
+        self._server = server
+
+    def collect(self):
+        server = self._server()
+        if server is None:
+            return
         sch, wk, rt = server.scheduler, server.worker, server.runtime
-        metric("hosted_tinker_cycles_total", "counter", "clock cycles run", [("", sch.cycles)])
-        metric("hosted_tinker_cycle_seconds_total", "counter", "time spent in clock cycles",
-               [("", sch.cycle_seconds_total)])
-        metric("hosted_tinker_last_cycle_seconds", "gauge", "duration of the last cycle", [("", sch.last_cycle_seconds)])
-        metric("hosted_tinker_last_cycle_models", "gauge", "models served by the last cycle",
-               [("", sch.last_cycle_models)])
-        metric("hosted_tinker_last_cycle_requests", "gauge", "requests executed by the last cycle",
-               [("", sch.last_cycle_requests)])
-        metric("hosted_tinker_last_fused_pass_models", "gauge", "adapters packed into the last fused forward/backward",
-               [("", wk.last_cycle_models)])
-        metric("hosted_tinker_last_fused_pass_tokens", "gauge", "tokens in the last fused forward/backward",
-               [("", wk.last_cycle_tokens)])
-        metric("hosted_tinker_last_fused_pass_padded_tokens", "gauge",
-               "token slots computed by the last fused pass, padding included (vs _tokens: padding waste)",
-               [("", rt.last_pass.padded_tokens)])
-        metric("hosted_tinker_fused_passes_total", "counter", "forward/backward passes that carried several models",
-               [("", wk.fused_passes)])
-        metric("hosted_tinker_trained_tokens_total", "counter", "tokens through forward/backward", [("", wk.tokens_total)])
-        metric("hosted_tinker_queue_depth", "gauge", "training requests waiting", [("", sch.queue_depth())])
-        metric("hosted_tinker_adapters", "gauge", "adapters held by the runtime (on the device or paged out)",
-               [("", len(rt.adapters))])
-        metric("hosted_tinker_live_adapters", "gauge", "adapters resident on the device", [("", len(rt.live))])
-        metric("hosted_tinker_adapter_page_outs_total", "counter", "adapters paged out to CPU memory",
-               [("", rt.page_outs)])
-        metric("hosted_tinker_futures_resolved_total", "counter", "futures resolved", [("", server.futures.resolved_total)])
+        engine, snapshots = server.sampler.engine, server.snapshots
+
+        def counter(name: str, help: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, help, value=value)
+
+        def gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, help, value=value)
+
+        yield counter("hosted_tinker_cycles", "clock cycles run", sch.cycles)
+        yield counter("hosted_tinker_cycle_seconds", "time spent in clock cycles", sch.cycle_seconds_total)
+        yield gauge("hosted_tinker_last_cycle_seconds", "duration of the last cycle", sch.last_cycle_seconds)
+        yield gauge("hosted_tinker_last_cycle_models", "models served by the last cycle", sch.last_cycle_models)
+        yield gauge("hosted_tinker_last_cycle_requests", "requests executed by the last cycle",
+                    sch.last_cycle_requests)
+        yield gauge("hosted_tinker_last_fused_pass_models", "adapters packed into the last fused forward/backward",
+                    wk.last_cycle_models)
+        yield gauge("hosted_tinker_last_fused_pass_tokens", "tokens in the last fused forward/backward",
+                    wk.last_cycle_tokens)
+        yield gauge("hosted_tinker_last_fused_pass_padded_tokens",
+                    "token slots computed by the last fused pass, padding included (vs _tokens: padding waste)",
+                    rt.last_pass.padded_tokens)
+        yield counter("hosted_tinker_fused_passes", "forward/backward passes that carried several models",
+                      wk.fused_passes)
+        yield counter("hosted_tinker_trained_tokens", "tokens through forward/backward", wk.tokens_total)
+        yield gauge("hosted_tinker_queue_depth", "training requests waiting", sch.queue_depth())
+        yield gauge("hosted_tinker_adapters", "adapters held by the runtime (on the device or paged out)",
+                    len(rt.adapters))
+        yield gauge("hosted_tinker_live_adapters", "adapters resident on the device", len(rt.live))
+        yield counter("hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", rt.page_outs)
+        yield counter("hosted_tinker_futures_resolved", "futures resolved", server.futures.resolved_total)
+        yield counter("hosted_tinker_sample_requests", "sample requests answered", engine.requests_done)
+        yield counter("hosted_tinker_sampled_tokens", "tokens generated by sampling", engine.tokens_generated)
+        yield gauge("hosted_tinker_sampling_active_sequences", "sequences being generated now", engine.active_rows)
+        yield counter("hosted_tinker_sampling_requests_cancelled",
+                      "sample requests dropped unfinished because nobody waited for them any more (client gone)",
+                      engine.requests_cancelled)
+        yield counter("hosted_tinker_sampler_weight_syncs",
+                      "sampler adapter snapshots loaded onto the device (weights synced for sampling)",
+                      snapshots.loads)
+        yield gauge("hosted_tinker_sampler_snapshots", "sampler adapter snapshots resident on the device",
+                    len(snapshots))
         if torch.cuda.is_available():
-            metric("hosted_tinker_gpu_memory_allocated_bytes", "gauge", "GPU memory held by tensors",
-                   [(f'{{device="{i}"}}', torch.cuda.memory_allocated(i)) for i in range(torch.cuda.device_count())])
+            g = GaugeMetricFamily("hosted_tinker_gpu_memory_allocated_bytes", "GPU memory held by tensors",
+                                  labels=["device"])
+            for i in range(torch.cuda.device_count()):
+                g.add_metric([str(i)], torch.cuda.memory_allocated(i))
+            yield g
         try:
             import resource
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            metric("hosted_tinker_process_max_rss_bytes", "gauge", "peak resident memory of the server", [("", rss)])
         except ImportError:  # pragma: no cover - not on Linux
-            pass
-        return "\n".join(lines) + "\n"
+            return
+        yield gauge("hosted_tinker_process_max_rss_bytes", "peak resident memory of the server",
+                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

@@ -26,9 +26,11 @@ from pathlib import Path
 import anyio.to_thread
 from anyio import CapacityLimiter
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from ..access import Access
 from ..checkpoints.catalog import MAX_TTL_S, CheckpointExists, version_of
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..checkpoints.paths import TinkerPath, check_run_id
@@ -37,8 +39,8 @@ from ..checkpoints.transfer import (
     write_import,
 )
 from ..server import Server
-from .deps import get_server, require_owner
-from .schemas import INT64_MAX
+from .deps import accessible_scope, get_access, get_server, require_owner
+from .schemas import INT64_MAX, str_dict
 
 router = APIRouter()
 
@@ -48,44 +50,15 @@ MAX_CONCURRENT_IMPORTS = 2
 _import_slots = CapacityLimiter(MAX_CONCURRENT_IMPORTS)
 
 
-# -- access ----------------------------------------------------------------------------------------------
-
-def _check_scope(access_scope: str) -> bool:
-    """True for 'accessible' (others' published work too), False for 'owned'."""
-    if access_scope not in ("owned", "accessible"):
-        raise HTTPException(400, f"invalid access_scope {access_scope!r}: expected 'owned' or 'accessible'")
-    return access_scope == "accessible"
-
-
-def _checkpoint(server: Server, owner: str, path: TinkerPath, *, write: bool):
-    """The live checkpoint record; 404 unless the caller owns it (or, to read, it is public)."""
-    row = server.checkpoints.record(path)
-    if row is None or (row["owner"] != owner and (write or not row["public"])):
-        raise HTTPException(404, f"checkpoint {path} not found")
-    return row
-
-
-def _run(server: Server, owner: str, run_id: str, accessible: bool):
-    """(model row, caller owns it); others see a run only through its published checkpoints."""
-    row = server.store.get_model(check_run_id(run_id))
-    if row is not None:
-        if row["owner"] == owner:
-            return row, True
-        if accessible and server.store.run_has_public_checkpoint(run_id):
-            return row, False
-    raise HTTPException(404, f"training run {run_id!r} not found")
+def _checkpoint(access: Access, owner: str, path: TinkerPath, *, write: bool = False):
+    """The live record of `path`, if this key may read it (or, with `write`, change it)."""
+    return access.checkpoint(owner, path.run, path.checkpoint_id, write=write)
 
 
 # -- JSON shapes (tinker.types) --------------------------------------------------------------------------
 
 def iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
-
-
-def str_dict(text: str | None) -> dict[str, str]:
-    """User metadata as the SDK types it ({str: str}); other JSON values are sent as JSON text."""
-    value = json.loads(text) if text else {}
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (value or {}).items()}
 
 
 def checkpoint_json(row) -> dict:
@@ -125,24 +98,25 @@ def run_json(server: Server, row, is_owner: bool) -> dict:
 
 @router.get("/api/v1/training_runs")
 def list_training_runs(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
-                       access_scope: str = "owned", project_id: str | None = None,
+                       accessible: bool = Depends(accessible_scope), project_id: str | None = None,
                        owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    rows, total = server.store.list_runs(owner, accessible=_check_scope(access_scope), project_id=project_id,
+    rows, total = server.store.list_runs(owner, accessible=accessible, project_id=project_id,
                                          limit=limit, offset=offset)
     return {"training_runs": [run_json(server, r, r["owner"] == owner) for r in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
 @router.get("/api/v1/training_runs/{run_id}")
-def get_training_run(run_id: str, access_scope: str = "owned", owner: str = Depends(require_owner),
-                     server: Server = Depends(get_server)):
-    row, is_owner = _run(server, owner, run_id, _check_scope(access_scope))
+def get_training_run(run_id: str, accessible: bool = Depends(accessible_scope), owner: str = Depends(require_owner),
+                     server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    row, is_owner = access.run(owner, check_run_id(run_id), accessible=accessible)
     return run_json(server, row, is_owner)
 
 
 @router.get("/api/v1/training_runs/{run_id}/checkpoints")
-def list_run_checkpoints(run_id: str, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    row, is_owner = _run(server, owner, run_id, accessible=True)
+def list_run_checkpoints(run_id: str, owner: str = Depends(require_owner), server: Server = Depends(get_server),
+                         access: Access = Depends(get_access)):
+    row, is_owner = access.run(owner, check_run_id(run_id), accessible=True)
     rows = server.store.live_checkpoints(run_id, public_only=not is_owner)
     return {"checkpoints": [checkpoint_json(r) for r in rows]}
 
@@ -162,26 +136,26 @@ _ONE = "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"
 
 @router.delete(_ONE)
 def delete_one(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-               server: Server = Depends(get_server)):
+               server: Server = Depends(get_server), access: Access = Depends(get_access)):
     path = TinkerPath(run_id, kind, name)
-    server.checkpoints.delete(_checkpoint(server, owner, path, write=True))
+    server.checkpoints.delete(_checkpoint(access, owner, path, write=True))
     return {"deleted": str(path)}
 
 
 @router.post(_ONE + "/publish")
 def publish(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-            server: Server = Depends(get_server)):
-    return _set_public(server, owner, TinkerPath(run_id, kind, name), True)
+            server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    return _set_public(server, access, owner, TinkerPath(run_id, kind, name), True)
 
 
 @router.delete(_ONE + "/publish")
 def unpublish(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-              server: Server = Depends(get_server)):
-    return _set_public(server, owner, TinkerPath(run_id, kind, name), False)
+              server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    return _set_public(server, access, owner, TinkerPath(run_id, kind, name), False)
 
 
-def _set_public(server: Server, owner: str, path: TinkerPath, public: bool) -> dict:
-    row = _checkpoint(server, owner, path, write=True)
+def _set_public(server: Server, access: Access, owner: str, path: TinkerPath, public: bool) -> dict:
+    row = _checkpoint(access, owner, path, write=True)
     if bool(row["public"]) == public:
         # 400, not 409: the SDK retries a 409 for minutes.
         raise HTTPException(400, f"checkpoint {path} is already {'public' if public else 'private'}")
@@ -196,10 +170,10 @@ class TtlBody(BaseModel):
 
 @router.put(_ONE + "/ttl")
 def set_ttl(run_id: str, kind: str, name: str, body: TtlBody, owner: str = Depends(require_owner),
-            server: Server = Depends(get_server)):
+            server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """ttl_seconds from now (1 s to 10 years; the expiry sweep removes it then), or null for never."""
     path = TinkerPath(run_id, kind, name)
-    _checkpoint(server, owner, path, write=True)
+    _checkpoint(access, owner, path, write=True)
     if body.ttl_seconds is not None and not 1 <= body.ttl_seconds <= MAX_TTL_S:
         raise HTTPException(400, f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or null to "
                                  f"never expire; got {body.ttl_seconds}")
@@ -211,15 +185,15 @@ def set_ttl(run_id: str, kind: str, name: str, body: TtlBody, owner: str = Depen
 # -- downloads -------------------------------------------------------------------------------------------
 
 @router.get(_ONE + "/external_weights_urls")
-def external_weights_urls(run_id: str, kind: str, name: str, request: Request,
-                          owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+def external_weights_urls(run_id: str, kind: str, name: str, request: Request, owner: str = Depends(require_owner),
+                          server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """One signed URL per file, for this version of the checkpoint and the access the caller has
     now (its owner's, or anyone's while it is published); both are checked again on each use."""
     path = TinkerPath(run_id, kind, name)
     if kind != "external_weights":
         raise HTTPException(400, f"download URLs exist for external weights only (tinker://<run>/external_weights/"
                                  f"<name>, from save_weights_external); got {path}")
-    row = _checkpoint(server, owner, path, write=False)
+    row = _checkpoint(access, owner, path)
     expires = int(time.time()) + SIGNED_URL_TTL_S
     scope = "owner" if row["owner"] == owner else "public"
     base = str(request.base_url).rstrip("/")
@@ -270,10 +244,10 @@ def signed_file(run_id: str, kind: str, name: str, filename: str, request: Reque
 
 @router.get(_ONE + "/archive")
 def archive(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-            server: Server = Depends(get_server)):
+            server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """The checkpoint directory as a flat tar: `curl -H "X-API-Key: $KEY" URL | tar -x -C DIR`."""
     path = TinkerPath(run_id, kind, name)
-    _checkpoint(server, owner, path, write=False)
+    _checkpoint(access, owner, path)
     files = server.checkpoints.open_files(path)
     return StreamingResponse(tar_stream(files), media_type="application/x-tar", headers={
         "Content-Length": str(tar_length(files)),
@@ -286,9 +260,10 @@ class WeightsInfoBody(BaseModel):
 
 
 @router.post("/api/v1/weights_info")
-def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), server: Server = Depends(get_server),
+                 access: Access = Depends(get_access)):
     path = TinkerPath.parse(body.tinker_path)
-    _checkpoint(server, owner, path, write=False)
+    _checkpoint(access, owner, path)
     with server.checkpoints.lock:  # not in the middle of an overwrite's two renames
         try:
             manifest = read_manifest(server.checkpoints.folder(path))
@@ -320,20 +295,17 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
     imported run (or of `training_run_id`, an existing run of the caller's or a new id).
     """
     path = TinkerPath(training_run_id or f"import-{uuid.uuid4().hex[:12]}", "weights", name)
-    existing_run = server.store.get_model(path.run)
+    existing_run = await run_in_threadpool(server.store.get_model, path.run)  # SQLite: off the event loop
     if existing_run is not None and existing_run["owner"] != owner:
         raise HTTPException(404, f"training run {path.run!r} not found")
-    limit = server.config.max_request_bytes
     server.uploads.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="import-", dir=server.uploads))
     try:
         archive_path = work / "upload.tar"
         received = 0
         with open(archive_path, "wb") as f:
-            async for chunk in request.stream():
+            async for chunk in request.stream():  # bounded by max_request_bytes as sent (api/limits.py)
                 received += len(chunk)
-                if received > limit:
-                    raise HTTPException(413, f"upload is above the limit of {limit} bytes")
                 f.write(chunk)
         if received == 0:
             raise HTTPException(400, "empty upload: send the adapter directory as a tar archive in the body")

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException
 from pydantic import Field
 
+from ..access import Access
+from ..checkpoints.paths import TinkerPath
 from ..sampling.engine import SampleJob
+from ..sampling.records import sequence_ids
 from ..server import Server
-from .deps import get_server, require_owner
+from ..services.sampling import SamplingRequests
+from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
-from .service import _owned_session
 from .training import _checkpoint_for_load
 
 router = APIRouter()
@@ -56,33 +58,24 @@ def sampling_session_id(session_id: str, seq: int) -> str:
 
 @router.post("/api/v1/create_sampling_session")
 def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Depends(require_owner),
-                            server: Server = Depends(get_server)):
-    _owned_session(server, body.session_id, owner)
+                            access: Access = Depends(get_access), sampling: SamplingRequests = Depends(get_sampling)):
+    access.session(owner, body.session_id)
     sid = sampling_session_id(body.session_id, body.sampling_session_seq_id)
     if body.model_path is not None:
-        spec = _checkpoint_for_load(server, owner, body.model_path, with_optimizer=False)
+        spec = _checkpoint_for_load(access, owner, body.model_path, with_optimizer=False,
+                                    max_rank=sampling.config.max_lora_rank)
         ckpt_dir, path = str(spec.checkpoint_dir), body.model_path
     elif body.base_model is not None:
         ckpt_dir, path = None, None
     else:
         raise HTTPException(400, "create_sampling_session needs model_path or base_model")
-    if body.base_model is not None and body.base_model != server.config.base_model:
-        raise HTTPException(400, f"base model {body.base_model!r} is not served here; this server serves "
-                                 f"{server.config.base_model!r}")
-    server.store.create_sampling_session(sid, body.session_id, owner, server.config.base_model, path, ckpt_dir)
+    sampling.open_session(owner, body.session_id, sid, body.base_model, path, ckpt_dir)
     return {"type": "create_sampling_session", "sampling_session_id": sid}
 
 
-def _owned_sampler(server: Server, sampler_id: str, owner: str):
-    row = server.store.get_sampling_session(sampler_id)
-    if row is None or row["owner"] != owner:
-        raise HTTPException(404, f"sampling session {sampler_id!r} not found")
-    return row
-
-
 @router.get("/api/v1/samplers/{sampler_id}")
-def get_sampler(sampler_id: str, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    row = _owned_sampler(server, sampler_id, owner)
+def get_sampler(sampler_id: str, owner: str = Depends(require_owner), access: Access = Depends(get_access)):
+    row = access.sampler(owner, sampler_id).row
     return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
 
 
@@ -102,9 +95,6 @@ def _prompt_tokens(prompt: dict) -> list[int]:
 def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
     """Validate a sample request against the model and the server's limits."""
     cfg, runtime = server.config, server.runtime
-    if body.record_stability_info:
-        raise HTTPException(400, "record_stability_info is not supported by this server (it serves no "
-                                 "stable_reinforce loss); sample without it")
     if body.prompt_alt_tokens_k:
         raise HTTPException(400, "prompt_alt_tokens_k is not supported by this server")
     if body.target_prompt_logprobs is not None:
@@ -156,19 +146,38 @@ def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> 
 
 
 @router.post("/api/v1/asample")
-def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    row = _owned_sampler(server, body.sampling_session_id, owner)
+def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: Server = Depends(get_server),
+            access: Access = Depends(get_access), sampling: SamplingRequests = Depends(get_sampling)):
+    grant = access.sampler(owner, body.sampling_session_id)  # the checkpoint it samples, checked again now
     existing = server.store.get_future_id(body.sampling_session_id, body.seq_id)
     if existing is None:
-        job = build_job(server, body, row["checkpoint_dir"])
-        if row["checkpoint_dir"] is not None and not Path(row["checkpoint_dir"]).is_dir():
+        job = build_job(server, body, grant.adapter_dir)
+        if grant.adapter_dir is not None and not Path(grant.adapter_dir).is_dir():
             raise HTTPException(404, f"the weights of sampling session {body.sampling_session_id!r} were deleted")
-        request_id, is_new = server.futures.create(owner, "sample", body.sampling_session_id, body.seq_id)
-        if is_new:
-            server.sampler.submit(request_id, job)
+        if server.sample_records.request_was_recorded(body.sampling_session_id, body.seq_id):
+            # its future was pruned, its records were not: new samples must not reuse their ids
+            raise HTTPException(400, f"seq_id {body.seq_id} of sampling session {body.sampling_session_id!r} was "
+                                     "already used; each sample request needs a new seq_id")
+        request_id = sampling.submit_for_future(
+            owner, body.sampling_session_id, body.seq_id, job,
+            record=lambda request_id: _recorder(server, body, grant.row, request_id, job))
     else:
         request_id = existing
-    # Stable per request, so a resubmitted sample hands out the same sequence ids.
-    digest = hashlib.sha256(request_id.encode()).hexdigest()[:12]
+    # Fixed at submission: a deduplicated re-POST of the same seq_id hands out the same ids.
     return {"request_id": request_id,
-            "sample_sequence_ids": [f"seq-{digest}-{i}" for i in range(body.num_samples)]}
+            "sample_sequence_ids": sequence_ids(body.sampling_session_id, body.seq_id, body.num_samples)}
+
+
+def _recorder(server: Server, body: AsampleRequest, row, request_id: str, job: SampleJob):
+    """What stores the request's samples for stable_reinforce, or None when not asked to."""
+    if not body.record_stability_info:
+        return None
+    version = None
+    if row["model_path"] is not None:
+        where = TinkerPath.parse(row["model_path"])
+        ckpt = server.store.get_checkpoint(where.run, where.checkpoint_id)
+        version = None if ckpt is None else ckpt["created_at"]
+    return server.sample_records.recorder(
+        request_id=request_id, owner=row["owner"], session_id=row["session_id"],
+        sampling_session_id=body.sampling_session_id, seq_id=body.seq_id,
+        weights=row["model_path"] or f"base:{row['base_model']}", weights_version=version, job=job)

@@ -8,11 +8,26 @@ reach SQLite and come back as a 500 (OverflowError).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from .limits import check_stored_json
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# What a user may attach to an object it creates: stored in SQLite with it and sent back on reads.
+STORED_FIELD_MAX_BYTES = 64 << 10
+
+
+def _stored(what: str) -> AfterValidator:
+    return AfterValidator(lambda value: check_stored_json(value, what, STORED_FIELD_MAX_BYTES))
+
+
+UserMetadata = Annotated[dict[str, Any], _stored("user_metadata")]
+StrMetadata = Annotated[dict[str, str], _stored("user_metadata")]
+Tags = Annotated[list[str], _stored("tags")]
+ShortText = Annotated[str, Field(max_length=1024)]
 
 
 class Body(BaseModel):
@@ -31,11 +46,11 @@ class ClientConfigRequest(Body):
 
 
 class CreateSessionRequest(Body):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    tags: Tags = Field(default_factory=list)
+    user_metadata: UserMetadata = Field(default_factory=dict)
     sdk_version: str | None = None
-    project_id: str | None = None
-    display_name: str | None = None
+    project_id: ShortText | None = None
+    display_name: ShortText | None = None
 
 
 class SessionHeartbeatRequest(Body):
@@ -63,7 +78,7 @@ class CreateModelRequest(Body):
     session_id: str
     model_seq_id: int = Field(ge=0)
     base_model: str
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     lora_config: LoraConfigIn | None = None
     optimizer_config: dict[str, Any] | None = None
 
@@ -94,7 +109,7 @@ class SaveWeightsRequest(Body):
     path: str
     ttl_seconds: int | None = Field(None, ge=1)
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StrMetadata | None = None
 
 
 class SaveWeightsForSamplerRequest(Body):
@@ -104,7 +119,7 @@ class SaveWeightsForSamplerRequest(Body):
     sampling_session_seq_id: int | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
     ttl_seconds: int | None = Field(None, ge=1)
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StrMetadata | None = None
 
 
 class LoadWeightsRequest(Body):
@@ -117,7 +132,7 @@ class LoadWeightsRequest(Body):
     session_id: str | None = None
     model_seq_id: int | None = Field(None, ge=0)
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     optimizer_config: dict[str, Any] | None = None
     weights_access_token: str | None = None
 
@@ -125,3 +140,9 @@ class LoadWeightsRequest(Body):
 class RetrieveFutureRequest(Body):
     request_id: str
     allow_metadata_only: bool = False
+
+
+def str_dict(text: str | None) -> dict[str, str]:
+    """Stored user metadata as the SDK types it ({str: str}); other JSON values are sent as JSON text."""
+    value = json.loads(text) if text else {}
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (value or {}).items()}

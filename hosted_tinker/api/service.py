@@ -1,4 +1,4 @@
-"""Service endpoints: client config, sessions, telemetry, health, capabilities, metrics."""
+"""Service endpoints: client config, sessions, telemetry, health, capabilities."""
 
 from __future__ import annotations
 
@@ -7,19 +7,23 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query
 from pydantic import BaseModel
 
+from ..access import Access
 from ..auth import redact
 from ..server import Server
-from .deps import get_server, require_owner
+from .deps import accessible_scope, get_access, get_server, require_owner
+from .limits import check_stored_json
 from .schemas import (
-    INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest,
+    INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest, str_dict,
 )
 
 router = APIRouter()
+# The SDK sends a batch every few seconds, a few KiB each; this leaves a wide margin.
+TELEMETRY_MAX_BYTES = 1 << 20
 
 # Sessions created per client idempotency key: the SDK's transport layer retries
 # create_session with the same X-Idempotency-Key, which must not make a second session.
@@ -78,17 +82,10 @@ def create_session(body: CreateSessionRequest, owner: str = Depends(require_owne
     return {"type": "create_session", "session_id": session_id}
 
 
-def _owned_session(server: Server, session_id: str, owner: str):
-    row = server.store.get_session(session_id)
-    if row is None or row["owner"] != owner:
-        raise HTTPException(404, f"session {session_id!r} not found")
-    return row
-
-
 @router.post("/api/v1/session_heartbeat")
 def heartbeat(body: SessionHeartbeatRequest, owner: str = Depends(require_owner),
-              server: Server = Depends(get_server)):
-    row = _owned_session(server, body.session_id, owner)
+              server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    row = access.session(owner, body.session_id)
     if row["status"] != "active":
         raise HTTPException(410, f"session {body.session_id!r} has finished")
     server.store.touch_session(body.session_id)
@@ -97,41 +94,30 @@ def heartbeat(body: SessionHeartbeatRequest, owner: str = Depends(require_owner)
 
 @router.post("/api/v1/sessions/{session_id}/finish")
 def finish_session(session_id: str, body: FinishSessionRequest, owner: str = Depends(require_owner),
-                   server: Server = Depends(get_server)):
-    _owned_session(server, session_id, owner)
+                   server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    access.session(owner, session_id)
     server.store.finish_session(session_id, body.reason.type if body.reason else "success")
     return {}
 
 
 # -- REST: sessions (RestClient.list_sessions / get_session) -----------------------------------------
 
-def _str_dict(text: str | None) -> dict[str, str]:
-    value = json.loads(text) if text else {}
-    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (value or {}).items()}
-
-
-def _scope(access_scope: str) -> None:
-    if access_scope not in ("owned", "accessible"):
-        raise HTTPException(400, f"invalid access_scope {access_scope!r}: expected 'owned' or 'accessible'")
-
-
 @router.get("/api/v1/sessions")
 def list_sessions(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
-                  access_scope: str = "owned", owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+                  accessible: bool = Depends(accessible_scope), owner: str = Depends(require_owner),
+                  server: Server = Depends(get_server)):
     """The caller's sessions, newest first (sessions are never shared, whatever the scope)."""
-    _scope(access_scope)
     ids, _ = server.store.list_sessions(owner, limit, offset)
     return {"sessions": ids}
 
 
 @router.get("/api/v1/sessions/{session_id}")
-def get_session(session_id: str, access_scope: str = "owned", owner: str = Depends(require_owner),
-                server: Server = Depends(get_server)):
-    _scope(access_scope)
-    row = _owned_session(server, session_id, owner)
+def get_session(session_id: str, accessible: bool = Depends(accessible_scope), owner: str = Depends(require_owner),
+                server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    row = access.session(owner, session_id)
     return {"training_run_ids": server.store.session_model_ids(session_id),
             "sampler_ids": server.store.session_sampler_ids(session_id),
-            "user_metadata": _str_dict(row["user_metadata"]), "display_name": row["display_name"]}
+            "user_metadata": str_dict(row["user_metadata"]), "display_name": row["display_name"]}
 
 
 class ProjectBody(BaseModel):
@@ -140,26 +126,22 @@ class ProjectBody(BaseModel):
 
 @router.put("/api/v1/sessions/{session_id}/project")
 def assign_session_project(session_id: str, body: ProjectBody, owner: str = Depends(require_owner),
-                           server: Server = Depends(get_server)):
-    _owned_session(server, session_id, owner)
+                           server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    access.session(owner, session_id)
     server.store.set_session_project(session_id, body.project_id)
     return {"session_id": session_id, "project_id": body.project_id}
 
 
 @router.post("/api/v1/telemetry")
-async def telemetry(request: Request, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
+def telemetry(batch: dict[str, Any] = Body(), owner: str = Depends(require_owner),
+              server: Server = Depends(get_server)):
     # Events can echo request headers, X-API-Key included: credentials are blanked before the
     # batch is written (one JSON line per batch, under the data directory).
     try:
-        body = await request.json()
-    except ValueError:
-        raise HTTPException(400, "telemetry body must be JSON") from None
-    line = json.dumps({"owner": owner, "received_at": time.time(), "batch": redact(body)})
+        check_stored_json(batch, "a telemetry batch", TELEMETRY_MAX_BYTES)
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
+    line = json.dumps({"owner": owner, "received_at": time.time(), "batch": redact(batch)})
     with open(Path(server.config.data_dir) / "telemetry.jsonl", "a") as f:
         f.write(line + "\n")
     return {"status": "accepted"}
-
-
-@router.get("/metrics")
-def metrics(request: Request, server: Server = Depends(get_server)):
-    return PlainTextResponse(request.app.state.metrics.render(server), media_type="text/plain; version=0.0.4")

@@ -1,5 +1,5 @@
 """The built-in Tinker losses, with Tinker's contract: every loss is a **sum** over tokens and
-datums, never a mean (see shared/reference/losses.md).
+datums, never a mean (see shared/reference/losses.md and docs/losses.md).
 
 Sums are what make the server exact under the SDK's chunking (one call of 8 datums equals two
 calls of 4), what `forward_backward_custom` relies on (it sends `weights = -dC/dlogprobs` to
@@ -7,20 +7,34 @@ cross_entropy), and what lets one fused pass carry many tenants: the gradient of
 independent per-datum losses with respect to one adapter is that adapter's own gradient.
 
 Validation lives here too, so the API can reject a bad request before it is queued and the
-model is never touched by it.
+model is never touched by it. `prepare_inputs` then hands the trainer exactly the per-token
+tensors a loss reads, with what the server derives filled in (per-row clip bounds from the
+config, gspo's ratio rows, stable_reinforce's recorded logprobs), so that every loss below is a
+function of one row's own tensors and a datum's result never depends on its batch.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
+# Per-token float inputs a user may send (the SDK's float32 keys), checked for shape and finiteness.
+PER_TOKEN_FLOAT = ("weights", "logprobs", "advantages", *CLIP_KEYS, "sequence_ratio_mask")
+# Per-token inputs the server derives in `prepare_inputs`; a user's tensor of the same name is dropped.
+DERIVED = (
+    "recorded_logprobs",  # stable_reinforce: the recorded sampler logprob on sampled rows
+    "sampled_rows",  # stable_reinforce: 1 on the loss rows under sampled provenance runs
+    "request_datums",  # the number of datums in the request, on every row: turns per-row sums into means
+    "logprobs_mismatch",  # stable_reinforce: |datum logprobs - recorded| on sampled rows
+)
 # Per-token float inputs the trainer pads into [rows, width] tensors for `run_losses`.
-LOSS_INPUT_KEYS = ("weights", "logprobs", "advantages")
+LOSS_INPUT_KEYS = (*PER_TOKEN_FLOAT, *DERIVED)
 
 
 @dataclass(frozen=True)
@@ -28,30 +42,32 @@ class LossSpec:
     required_inputs: tuple[str, ...]
     # config key -> default; None means the key is required.
     config: dict[str, float | None]
+    # what prepare_inputs hands the trainer besides the required inputs
+    inputs: tuple[str, ...] = ()
 
+
+_CLIPPED = (*CLIP_KEYS, "request_datums")
 
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(("target_tokens", "weights"), {}),
     "importance_sampling": LossSpec(RL_INPUTS, {}),
     # Ratio bounds (not epsilons), with the documented defaults.
-    "ppo": LossSpec(RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "cispo": LossSpec(RL_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
+    "ppo": LossSpec(RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, CLIP_KEYS),
+    "cispo": LossSpec(RL_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, CLIP_KEYS),
     # No documented default for beta: asking for it beats silently picking one.
     "dro": LossSpec(RL_INPUTS, {"beta": None}),
+    # The docs do not show gspo's defaults; ppo's bounds (ours).
+    "gspo": LossSpec(RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+                     (*_CLIPPED, "sequence_ratio_mask")),
+    # kl_coeff is the only key Tinker names; its default there is not public (0.01 is ours).
+    "stable_reinforce": LossSpec(("target_tokens", "advantages"), {"kl_coeff": 0.01}, DERIVED),
 }
 
 # Names the SDK knows that we do not implement. Each gets an explicit refusal, never a fallback.
 KNOWN_UNSUPPORTED = {
-    "gspo": "loss 'gspo' is not supported by this server; use 'ppo' or 'cispo', "
-    "or forward_backward_custom for a sequence-level ratio",
-    "stable_reinforce": "loss 'stable_reinforce' needs sampler stability records, which this "
-    "server does not keep; use 'importance_sampling' or 'ppo'",
     "custom": "server-side custom losses are not enabled; forward_backward_custom runs the loss "
     "on the client (the default), which this server supports",
 }
-
-# Per-token inputs with their dtype class: float inputs must be finite.
-PER_TOKEN_FLOAT = ("weights", "logprobs", "advantages")
 
 
 class LossInputError(ValueError):
@@ -76,12 +92,16 @@ def resolve_loss_config(loss_fn: str, config: dict[str, float | str]) -> dict[st
         value = config.get(key, default)
         if value is None:
             raise LossInputError(f"loss {loss_fn!r} needs loss_fn_config[{key!r}]")
-        if isinstance(value, str) or not math.isfinite(float(value)):
+        if isinstance(value, str):
+            raise LossInputError(f"loss_fn_config[{key!r}] must be a finite number, got the text {value!r}")
+        if not math.isfinite(float(value)):
             raise LossInputError(f"loss_fn_config[{key!r}] must be a finite number, got {value!r}")
         resolved[key] = float(value)
     lo, hi = resolved.get("clip_low_threshold"), resolved.get("clip_high_threshold")
     if lo is not None and hi is not None and lo > hi:
         raise LossInputError(f"clip_low_threshold {lo} is above clip_high_threshold {hi}")
+    if resolved.get("kl_coeff", 0.0) < 0:
+        raise LossInputError(f"loss_fn_config['kl_coeff'] must be >= 0, got {resolved['kl_coeff']}")
     return resolved
 
 
@@ -130,6 +150,183 @@ def validate_datum(
             raise LossInputError(f"{where}: loss_fn_inputs[{key!r}] has a non-finite value at position {pos}")
 
 
+def prepare_inputs(
+    index: int, loss_fn: str, config: dict[str, float], inputs: dict[str, np.ndarray], num_datums: int, *,
+    sampled_rows: np.ndarray | None = None, recorded_logprobs: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """The per-token arrays the trainer hands `loss_fn` for one validated datum.
+
+    `sampled_rows` (bool [N]) are the loss rows under sampled provenance runs, None without
+    provenance; `recorded_logprobs` (float32 [N]) are the recorded sampler logprobs on those rows,
+    which stable_reinforce needs (see runtime/provenance.py).
+    """
+    spec = LOSSES[loss_fn]
+    n = int(inputs["target_tokens"].shape[0])
+    out = {key: inputs[key] for key in spec.required_inputs}
+    if "request_datums" in spec.inputs:
+        out["request_datums"] = np.full(n, num_datums, np.float32)
+    if CLIP_KEYS[0] in spec.inputs:
+        # A per-row tensor overrides the config for its row.
+        lo, hi = (inputs[k] if k in inputs else np.full(n, config[k], np.float32) for k in CLIP_KEYS)
+        above = np.flatnonzero(lo > hi)
+        if above.size:
+            p = int(above[0])
+            raise LossInputError(f"datum {index}: clip_low_threshold {float(lo[p]):g} is above "
+                                 f"clip_high_threshold {float(hi[p]):g} at position {p}")
+        out.update(clip_low_threshold=lo, clip_high_threshold=hi)
+    if loss_fn == "gspo":
+        out["sequence_ratio_mask"] = _gspo_ratio_rows(index, inputs, sampled_rows)
+    if loss_fn == "stable_reinforce":
+        if sampled_rows is None or recorded_logprobs is None:
+            raise ValueError("stable_reinforce needs resolved provenance")  # the API resolves it first
+        out.update(recorded_logprobs=recorded_logprobs, sampled_rows=sampled_rows.astype(np.float32))
+        mismatch = np.zeros(n, np.float32)
+        if "logprobs" in inputs:  # optional: the client's copy only feeds a metric
+            mismatch[sampled_rows] = np.abs(inputs["logprobs"][sampled_rows] - recorded_logprobs[sampled_rows])
+        out["logprobs_mismatch"] = mismatch
+    return out
+
+
+def _gspo_ratio_rows(index: int, inputs: dict[str, np.ndarray], sampled_rows: np.ndarray | None) -> np.ndarray:
+    """M, the rows gspo's sequence ratio averages over, as 0/1 float32.
+
+    Without `sequence_ratio_mask` (rl/train.py sends none): the rows under sampled provenance
+    runs, else the rows with nonzero advantages. An empty M gives no ratio, which is only
+    acceptable when the datum has nothing to train (all advantages 0).
+    """
+    adv = inputs["advantages"]
+    if "sequence_ratio_mask" in inputs:
+        rows = inputs["sequence_ratio_mask"] != 0
+    elif sampled_rows is not None:
+        rows = sampled_rows
+    else:
+        rows = adv != 0
+    if not rows.any() and adv.any():
+        p = int(np.flatnonzero(adv)[0])
+        raise LossInputError(
+            f"datum {index}: gspo's sequence ratio has no rows (sequence_ratio_mask is all zero) but "
+            f"advantages[{p}] is {float(adv[p])!r}")
+    return rows.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The losses. Each takes the trainer's logprobs and inputs of a block of rows ([rows, T], or one
+# datum's [N]) and returns the per-token loss (= -objective) plus, optionally, per-row metric
+# values (float64 numpy, [rows]) that a run's rows reduce by the key's reduction: ":max" by max,
+# every other by sum (means arrive pre-divided by `request_datums`). Padded positions carry zero
+# advantages / weights / masks and so contribute exactly 0.
+
+
+@dataclass
+class LossOut:
+    loss: torch.Tensor
+    row_metrics: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _clip_bounds(config: dict[str, float], inputs: dict[str, torch.Tensor]):
+    """Per-row tensors when given (the trainer always has them), else the config's scalars."""
+    return tuple(inputs[k] if k in inputs else config[k] for k in CLIP_KEYS)
+
+
+def _cross_entropy(lp, inputs, config) -> LossOut:
+    return LossOut(-(lp * inputs["weights"]))
+
+
+def _importance_sampling(lp, inputs, config) -> LossOut:
+    return LossOut(-(torch.exp(lp - inputs["logprobs"]) * inputs["advantages"]))
+
+
+def _ppo(lp, inputs, config) -> LossOut:
+    ratio, adv = torch.exp(lp - inputs["logprobs"]), inputs["advantages"]
+    lo, hi = _clip_bounds(config, inputs)
+    return LossOut(-torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv))
+
+
+def _cispo(lp, inputs, config) -> LossOut:
+    ratio = torch.exp(lp - inputs["logprobs"])
+    lo, hi = _clip_bounds(config, inputs)
+    return LossOut(-(torch.clamp(ratio, lo, hi).detach() * lp * inputs["advantages"]))
+
+
+def _dro(lp, inputs, config) -> LossOut:
+    diff = lp - inputs["logprobs"]
+    return LossOut(-(lp * inputs["advantages"] - 0.5 * config["beta"] * diff * diff))
+
+
+def _rows(x: torch.Tensor) -> np.ndarray:
+    """A detached float64 copy on the CPU, always [rows, T]."""
+    a = x.detach().to("cpu", torch.float64).numpy()
+    return a[None] if a.ndim == 1 else a
+
+
+def _request_datums(inputs: dict[str, torch.Tensor], rows: int) -> np.ndarray:
+    """Per row, the number of datums of its request (1 where unknown, e.g. a lone datum)."""
+    return _rows(inputs["request_datums"])[:, 0] if "request_datums" in inputs else np.ones(rows)
+
+
+def _gspo(lp, inputs, config) -> LossOut:
+    """GSPO-token: one importance ratio per datum, s = exp(mean over M of (sg(l) - q)); row t has
+    the value s and the gradient s * grad(l_t); loss = -sum_t min(s_t A_t, clamp(s_t, lo_t, hi_t) A_t).
+
+    log s is a constant of the graph (it uses sg(l)), so it is computed on the CPU in float64, row
+    by row over that row's own values: a datum's ratio never depends on the rows it is batched with.
+    """
+    adv = inputs["advantages"]
+    m = _rows(inputs["sequence_ratio_mask"])
+    count = m.sum(-1)
+    diff = (_rows(lp) - _rows(inputs["logprobs"])) * m
+    log_s = np.where(count > 0, diff.sum(-1) / np.maximum(count, 1), 0.0)
+    s = np.exp(log_s)
+    s_col = torch.as_tensor(s, dtype=lp.dtype, device=lp.device)[:, None]
+    if lp.ndim == 1:
+        s_col = s_col[0]
+    ratio = s_col * torch.exp(lp - lp.detach())
+    lo, hi = _clip_bounds(config, inputs)
+    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+    lo_r, hi_r = (_rows(b) if torch.is_tensor(b) else np.full_like(m, b) for b in (lo, hi))
+    clipped = (((s[:, None] < lo_r) | (s[:, None] > hi_r)) * m).sum(-1) / np.maximum(count, 1)
+    datums = _request_datums(inputs, len(s))
+    return LossOut(loss, {"seq_ratio:mean": s / datums, "seq_clipped_frac:mean": clipped / datums})
+
+
+def stable_reinforce_v0(lp, inputs, config) -> LossOut:
+    """hosted-tinker's stable REINFORCE, version 0 (docs/losses.md): on the sampled rows S,
+
+        loss = sum_{t in S} [ -A_t l_t + kl_coeff * 1/2 (l_t - q_t)^2 ],  q = the RECORDED sampler logprob
+
+    REINFORCE plus a quadratic pull towards the sampler's logprobs: no exp(l - q), so stale or
+    numerically skewed samples cannot blow up the update.
+    """
+    sampled, adv, q = inputs["sampled_rows"], inputs["advantages"], inputs["recorded_logprobs"]
+    diff = lp - q
+    pg = -(adv * lp) * sampled
+    kl = (0.5 * config["kl_coeff"]) * diff * diff * sampled
+    s, d = _rows(sampled), _rows(diff)
+    n_sampled = s.sum(-1)
+    mean_diff = -(d * s).sum(-1) / np.maximum(n_sampled, 1)  # q - l over S
+    datums = _request_datums(inputs, len(n_sampled))
+    return LossOut(pg + kl, {
+        "pg_loss:sum": _rows(pg).sum(-1), "kl_penalty:sum": _rows(kl).sum(-1), "sampled_tokens:sum": n_sampled,
+        "sampler_trainer_logprob_diff:mean": mean_diff / datums,
+        "datum_logprobs_mismatch:max": _rows(inputs["logprobs_mismatch"]).max(-1)
+        if "logprobs_mismatch" in inputs else np.zeros_like(n_sampled),
+    })
+
+
+# The version in service; a later objective replaces this one name (and docs/losses.md).
+STABLE_REINFORCE = stable_reinforce_v0
+
+LOSS_FUNCTIONS: dict[str, Callable[..., LossOut]] = {
+    "cross_entropy": _cross_entropy,
+    "importance_sampling": _importance_sampling,
+    "ppo": _ppo,
+    "cispo": _cispo,
+    "dro": _dro,
+    "gspo": _gspo,
+    "stable_reinforce": STABLE_REINFORCE,
+}
+
+
 def per_token_loss(
     loss_fn: str, config: dict[str, float], target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor],
 ) -> torch.Tensor:
@@ -138,23 +335,19 @@ def per_token_loss(
     `target_logprobs` and every input are shaped alike ([N] or [rows, T]); padded positions must
     carry zero weights/advantages so they contribute exactly 0.
     """
-    lp = target_logprobs
-    if loss_fn == "cross_entropy":
-        return -(lp * inputs["weights"])
-    adv = inputs["advantages"]
-    sampling_lp = inputs["logprobs"]
-    if loss_fn == "dro":
-        diff = lp - sampling_lp
-        return -(lp * adv - 0.5 * config["beta"] * diff * diff)
-    ratio = torch.exp(lp - sampling_lp)
-    if loss_fn == "importance_sampling":
-        return -(ratio * adv)
-    lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
-    if loss_fn == "ppo":
-        return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
-    if loss_fn == "cispo":
-        return -(torch.clamp(ratio, lo, hi).detach() * lp * adv)
-    raise LossInputError(f"unknown loss_fn {loss_fn!r}")  # unreachable after resolve_loss_config
+    return LOSS_FUNCTIONS[loss_fn](target_logprobs, inputs, config).loss
+
+
+def merge_metrics(into: dict[str, float], new: dict[str, float]) -> None:
+    """Add one micro-batch's metrics of a request to its totals: max for ':max', else a sum
+    (':mean' values arrive already divided by the request's datum count)."""
+    for key, value in new.items():
+        if key not in into:
+            into[key] = value
+        elif key.endswith(":max"):
+            into[key] = max(into[key], value)
+        else:
+            into[key] += value
 
 
 def run_losses(
@@ -165,11 +358,11 @@ def run_losses(
 
     `runs` holds (loss_fn, config, row_start, row_end); `logprobs`, every input and `mask` are
     [rows, width] with zeros on padding. Returns the per-token loss ([rows, width], padding 0) and,
-    per run, the extra metrics its loss reports (summed by the caller across micro-batches;
-    "loss:sum" is added by the caller from the returned per-token loss).
+    per run, the extra metrics its loss reports (merged by the caller across micro-batches with
+    `merge_metrics`; "loss:sum" is added by the caller from the returned per-token loss).
 
-    Losses are elementwise per token, so consecutive runs with the same loss function and config
-    are computed as one block (fewer ops with many tenants; the gradient of a sum is 1 for every
+    Every loss works row by row, so consecutive runs with the same loss function and config are
+    computed as one block (fewer ops with many tenants; the gradient of a sum is 1 for every
     token however the sum is grouped).
     """
     blocks: list[tuple[str, dict[str, float], int, int]] = []
@@ -178,7 +371,15 @@ def run_losses(
             blocks[-1] = (loss_fn, config, blocks[-1][2], e)
         else:
             blocks.append((loss_fn, config, s, e))
-    parts = [per_token_loss(fn, cfg, logprobs[s:e], {k: v[s:e] for k, v in inputs.items()}) * mask[s:e]
-             for fn, cfg, s, e in blocks]
+    parts, computed = [], []
+    for fn, cfg, s, e in blocks:
+        out = LOSS_FUNCTIONS[fn](logprobs[s:e], {k: v[s:e] for k, v in inputs.items()}, cfg)
+        parts.append(out.loss * mask[s:e])
+        computed.append((s, e, out.row_metrics))
     tok_loss = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return tok_loss, [{} for _ in runs]
+    metrics = []
+    for _, _, s, e in runs:
+        bs, _, row_metrics = next(c for c in computed if c[0] <= s < c[1])  # the block holding the run
+        metrics.append({key: float(values[s - bs:e - bs].max() if key.endswith(":max") else values[s - bs:e - bs].sum())
+                        for key, values in row_metrics.items()})
+    return tok_loss, metrics

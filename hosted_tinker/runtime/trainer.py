@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .adapters import AdamParams, LoRAAdapter, LoRAConfig, adamw_step
 from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
-from .losses import LOSS_INPUT_KEYS, run_losses
+from .losses import LOSS_INPUT_KEYS, merge_metrics, run_losses
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora
 
 log = logging.getLogger(__name__)
@@ -273,8 +273,7 @@ class TrainingRuntime:
                 tok_loss, run_metrics = run_losses(
                     [(works[wi].loss_fn, works[wi].loss_config, s, e) for wi, s, e in runs], logprobs, inputs, mask)
                 for (wi, _, _), m in zip(runs, run_metrics):
-                    for k, v in m.items():
-                        metric_sums[wi][k] = metric_sums[wi].get(k, 0.0) + v
+                    merge_metrics(metric_sums[wi], m)
                 lp_cpu = logprobs.detach().cpu().numpy()
                 el_cpu = tok_loss.detach().cpu().numpy()
                 for r, (wi, di) in enumerate(batch):

@@ -52,6 +52,13 @@ class SampleJob:
     # on_token(index, token, logprob, topk_ids | None, topk_logprobs | None, stop_reason | None);
     # stop_reason is set on a sequence's last token. None (the default) costs one check per token.
     on_token: Callable[[int, int, float, list[int] | None, list[float] | None, str | None], None] | None = None
+    # Set from any thread when nobody waits for the result any more (its HTTP client left): the
+    # engine drops the job at admission or before its next decode step, with its KV cache, and
+    # calls on_error once.
+    cancelled: bool = False
+    # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
 
 
 @dataclass
@@ -115,6 +122,9 @@ class SamplingEngine:
         self._groups: list[_Group] = []
         self.tokens_generated = 0
         self.requests_done = 0
+        self.requests_cancelled = 0
+        # Observation hook (api/metrics.py): a finished request and the tokens it generated.
+        self.on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None
 
     # -- producer side (any thread; list.append/pop are atomic under the GIL) ------------------------
     def submit(self, job: SampleJob) -> None:
@@ -157,6 +167,9 @@ class SamplingEngine:
         rows = tokens = 0
         while self._pending:
             job = self._pending[0]
+            if job.cancelled:
+                self._cancel(self._pending.pop(0))
+                continue
             if jobs and (rows + job.num_samples > self.max_rows_per_group
                          or tokens + len(job.prompt) > self.max_prefill_tokens):
                 break
@@ -217,8 +230,31 @@ class SamplingEngine:
                        next_logits=logits[expand, -1])
         self._groups.append(group)
         self._choose(group)
+        now = time.perf_counter()
+        for st, _ in states:
+            st.job.first_token_at = now
+
+    def _cancel(self, job: SampleJob) -> None:
+        self.requests_cancelled += 1
+        job.on_error("cancelled: nobody is waiting for this request any more")
+
+    def _drop_cancelled(self, group: _Group) -> None:
+        """Rows of cancelled jobs leave the batch, their KV cache rows with them."""
+        keep = [r for r, row in enumerate(group.rows) if not row.job.job.cancelled]
+        if len(keep) == len(group.rows):
+            return
+        for row in group.rows:
+            if row.job.job.cancelled and not row.job.failed:
+                row.job.failed = True
+                self._cancel(row.job.job)
+        if keep:
+            idx = torch.tensor(keep, device=self.device)
+            group.cache.batch_select_indices(idx)
+            group.mask, group.positions = group.mask[idx], group.positions[idx]
+        group.rows = [group.rows[r] for r in keep]
 
     def _decode_step(self, group: _Group) -> None:
+        self._drop_cancelled(group)
         if not group.rows:
             self._groups.remove(group)
             return
@@ -296,6 +332,7 @@ class SamplingEngine:
             except Exception as e:  # encoding the answer failed: the request fails, others go on
                 log.exception("delivering a sample result failed")
                 job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+            self.on_request_done(job, sum(len(r.tokens) for r in st.results))
 
 
 def _report_token(job: SampleJob, row: _Row) -> None:

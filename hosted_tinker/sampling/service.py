@@ -36,9 +36,27 @@ class SamplingService:
     def has_work(self) -> bool:
         return self.engine.has_work()
 
-    def submit(self, request_id: str, job: SampleJob) -> None:
-        job.on_done = lambda result: self.futures.resolve(request_id, encode_result(result), is_proto=True)
-        job.on_error = lambda message: self.futures.fail(request_id, message, "server")
+    def submit(self, request_id: str, job: SampleJob,
+               record: Callable[[SampleResult], None] | None = None) -> None:
+        """Queue a job whose result resolves future `request_id`.
+
+        The job's own on_done/on_error run first (the API layer releases the key's sampling
+        allowance there); `record` (see records.py) stores its samples before the answer exists, so
+        a client that sees the answer can train on them at once.
+        """
+        own_done, own_error = job.on_done, job.on_error
+
+        def done(result: SampleResult) -> None:
+            own_done(result)
+            if record is not None:
+                record(result)
+            self.futures.resolve(request_id, encode_result(result), is_proto=True)
+
+        def error(message: str) -> None:
+            own_error(message)
+            self.futures.fail(request_id, message, "server")
+
+        job.on_done, job.on_error = done, error
         self.submit_job(job)
 
     def submit_job(self, job: SampleJob) -> None:

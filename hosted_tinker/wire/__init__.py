@@ -3,6 +3,7 @@
 from .codec import (
     TOPK_EMPTY_LOGPROB,
     ForwardBackwardCall,
+    ProvenanceSpan,
     SampledSequenceOut,
     TopkOut,
     WireDatum,
@@ -15,6 +16,7 @@ from .codec import (
 __all__ = [
     "TOPK_EMPTY_LOGPROB",
     "ForwardBackwardCall",
+    "ProvenanceSpan",
     "SampledSequenceOut",
     "TopkOut",
     "WireDatum",

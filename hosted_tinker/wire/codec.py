@@ -26,16 +26,18 @@ Wire facts this relies on, all taken from the SDK's ``tinker/proto/{request,resp
   (``name, reduction = key.split(":")``) far from the cause, so we refuse them here;
 * ``SampleResponse``: empty ``logprobs``/``prompt_logprobs`` bytes read back as None; top-k is
   row-major ``[length, k]`` int32 ids / float32 logprobs, an empty cell is ``(0, TOPK_EMPTY_LOGPROB)``,
-  and ``length == 0`` or ``k == 0`` reads back as None.
-
-Provenance spans in a request are not decoded: nothing in this server uses them.
+  and ``length == 0`` or ``k == 0`` reads back as None;
+* provenance (``Datum.model_input_spans`` / ``loss_fn_input_spans``): each span has exactly one arm
+  (prompt or sampled), an empty list is the same as an absent one, and 0.38 allows ``length == 0``.
+  Decoding checks each span on its own (arm, non-empty id, ``offset >= 0``, ``length >= 0``);
+  whether the runs tile their field is the loss side's check (``runtime/provenance.py``).
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import zstandard
@@ -45,6 +47,7 @@ from . import tinker_wire_pb2 as pb
 __all__ = [
     "TOPK_EMPTY_LOGPROB",
     "ForwardBackwardCall",
+    "ProvenanceSpan",
     "SampledSequenceOut",
     "TopkOut",
     "WireDatum",
@@ -68,10 +71,24 @@ class WireError(ValueError):
     """A malformed request body; message says what is wrong (shown to the user as a 400)."""
 
 
+@dataclass(frozen=True)
+class ProvenanceSpan:
+    """One run of a datum field: `length` positions that are positions [offset, offset + length)
+    of the prompt (kind "prompt") or of the sampled tokens (kind "sampled") of `sequence_id`."""
+
+    kind: str  # "prompt" | "sampled"
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class WireDatum:
     tokens: np.ndarray  # int64 [N], all encoded_text chunks concatenated
     loss_fn_inputs: dict[str, np.ndarray]  # dense float32 or int64, in the declared shape (none: 1-D)
+    # Runs tiling model_input / the rows of target_tokens; empty = no provenance.
+    model_input_spans: list[ProvenanceSpan] = field(default_factory=list)
+    loss_fn_input_spans: list[ProvenanceSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -223,7 +240,28 @@ def _decode_datum(where: str, datum: pb.Datum, allowance: _Allowance) -> WireDat
         name: _decode_tensor(f"{where}.loss_fn_inputs[{name!r}]", tensor, allowance)
         for name, tensor in datum.loss_fn_inputs.items()
     }
-    return WireDatum(tokens=tokens, loss_fn_inputs=inputs)
+    return WireDatum(tokens=tokens, loss_fn_inputs=inputs,
+                     model_input_spans=_decode_spans(f"{where}.model_input_spans", datum.model_input_spans),
+                     loss_fn_input_spans=_decode_spans(f"{where}.loss_fn_input_spans", datum.loss_fn_input_spans))
+
+
+_SPAN_KINDS = {"prompt_tokens": "prompt", "sampled_tokens": "sampled"}
+
+
+def _decode_spans(where: str, spans) -> list[ProvenanceSpan]:
+    out = []
+    for j, span in enumerate(spans):
+        at = f"{where}[{j}]"
+        arm = span.WhichOneof("span")
+        if arm is None:
+            raise WireError(f"{at}: has neither prompt_tokens nor sampled_tokens")
+        run = getattr(span, arm)
+        if not run.sequence_id:
+            raise WireError(f"{at}.{arm}: sequence_id is empty")
+        if run.offset < 0 or run.length < 0:
+            raise WireError(f"{at}.{arm}: offset ({run.offset}) and length ({run.length}) must be >= 0")
+        out.append(ProvenanceSpan(_SPAN_KINDS[arm], run.sequence_id, run.offset, run.length))
+    return out
 
 
 def _from_bytes(buf: bytes, dtype: np.dtype, where: str) -> np.ndarray:

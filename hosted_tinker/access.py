@@ -1,0 +1,107 @@
+"""`Access`: may this API key use this object? Asked by every route, on every use.
+
+Every object has an owner (the owner id of the API key that made it). To any other key it does
+not exist: a 404, worded like the one for an object that never existed, so existence does not
+leak. The one exception is a published checkpoint, which any key may read (list, describe,
+download, load, sample) and only its owner may change (publish, TTL, delete). An expired
+checkpoint is gone for every purpose at once, before the sweeper removes its files.
+
+Nothing is remembered between uses. A sampling session opened on someone's published checkpoint
+samples it only while it is still readable: once it is unpublished, deleted, expired, or saved
+over privately under the same name, the next request is refused.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from typing import Callable
+
+from starlette.exceptions import HTTPException
+
+from .checkpoints.catalog import is_expired
+from .checkpoints.paths import TinkerPath
+from .store import FutureRecord, Store
+
+
+class NotFound(HTTPException):
+    """The object does not exist, or this key may not see it (told apart by nobody)."""
+
+    def __init__(self, detail: str):
+        super().__init__(404, detail)
+
+
+@dataclass(frozen=True)
+class SamplerGrant:
+    """A sampling session this key may use now, and the adapter directory it samples (None = base model)."""
+
+    row: sqlite3.Row
+    adapter_dir: str | None
+
+
+class Access:
+    def __init__(self, store: Store, is_loaded: Callable[[str], bool]):
+        self.store = store
+        self._is_loaded = is_loaded
+
+    def session(self, owner: str, session_id: str) -> sqlite3.Row:
+        row = self.store.get_session(session_id)
+        if row is None or row["owner"] != owner:
+            raise NotFound(f"session {session_id!r} not found")
+        return row
+
+    def model(self, owner: str, model_id: str) -> sqlite3.Row:
+        """A training model of this key's, loaded or not."""
+        row = self.store.get_model(model_id)
+        if row is None or row["owner"] != owner:
+            raise NotFound(f"model {model_id!r} not found")
+        return row
+
+    def loaded_model(self, owner: str, model_id: str) -> sqlite3.Row:
+        """A training model of this key's that this server holds now (it can take work)."""
+        row = self.model(owner, model_id)
+        if row["status"] != "active" or not self._is_loaded(model_id):
+            raise NotFound(f"model {model_id!r} is not loaded on this server (was it unloaded, or created "
+                           "before a restart?); create a training client from its last checkpoint")
+        return row
+
+    def future(self, owner: str, request_id: str) -> FutureRecord:
+        rec = self.store.get_future(request_id)
+        if rec is None or rec.owner != owner:
+            raise NotFound(f"unknown request_id {request_id!r}")
+        return rec
+
+    def checkpoint(self, owner: str, run_id: str, checkpoint_id: str, *, write: bool = False) -> sqlite3.Row:
+        """A live checkpoint this key owns, or, to read it, one that is published."""
+        row = self.store.get_checkpoint(run_id, checkpoint_id)
+        if row is None or is_expired(row) or (row["owner"] != owner and (write or not row["public"])):
+            raise NotFound(f"checkpoint {TinkerPath.of_record(run_id, checkpoint_id)} not found")
+        return row
+
+    def run(self, owner: str, run_id: str, *, accessible: bool) -> tuple[sqlite3.Row, bool]:
+        """(the run's record, whether this key owns it). Others see a run only through its published
+        checkpoints, and only when they ask for what is accessible."""
+        row = self.store.get_model(run_id)
+        if row is not None:
+            if row["owner"] == owner:
+                return row, True
+            if accessible and self.store.run_has_public_checkpoint(run_id):
+                return row, False
+        raise NotFound(f"training run {run_id!r} not found")
+
+    def sampler(self, owner: str, sampling_session_id: str) -> SamplerGrant:
+        """A sampling session of this key's, with the checkpoint it samples checked again now."""
+        row = self.store.get_sampling_session(sampling_session_id)
+        if row is None or row["owner"] != owner:
+            raise NotFound(f"sampling session {sampling_session_id!r} not found")
+        path = row["model_path"]
+        if path is None:
+            return SamplerGrant(row, None)
+        # Checked when the session was made: 'tinker://<run>/<kind>/<name>'.
+        where = TinkerPath.parse(path)
+        try:
+            ckpt = self.checkpoint(owner, where.run, where.checkpoint_id)
+        except NotFound:
+            raise NotFound(f"sampling session {sampling_session_id!r} samples {path}, which this key can no longer "
+                           "read (deleted, expired, unpublished or saved over); open a new session") from None
+        return SamplerGrant(row, ckpt["dir"])

@@ -1,0 +1,230 @@
+"""A request -> the engine jobs that answer it: the model to sample, prompts, parameters, bounds."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import HTTPException
+
+from ...access import Access, NotFound
+from ...checkpoints.paths import SCHEME
+from ...sampling.engine import SampleJob
+from ...server import Server
+from ..training import _checkpoint_for_load
+from .schemas import ChatBody, CompletionBody, SamplingBody
+
+DEFAULT_MAX_TOKENS = 256
+MIN_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass
+class Plan:
+    kind: Literal["chat", "completion"]
+    model: str
+    prompts: list[list[int]]
+    jobs: list[SampleJob]
+    n: int
+    logprobs: int | None  # None: no logprobs; k: k top alternatives per token
+    token_ids: bool
+    stream: bool
+    include_usage: bool
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def resolve_model(server: Server, access: Access, owner: str, model: str) -> str | None:
+    """`model` -> the adapter checkpoint directory to sample from (None = the base model)."""
+    if not model:
+        raise HTTPException(400, "model is required")
+    if model == server.config.base_model:
+        return None
+    if model.startswith(SCHEME):
+        ckpt_dir = _checkpoint_for_load(access, owner, model, with_optimizer=False,
+                                        max_rank=server.config.max_lora_rank).checkpoint_dir
+    else:
+        try:
+            access.model(owner, model)
+        except NotFound:
+            raise NotFound(f"model {model!r} not found: use {server.config.base_model!r}, a tinker:// sampler path, "
+                           "or the id of a training model you own (GET /v1/models lists them)") from None
+        saved = [c for c in server.store.live_checkpoints(model) if c["kind"] == "sampler"]  # oldest first
+        if not saved:
+            raise HTTPException(404, f"model {model!r} has no sampler weights yet: call "
+                                     "save_weights_for_sampler(name) on its training client first")
+        ckpt_dir = Path(saved[-1]["dir"])
+    if not ckpt_dir.is_dir():
+        raise HTTPException(404, f"the weights of {model!r} were deleted")
+    return str(ckpt_dir)
+
+
+def _check_params(server: Server, body: SamplingBody) -> None:
+    cfg = server.config
+    if not 1 <= body.n <= cfg.max_num_samples:
+        raise HTTPException(400, f"n must be between 1 and {cfg.max_num_samples} (max_num_samples), got {body.n}")
+    t = body.temperature
+    if t is not None and not (math.isfinite(t) and 0 <= t <= 2):
+        raise HTTPException(400, f"temperature must be between 0 and 2, got {t}")
+    p = body.top_p
+    if p is not None and not (math.isfinite(p) and 0 < p <= 1):
+        raise HTTPException(400, f"top_p must be in (0, 1], got {p}")
+    if body.top_k is not None and (body.top_k == 0 or body.top_k < -1):
+        raise HTTPException(400, f"top_k must be -1 (no limit) or >= 1, got {body.top_k}")
+    if body.max_tokens is not None and body.max_tokens < 1:
+        raise HTTPException(400, f"max_tokens must be at least 1, got {body.max_tokens}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise HTTPException(400, f"{name} is not supported by this server; leave it unset or 0")
+    if body.logit_bias:
+        raise HTTPException(400, "logit_bias is not supported by this server")
+    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if any(s == "" for s in stops):
+        raise HTTPException(400, "stop strings must not be empty")
+
+
+def _temperature(t: float | None) -> float:
+    if t is None:
+        return 1.0
+    # Below this, logits / t can overflow to inf (NaN probabilities): it is greedy sampling anyway.
+    return 0.0 if t < MIN_TEMPERATURE else t
+
+
+def _stops(body: SamplingBody) -> tuple[str, ...]:
+    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+
+
+def _make_jobs(server: Server, body: SamplingBody, prompts: list[list[int]], adapter: str | None,
+               max_tokens: int | None, topk: int) -> list[SampleJob]:
+    runtime = server.runtime
+    jobs = []
+    for prompt in prompts:
+        if not prompt:
+            raise HTTPException(400, "the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < runtime.vocab_size]
+        if bad:
+            raise HTTPException(400, f"prompt token {bad[0]} is outside the vocabulary [0, {runtime.vocab_size})")
+        room = runtime.max_context - len(prompt)
+        if room < 1:
+            raise HTTPException(400, f"the prompt has {len(prompt)} tokens: no room left in the model's context of "
+                                     f"{runtime.max_context} tokens")
+        if max_tokens is not None and max_tokens > room:
+            raise HTTPException(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                                     f"model's context of {runtime.max_context} tokens")
+        jobs.append(SampleJob(
+            prompt=prompt, num_samples=body.n, max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, room),
+            adapter_id=adapter, temperature=_temperature(body.temperature),
+            top_k=body.top_k if body.top_k is not None else -1, top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed, stop_token_ids=frozenset() if body.ignore_eos else frozenset(server.eos_token_ids),
+            stop_strings=_stops(body), topk_sample_logprobs=topk))
+    return jobs
+
+
+def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> token id lists."""
+    def is_ids(x):
+        return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif is_ids(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        items = prompt
+    else:
+        raise HTTPException(400, "prompt must be a non-empty string, a list of strings, a list of token ids, "
+                                 "or a list of token id lists")
+    limit = server.config.max_prompts_per_request
+    if len(items) > limit:
+        raise HTTPException(400, f"{len(items)} prompts in one request; the limit is {limit} "
+                                 "(max_prompts_per_request): send them in several requests")
+    return [server.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in items]
+
+
+def plan_completion(server: Server, access: Access, owner: str, body: CompletionBody) -> Plan:
+    _check_params(server, body)
+    if body.echo:
+        raise HTTPException(400, "echo is not supported by this server")
+    if body.suffix:
+        raise HTTPException(400, "suffix is not supported by this server")
+    if body.best_of is not None and body.best_of != body.n:
+        raise HTTPException(400, "best_of is not supported by this server (other than best_of = n)")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+        raise HTTPException(400, f"logprobs must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}")
+    adapter = resolve_model(server, access, owner, body.model)
+    prompts = _completion_prompts(server, body.prompt)
+    jobs = _make_jobs(server, body, prompts, adapter, body.max_tokens, body.logprobs or 0)
+    return Plan("completion", body.model, prompts, jobs, body.n, body.logprobs, body.return_tokens_as_token_ids,
+                body.stream, bool(body.stream_options and body.stream_options.include_usage),
+                id=f"cmpl-{uuid.uuid4().hex}")
+
+
+def _chat_messages(messages: list[Any]) -> list[dict]:
+    if not messages:
+        raise HTTPException(400, "messages must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise HTTPException(400, f"messages[{i}] must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise HTTPException(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise HTTPException(400, f"messages[{i}].content[{j}] is {kind!r}: this server hosts text-only "
+                                             "models; send text parts")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise HTTPException(400, f"messages[{i}].content must be a string or a list of text parts")
+        msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id")}
+        msg.update(role="system" if role == "developer" else role, content=content)
+        out.append(msg)
+    return out
+
+
+def plan_chat(server: Server, access: Access, owner: str, body: ChatBody) -> Plan:
+    _check_params(server, body)
+    if body.tools or body.functions:
+        raise HTTPException(400, "tools and functions are not supported by this server")
+    if body.tool_choice not in (None, "none"):
+        raise HTTPException(400, "tool_choice is not supported by this server")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise HTTPException(400, "response_format other than {'type': 'text'} is not supported by this server")
+    top = body.top_logprobs
+    if top is not None and not body.logprobs:
+        raise HTTPException(400, "top_logprobs needs logprobs: true")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise HTTPException(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise HTTPException(400, f"max_completion_tokens must be at least 1, got {max_tokens}")
+    messages = _chat_messages(body.messages)
+    adapter = resolve_model(server, access, owner, body.model)
+    tok = server.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise HTTPException(400, f"the tokenizer of {server.config.base_model!r} has no chat template; "
+                                 "use /v1/completions")
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                       **(body.chat_template_kwargs or {}))
+    except Exception as e:  # the template refused the conversation (roles out of order, ...)
+        raise HTTPException(400, f"the chat template of {server.config.base_model!r} refused these messages: "
+                                 f"{type(e).__name__}: {e}") from None
+    prompt = tok.encode(text, add_special_tokens=False)
+    jobs = _make_jobs(server, body, [prompt], adapter, max_tokens, top or 0)
+    return Plan("chat", body.model, [prompt], jobs, body.n, (top or 0) if body.logprobs else None,
+                body.return_tokens_as_token_ids, body.stream,
+                bool(body.stream_options and body.stream_options.include_usage),
+                id=f"chatcmpl-{uuid.uuid4().hex}")

@@ -1,0 +1,148 @@
+"""`SamplingRequests`: sample requests of both APIs (Tinker `asample`, OpenAI) on their way to the sampler.
+
+Each request is bounded on its own (prompts, `n`, requested tokens: a 400 naming the setting) and
+each API key's sampling work in flight (requests and requested tokens, waiting or running) is
+bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
+and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
+A key's allowance is given back when its job ends: done, failed, or cancelled because its client
+went away.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Callable
+
+from fastapi import HTTPException
+
+from ..access import Access
+from ..sampling.engine import SampleJob, SampleResult
+from ..server import Server
+from . import check_base_model
+
+
+def requested_tokens(job: SampleJob) -> int:
+    """The most tokens a job can generate: what it may cost the engine."""
+    return job.num_samples * job.max_tokens
+
+
+class SamplingAllowance:
+    """Sampling requests and requested tokens in flight, per API key."""
+
+    def __init__(self, max_requests: int, max_tokens: int):
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()
+        self.requests: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)
+
+    def take(self, owner: str, jobs: list[SampleJob]) -> "Lease":
+        """A lease on `jobs`' share of `owner`'s allowance, or a 429 naming the limit it would pass."""
+        tokens = sum(requested_tokens(j) for j in jobs)
+        with self._lock:
+            if self.requests[owner] + 1 > self.max_requests:
+                raise HTTPException(429, f"this API key has {self.requests[owner]} sampling requests in flight "
+                                         f"(max_sampling_requests_per_key = {self.max_requests}); wait for some to "
+                                         "finish", headers={"Retry-After": "1"})
+            if self.tokens[owner] + tokens > self.max_tokens:
+                raise HTTPException(429, f"this API key has sampling requests for {self.tokens[owner]} tokens in flight "
+                                         f"and this one asks for {tokens} more (max_sampled_tokens_per_key = "
+                                         f"{self.max_tokens}); wait for some to finish", headers={"Retry-After": "1"})
+            self.requests[owner] += 1
+            self.tokens[owner] += tokens
+        return Lease(self, owner, tokens)
+
+    def _give_back(self, owner: str, tokens: int) -> None:
+        with self._lock:
+            self.requests[owner] -= 1
+            self.tokens[owner] -= tokens
+            if not self.requests[owner]:
+                del self.requests[owner], self.tokens[owner]
+
+
+class Lease:
+    """One request's share of a key's allowance; released once, however many times asked."""
+
+    def __init__(self, allowance: SamplingAllowance, owner: str, tokens: int):
+        self._allowance, self._owner, self._tokens = allowance, owner, tokens
+        self._lock = threading.Lock()
+        self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self._allowance._give_back(self._owner, self._tokens)
+
+    def release_when_done(self, jobs: list[SampleJob]) -> None:
+        """Release once every one of `jobs` has ended (done, failed or cancelled), before its own callbacks."""
+        running = set(range(len(jobs)))
+        lock = threading.Lock()
+
+        def ended(i: int) -> None:
+            with lock:
+                running.discard(i)  # a job may both finish and fail (its result failed to encode)
+                last = not running
+            if last:
+                self.release()
+
+        for i, job in enumerate(jobs):
+            job.on_done = _mark_ended_then(ended, i, job.on_done)
+            job.on_error = _mark_ended_then(ended, i, job.on_error)
+
+
+def _mark_ended_then(ended, i: int, callback):
+    def wrapped(arg):
+        ended(i)
+        callback(arg)
+
+    return wrapped
+
+
+class SamplingRequests:
+    def __init__(self, server: Server, access: Access):
+        self.server = server
+        self.config = server.config
+        self.access = access
+        self.allowance = SamplingAllowance(self.config.max_sampling_requests_per_key,
+                                           self.config.max_sampled_tokens_per_key)
+
+    def check_size(self, jobs: list[SampleJob]) -> None:
+        """One request's own bounds (the prompt count and `n` are checked where they are parsed)."""
+        tokens = sum(requested_tokens(j) for j in jobs)
+        limit = self.config.max_sampled_tokens_per_request
+        if tokens > limit:
+            raise HTTPException(400, f"this request asks for up to {tokens} sampled tokens (prompts x samples x "
+                                     f"max_tokens); the limit is {limit} (max_sampled_tokens_per_request): ask for "
+                                     "fewer samples or fewer max_tokens per request")
+
+    def open_session(self, owner: str, session_id: str, sampling_session_id: str, base_model: str | None,
+                     model_path: str | None, checkpoint_dir: str | None) -> None:
+        """A sampling session of the base model, or of the checkpoint at model_path (access checked)."""
+        check_base_model(self.config, base_model)
+        self.server.store.create_sampling_session(sampling_session_id, session_id, owner, self.config.base_model,
+                                                  model_path, checkpoint_dir)
+
+    def submit_for_future(self, owner: str, sampling_session_id: str, seq_id: int, job: SampleJob,
+                          record: Callable[[str], Callable[[SampleResult], None] | None] | None = None) -> str:
+        """asample: queue `job` under a new future (or find the one a retry already made); its request id.
+
+        `record(request_id)` gives what stores the request's samples (records.py), or None."""
+        self.check_size([job])
+        lease = self.allowance.take(owner, [job])
+        request_id, is_new = self.server.futures.create(owner, "sample", sampling_session_id, seq_id)
+        if not is_new:  # a concurrent retry of the same seq_id got there first
+            lease.release()
+            return request_id
+        lease.release_when_done([job])
+        self.server.sampler.submit(request_id, job, record=None if record is None else record(request_id))
+        return request_id
+
+    def submit_jobs(self, owner: str, jobs: list[SampleJob]) -> None:
+        """OpenAI: queue jobs whose callbacks (on_done, on_error, on_token) the caller has set."""
+        self.check_size(jobs)
+        lease = self.allowance.take(owner, jobs)
+        lease.release_when_done(jobs)
+        for job in jobs:
+            self.server.sampler.submit_job(job)

@@ -1,0 +1,203 @@
+"""`TrainingRequests`: training models, their compute, optimizer steps and checkpoint saves/loads.
+
+Every work request validates what it can up front (a user's mistake is a 4xx here and never reaches
+the model), records a future, hands the request to the `ClockCycleScheduler`, and answers at once
+with the request id. A `(model_id, seq_id)` seen before answers with the first request id, so the
+SDK's retries are applied once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from fastapi import HTTPException
+
+from ..access import Access
+from ..runtime.adapters import AdamParams, LoRAConfig
+from ..runtime.losses import LossInputError, resolve_loss_config, validate_datum
+from ..runtime.provenance import RecordNotFound, loss_inputs, named_sequences
+from ..runtime.trainer import DatumWork, FBWork
+from ..scheduler import Request
+from ..server import Server
+from ..wire.codec import ForwardBackwardCall, WireError
+from ..worker import LoadSpec, SaveSpec
+from . import check_base_model
+
+
+def future_ref(request_id: str, model_id: str | None = None) -> dict:
+    """What the SDK gets back for queued work: the id to poll with retrieve_future."""
+    out = {"request_id": request_id}
+    if model_id is not None:
+        out["model_id"] = model_id
+    return out
+
+
+class TrainingRequests:
+    def __init__(self, server: Server, access: Access):
+        self.server = server
+        self.config = server.config
+        self.store = server.store
+        self.futures = server.futures
+        self.scheduler = server.scheduler
+        self.access = access
+
+    # -- models ---------------------------------------------------------------------------------
+    def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str, rank: int,
+                     seed: int | None, train_mlp: bool, train_attn: bool, train_unembed: bool, optimizer: dict,
+                     user_metadata: dict) -> dict:
+        self.access.session(owner, session_id)
+        check_base_model(self.config, base_model)
+        lora = LoRAConfig(rank=rank, seed=seed or 0, train_mlp=train_mlp, train_attn=train_attn,
+                          train_unembed=train_unembed)
+        if lora.rank > self.config.max_lora_rank:
+            raise HTTPException(400, f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank}")
+        if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
+            raise HTTPException(400, "at least one of train_mlp, train_attn, train_unembed must be true")
+        if optimizer.get("type", "adamw") != "adamw":
+            raise HTTPException(400, f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
+        return self._create(owner, f"{session_id}:train:{model_seq_id}", session_id, "create_model", lora.to_dict(),
+                            optimizer, user_metadata, lora)
+
+    def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, base_model: str | None,
+                               find_checkpoint: Callable[[], LoadSpec], optimizer: dict, user_metadata: dict) -> dict:
+        """create_training_client_from_state: a new model whose first request loads the checkpoint."""
+        self.access.session(owner, session_id)
+        check_base_model(self.config, base_model)
+        spec = find_checkpoint()  # its LoRA config is the manifest's, checked
+        return self._create(owner, f"{session_id}:train:{model_seq_id}", session_id, "load_weights",
+                            spec.config.to_dict(), optimizer, user_metadata, spec)
+
+    def _create(self, owner: str, model_id: str, session_id: str, kind: str, lora: dict, optimizer: dict,
+                user_metadata: dict, payload) -> dict:
+        row = self.store.get_model(model_id)
+        if row is not None:
+            if row["owner"] != owner:
+                raise HTTPException(404, f"session {session_id!r} not found")
+            existing = self.store.get_future_id(model_id, 0)  # a retried create: same future
+            if existing is not None:
+                return future_ref(existing, model_id)
+        live = self.store.count_active_models(owner)
+        if live >= self.config.max_models_per_key:
+            raise HTTPException(400, f"this API key already has {live} live models (limit "
+                                     f"{self.config.max_models_per_key}); unload one before creating another")
+        self.store.create_model(model_id, session_id, owner, self.config.base_model, lora, optimizer, user_metadata)
+        self.scheduler.open_model(model_id, 0)
+        request_id, is_new = self.futures.create(owner, kind, model_id, 0)
+        if is_new:
+            self.scheduler.submit(Request(request_id, kind, model_id, 0, payload))
+        return future_ref(request_id, model_id)
+
+    def info(self, owner: str, model_id: str) -> dict:
+        row = self.access.model(owner, model_id)
+        lora = json.loads(row["lora_config"])
+        model = self.server.runtime.model
+        archs = getattr(model.config, "architectures", None) or [type(model).__name__]
+        return {
+            "type": "get_info",
+            "model_id": row["model_id"],
+            "model_data": {"arch": archs[0], "model_name": row["base_model"], "tokenizer_id": row["base_model"]},
+            "model_name": row["base_model"],
+            "is_lora": True,
+            "lora_rank": lora.get("rank"),
+            "optimizer_config": json.loads(row["optimizer_config"]),
+        }
+
+    def unload(self, owner: str, model_id: str) -> dict:
+        self.access.loaded_model(owner, model_id)
+        request_id, _ = self.futures.create(owner, "unload_model", model_id, None)
+        self.scheduler.submit_after_queue(Request(request_id, "unload_model", model_id, -1, None))
+        return future_ref(request_id, model_id)
+
+    # -- work in a model's seq_id order ---------------------------------------------------------
+    def forward_backward(self, owner: str, call: ForwardBackwardCall) -> dict:
+        model = self.access.loaded_model(owner, call.model_id)
+        if call.seq_id < 1:
+            raise HTTPException(400, f"seq_id must be >= 1, got {call.seq_id}")
+        runtime, limit = self.server.runtime, self.config.max_datums_per_request
+
+        def validate() -> FBWork:
+            if not call.data:
+                raise LossInputError("forward_backward needs at least one datum")
+            if len(call.data) > limit:
+                raise LossInputError(f"{len(call.data)} datums in one request; this server takes at most {limit} "
+                                     "(the SDK splits larger batches itself)")
+            config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
+            for i, d in enumerate(call.data):
+                validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context)
+            records = {}  # stable_reinforce trains on recorded samples, named by the datums' provenance
+            if call.loss_fn == "stable_reinforce":
+                names = set().union(*(named_sequences(d) for d in call.data))
+                records = self.server.sample_records.for_training(owner, model["session_id"], names)
+            try:
+                data = [DatumWork(d.tokens, loss_inputs(i, d, call.loss_fn, config, len(call.data), records))
+                        for i, d in enumerate(call.data)]
+            except RecordNotFound as e:
+                raise HTTPException(404, str(e)) from None
+            return FBWork(model_id=call.model_id, data=data, loss_fn=call.loss_fn, loss_config=config,
+                          forward_only=call.forward_only)
+
+        kind = "forward" if call.forward_only else "forward_backward"
+        return self._submit(owner, call.model_id, call.seq_id, kind, validate)
+
+    def optim_step(self, owner: str, model_id: str, seq_id: int, adam: dict | None, other_type: str | None) -> dict:
+        """adam: AdamW's parameters; None when the client sent another optimizer (`other_type`)."""
+        self.access.loaded_model(owner, model_id)
+
+        def params() -> AdamParams:
+            if adam is None:
+                raise HTTPException(400, f"optimizer params of type {other_type or 'unknown'!r} are not supported; "
+                                         "send adam_params")
+            return AdamParams(**adam)
+
+        return self._submit(owner, model_id, seq_id, "optim_step", params)
+
+    def save(self, owner: str, model_id: str, seq_id: int, kind: str, make_spec: Callable[[], SaveSpec]) -> dict:
+        """kind: save_weights | save_weights_for_sampler | save_weights_external."""
+        self.access.loaded_model(owner, model_id)
+        return self._submit(owner, model_id, seq_id, kind, make_spec)
+
+    def ephemeral_sampler_spec(self, owner: str, model_id: str, seq_id: int, sampling_session_seq_id: int,
+                               ttl_seconds: int | None) -> SaveSpec:
+        """save_weights_and_get_sampling_client: a snapshot of the weights as of this seq_id, served by a
+        new sampling session. ("inflight" is served as a snapshot too.)"""
+        session_id = self.store.get_model(model_id)["session_id"]
+        return SaveSpec(kind="sampler_weights", name=f"ephemeral-{seq_id}", owner=owner, overwrite=True,
+                        ttl_seconds=ttl_seconds or self.config.ephemeral_sampler_ttl_s,
+                        sampling_session_id=f"{session_id}:sample:{sampling_session_seq_id}")
+
+    def load(self, owner: str, model_id: str, seq_id: int | None, make_spec: Callable[[], LoadSpec]) -> dict:
+        """load_weights into an existing model, in its seq_id order."""
+        self.access.loaded_model(owner, model_id)
+        if seq_id is None:
+            raise HTTPException(400, "load_weights into an existing model needs seq_id")
+        return self._submit(owner, model_id, seq_id, "load_weights", make_spec)
+
+    def _submit(self, owner: str, model_id: str, seq_id: int, kind: str, make_payload: Callable[[], object]) -> dict:
+        """Idempotent, validated submission of one request of an existing model."""
+        existing = self.store.get_future_id(model_id, seq_id)
+        if existing is not None:
+            return future_ref(existing, model_id)
+        try:
+            payload = make_payload()
+        except HTTPException:
+            self.scheduler.skip(model_id, seq_id)
+            raise
+        except (LossInputError, WireError, ValueError) as e:
+            self.scheduler.skip(model_id, seq_id)
+            raise HTTPException(400, str(e)) from None
+        limit = self.config.max_pending_per_key
+        if self.futures.pending(owner) >= limit:
+            self.scheduler.skip(model_id, seq_id)
+            raise HTTPException(429, f"this API key has {limit} unfinished requests (max_pending_per_key); wait "
+                                     "for some to finish", headers={"Retry-After": "1"})
+        expected = self.scheduler.expected_seq(model_id)
+        if expected is not None and seq_id < expected:
+            raise HTTPException(400, f"seq_id {seq_id} of model {model_id!r} is below the next expected seq_id "
+                                     f"{expected}; each request needs a new seq_id")
+        request_id, is_new = self.futures.create(owner, kind, model_id, seq_id)
+        if is_new:  # else a concurrent retry of the same seq_id got there first
+            tokens = sum(len(d.tokens) for d in payload.data) if isinstance(payload, FBWork) else 0
+            self.scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens))
+            self.store.touch_model(model_id)
+        return future_ref(request_id, model_id)

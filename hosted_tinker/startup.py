@@ -1,0 +1,140 @@
+"""Start-up checks that need the outside world, and the summary printed once the server is up.
+
+`hosted-tinker serve` runs, in this order, each step only if the ones before passed:
+
+1. settings (config.py: types, ranges, choices);
+2. `preflight`: the device exists, the keys file parses, the data directory can be written, the
+   port is bound (the bound socket is handed to uvicorn, so nothing can take it meanwhile), the
+   model can be found (local directory, Hugging Face cache, or a hub that answers);
+3. `Server` (server.py): data-directory lock, store, then the model load, the slow part.
+
+A failed check is one line saying what is wrong and what to do (`StartupError`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__
+from .auth import ENV_VAR, KeyConfigError, KeyRing
+from .config import ServerConfig, flag
+from .model_loading import ModelUnavailable, check_model_available
+
+
+class StartupError(RuntimeError):
+    """A setting that cannot work on this machine; the message is one line with the fix."""
+
+
+@dataclass
+class Preflight:
+    sock: socket.socket  # bound, not yet listening: uvicorn listens on it
+    port: int  # the bound port (differs from the setting when that is 0)
+    model_source: str  # where the model will come from, for the log
+
+
+def preflight(config: ServerConfig) -> Preflight:
+    _check_device(config.device)
+    _check_keys(config.api_keys_file)
+    _check_data_dir(Path(config.data_dir))
+    sock = bind_port(config.host, config.port)
+    try:
+        source = check_model_available(config.base_model)
+    except ModelUnavailable as e:
+        sock.close()
+        raise StartupError(str(e)) from None
+    return Preflight(sock=sock, port=sock.getsockname()[1], model_source=source)
+
+
+def _check_device(spec: str) -> None:
+    kind = spec.split(":")[0]
+    if kind in ("auto", "cpu"):
+        return
+    import torch
+
+    backend = getattr(torch, kind, None)
+    if backend is None or not backend.is_available():
+        raise StartupError(f"{flag('device')} {spec}: no {kind} device is available to torch on this machine; "
+                           f"use {flag('device')} cpu (or auto)")
+    index = int(spec.split(":")[1]) if ":" in spec else 0
+    if index >= backend.device_count():
+        raise StartupError(f"{flag('device')} {spec}: this machine has {backend.device_count()} {kind} device(s), "
+                           f"numbered from 0")
+
+
+def _check_keys(keys_file: Path | None) -> None:
+    try:
+        KeyRing.load(keys_file)
+    except OSError as e:
+        raise StartupError(f"{flag('api_keys_file')} {keys_file}: cannot read it ({e.strerror})") from None
+    except KeyConfigError as e:  # it names the entry, in the environment or the file
+        raise StartupError(str(e) if e.in_env else f"{flag('api_keys_file')}: {e}") from None
+
+
+def _check_data_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise StartupError(f"{flag('data_dir')} {path}: exists and is not a directory")
+    existing = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StartupError(f"{flag('data_dir')} {path}: {existing} is not writable by this user")
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), as uvicorn would bind it; `StartupError` if it cannot be."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise StartupError(f"{flag('host')} {host}: not a known address ({e.strerror})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise StartupError(f"{flag('port')} {port}: {host}:{port} is already in use by another process; stop it "
+                               f"or choose another port with {flag('port')}") from None
+        if e.errno == errno.EACCES:
+            raise StartupError(f"{flag('port')} {port}: permission denied (ports below 1024 need privileges); "
+                               "choose a port above 1023") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise StartupError(f"{flag('host')} {host}: not an address of this machine; use 127.0.0.1 or "
+                               "0.0.0.0") from None
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def base_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
+    return f"http://{shown}:{port}"
+
+
+def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
+    """What an operator needs to know once the server is up (also what it accepts from whom)."""
+    data_dir = Path(config.data_dir).resolve()
+    runtime = server.runtime
+    dtype = str(next(runtime.model.parameters()).dtype).removeprefix("torch.")
+    params = sum(p.numel() for p in runtime.model.parameters())
+    if server.keyring.dev_mode:
+        auth = f"DEV MODE: any key starting with 'tml-' is accepted (set ${ENV_VAR} or {flag('api_keys_file')})"
+    else:
+        auth = f"{len(server.keyring)} API key(s); each key sees only its own runs, checkpoints and sessions"
+    c = config
+    listening = "" if url.endswith(f"//{c.host}:{c.port}") else f" (listening on {c.host}:{c.port})"
+    return [
+        f"hosted-tinker {__version__} ready at {url}{listening}",
+        f"  SDK        tinker.ServiceClient(base_url=\"{url}\"); OpenAI API {url}/v1; dashboard {url}/dashboard",
+        f"  data dir   {data_dir}",
+        f"  database   {server.store.path.resolve()}",
+        f"  model      {c.base_model} on {runtime.device} ({dtype}, {params / 1e6:.1f}M parameters, "
+        f"context {runtime.max_context})",
+        f"  tokenizer  export HF_ENDPOINT={url} and tc.get_tokenizer() fetches it from this server",
+        f"  auth       {auth}",
+        f"  limits     LoRA rank <= {c.max_lora_rank}; per key {c.max_models_per_key} live models and "
+        f"{c.max_pending_per_key} queued requests; {c.max_request_bytes / 2**20:.0f} MiB per request; "
+        f"{c.max_tokens_per_cycle} tokens per cycle; {c.max_num_samples} samples per request",
+    ]

@@ -1,0 +1,140 @@
+"""Start-up: every mistake is one line with the fix, found before anything slow (issue 15).
+
+Each case runs the real `hosted-tinker serve` and asserts its whole stderr is the one message, that
+it exits with 2 (argparse's usage-error status), and that nothing slow ran first: the model was not
+built or loaded, and for settings mistakes the data directory was not even created. Settings come
+from flags, HOSTED_TINKER_* variables and a --config file (YAML or TOML), in that priority.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import database
+from hosted_tinker.config import ServerConfig, flag
+from hosted_tinker.model_loading import DTYPES
+from server_process import ServerProcess, free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def serve(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    # An empty Hugging Face home: nothing cached, so model look-ups show what a fresh machine sees.
+    base = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    base = {k: v for k, v in base.items() if not k.startswith("HOSTED_TINKER_") and k != "HF_HUB_OFFLINE"}
+    return subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path / "data"),
+                           "--port", str(free_port()), *args], env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> None:
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and re.fullmatch(r"hosted-tinker serve: error: " + pattern, errors[0]), out.stderr
+    assert "Traceback" not in out.stderr and "loading base model" not in out.stderr
+
+
+@pytest.mark.parametrize("args, env, pattern", [
+    (("--dtype", "fp16"), {}, r"--dtype fp16: expected one of auto, float32, float, bfloat16, float16, half"),
+    (("--log-level", "verbose"), {}, r"--log-level verbose: expected one of debug, info, warning, error, critical"),
+    (("--port", "70000"), {}, r"--port 70000: .*65535"),
+    (("--device", "gpu"), {}, r"--device gpu: 'gpu' is not a device: use auto, cpu, cuda, cuda:N, mps or xpu"),
+    ((), {"HOSTED_TINKER_DTYPE": "fp8"}, r"\$HOSTED_TINKER_DTYPE=fp8: expected one of .*"),
+    ((), {"HOSTED_TINKER_MAX_LORA_RANK": "many"}, r"\$HOSTED_TINKER_MAX_LORA_RANK=many: .*integer.*"),
+])
+def test_a_bad_setting_is_one_line_before_anything_starts(tmp_path, args, env, pattern):
+    out = serve(tmp_path, *args, env=env)
+    assert_one_line_error(out, pattern)
+    assert not (tmp_path / "data").exists()  # not even the data directory
+
+
+def test_every_mistake_gets_its_own_line(tmp_path):
+    out = serve(tmp_path, "--dtype", "fp16", "--log-level", "verbose")
+    assert out.returncode == 2
+    assert [line.split(":")[2].strip() for line in out.stderr.splitlines()] == ["--dtype fp16", "--log-level verbose"]
+
+
+def test_help_lists_every_setting_dtype_and_env_var():
+    out = subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--help"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "400"})
+    assert out.returncode == 0
+    for name in ServerConfig.model_fields:
+        assert flag(name) in out.stdout and f"[env: HOSTED_TINKER_{name.upper()}]" in out.stdout, name
+    assert "{" + ",".join(["auto", *DTYPES]) + "}" in out.stdout  # every accepted dtype, aliases included
+    assert "--base-model str, --model str" in out.stdout  # vLLM's name for it too
+
+
+def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
+    """file < environment < flag; the start-up summary shows the values that won."""
+    config = tmp_path / "server.yaml"
+    config.write_text("max-lora-rank: 8\nmax_models_per_key: 3\nmax_num_samples: 5\n")
+    srv = ServerProcess(tmp_path / "srv", args=("--config", str(config), "--max-num-samples", "7"),
+                        env={"HOSTED_TINKER_MAX_MODELS_PER_KEY": "4"})
+    srv.start()
+    try:
+        log = srv.log()
+    finally:
+        srv.stop()
+    summary = log[log.index("hosted-tinker 0.1.0 ready"):]
+    assert f"ready at http://127.0.0.1:{srv.port}" in summary
+    assert re.search(rf"data dir +{re.escape(str(srv.data_dir.resolve()))}\n", summary)
+    assert re.search(rf"database +{re.escape(str(database(srv.data_dir).resolve()))}\n", summary)
+    assert re.search(r"model +hosted-tinker/tiny-qwen3-embedded on cpu \(float32, ", summary)
+    assert "auth       DEV MODE" in summary
+    assert "LoRA rank <= 8; per key 4 live models" in summary and "7 samples per request" in summary
+
+
+def test_a_toml_config_file_with_an_unknown_setting_is_refused(tmp_path):
+    config = tmp_path / "server.toml"
+    config.write_text("port = 8001\nmax_lora_rnak = 8\n")
+    assert_one_line_error(serve(tmp_path, "--config", str(config)),
+                          r"config file: unknown setting 'max_lora_rnak' \(see hosted-tinker serve --help .*\)")
+
+
+def test_a_port_in_use_is_found_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = serve(tmp_path, "--port", str(port))
+    assert_one_line_error(out, rf"--port {port}: 127.0.0.1:{port} is already in use by another process; stop it or "
+                               r"choose another port with --port")
+    assert not (tmp_path / "data" / "models").exists()  # the embedded model was not built
+
+
+@pytest.mark.parametrize("model, env, pattern", [
+    ("Qwen/Qwen3-8B", {"HF_HUB_OFFLINE": "1"},
+     r"--base-model Qwen/Qwen3-8B: not in the Hugging Face cache \(.*\) and HF_HUB_OFFLINE is set: download it .*"),
+    # A hub that cannot be reached is reported at once (no retries), whatever the reason.
+    ("Qwen/Qwen3-8B", {"HF_ENDPOINT": "http://127.0.0.1:9"},
+     r"--base-model Qwen/Qwen3-8B: not in the Hugging Face cache \(.*\) and http://127.0.0.1:9 cannot be reached "
+     r"\(ConnectError\): download it .*"),
+    ("./no/such/model", {}, r"--base-model ./no/such/model: no such directory"),
+    ("not a model id!", {}, r"--base-model not a model id!: neither a local directory nor a Hugging Face model id .*"),
+])
+def test_a_missing_model_is_one_line_before_anything_loads(tmp_path, model, env, pattern):
+    out = serve(tmp_path, "--base-model", model, env=env)
+    assert_one_line_error(out, pattern)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_device_this_machine_lacks_is_one_line(tmp_path):
+    assert_one_line_error(serve(tmp_path, "--device", "cuda"),
+                          r"--device cuda: no cuda device is available to torch on this machine; use --device cpu "
+                          r"\(or auto\)")
+    assert not (tmp_path / "data").exists()
+
+
+def test_an_unreadable_keys_file_is_one_line(tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("alice: not-a-tinker-key\n")
+    assert_one_line_error(serve(tmp_path, "--api-keys-file", str(keys)),
+                          rf"--api-keys-file: {re.escape(str(keys))}:1: API keys must start with 'tml-' .*")
