@@ -33,11 +33,21 @@ def _serve(config: ServerConfig) -> int:
     import uvicorn
 
     from .api.app import create_app
+    from .api.metrics import Metrics
+    from .data_dir_lock import DataDirInUse
+    from .server import Server
 
+    metrics = Metrics()
+    try:
+        srv = Server(config, observer=metrics)  # the data-dir lock first, then the store, then the model load
+    except DataDirInUse as e:
+        checked.sock.close()
+        return _fail("serve", [str(e)])
     # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:
     # uvicorn's records go through the handler configure_logging set up, in the same format.
-    server = uvicorn.Server(uvicorn.Config(create_app(config), log_config=None, log_level=config.log_level,
-                                           timeout_graceful_shutdown=60, access_log=False))
+    server = uvicorn.Server(uvicorn.Config(create_app(config, srv, metrics), log_config=None,
+                                           log_level=config.log_level, timeout_graceful_shutdown=60,
+                                           access_log=False))
     server.run(sockets=[checked.sock])
     return 0
 

@@ -66,6 +66,17 @@ class FutureStore:
         payload = json.dumps({"error": message, "category": category}).encode()
         self._finish(request_id, payload, is_proto=False, failed=True)
 
+    def fail_unanswered(self, request_ids, message: str) -> list[str]:
+        """Fail, with category "server", those of `request_ids` still pending; return them.
+
+        The device loop calls this when a cycle ends, so no request that ran is left waiting.
+        """
+        with self._lock:
+            pending = [rid for rid in request_ids if rid in self._pending_owner]
+        for rid in pending:
+            self.fail(rid, message, "server")
+        return pending
+
     def _finish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
         self.store.complete_future(request_id, payload, is_proto, failed)
         with self._lock:
@@ -74,6 +85,8 @@ class FutureStore:
             owner = self._pending_owner.pop(request_id, None)
             if owner is not None:
                 self.pending_by_owner[owner] -= 1
+                if not self.pending_by_owner[owner]:  # one entry per key with work, not per key ever seen
+                    del self.pending_by_owner[owner]
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake, request_id)
 

@@ -11,11 +11,16 @@ saves/loads. Per-model order is never violated: a model's optim_step runs after 
 earlier compute, a save sees exactly the weights its `seq_id` position implies, and compute
 that follows a save/load waits for the next cycle.
 
-The scheduler thread blocks on a condition variable and wakes when work arrives: it never sleeps
-and re-checks. The only timed waits are deadlines: a `seq_id` gap that has been open for
-`gap_timeout_s` is skipped (the SDK advances its counter even when a submission failed for good),
-and a model that pipelines (posts optim_step before its forward_backward finished) gets a short
-`gather_window_s` for that optim_step to arrive, so fb + optim land in the same cycle.
+The scheduler owns no thread: the `DeviceLoop` (device_loop.py) asks it for the next plan and
+sleeps until work arrives (`on_work`) or the plan's deadline passes; nothing sleeps and
+re-checks. The only deadlines: a `seq_id` gap that has been open for `gap_timeout_s` is skipped
+(the SDK advances its counter even when a submission failed for good), and a model that
+pipelines (posts optim_step before its forward_backward finished) gets a short
+`gather_window_s` for that optim_step to arrive, so fb + optim land in the same cycle. Time comes
+from an injectable `clock`.
+
+An unload closes the model's queue, so nothing per model outlives it; a request that still
+reaches a closed queue comes back in the next plan as `orphaned`, to be answered there.
 
 Fair share: a cycle packs compute up to `max_tokens_per_cycle` tokens and `max_models_per_cycle`
 models, taking models in round-robin order; a model left out (or cut short) for lack of room
@@ -34,6 +39,7 @@ log = logging.getLogger(__name__)
 
 COMPUTE = frozenset({"forward", "forward_backward"})
 OPTIM = "optim_step"
+UNLOAD = "unload_model"
 
 
 @dataclass
@@ -44,7 +50,7 @@ class Request:
     seq_id: int
     payload: Any = None
     tokens: int = 0  # compute requests: tokens to run, for the cycle's token budget
-    arrived_at: float = field(default_factory=time.monotonic)
+    arrived_at: float = 0.0  # stamped by the scheduler's clock on submit
 
 
 @dataclass
@@ -52,13 +58,20 @@ class CyclePlan:
     compute: list[Request] = field(default_factory=list)
     optim: list[Request] = field(default_factory=list)
     tail: list[Request] = field(default_factory=list)  # per-model order preserved
+    orphaned: list[Request] = field(default_factory=list)  # their model was unloaded: they fail
 
     def __bool__(self) -> bool:
-        return bool(self.compute or self.optim or self.tail)
+        return bool(self.compute or self.optim or self.tail or self.orphaned)
 
     @property
     def models(self) -> set[str]:
+        """The models this cycle runs work for."""
         return {r.model_id for r in self.compute + self.optim + self.tail}
+
+    @property
+    def requests(self) -> list[Request]:
+        """Every request the cycle must answer."""
+        return self.compute + self.optim + self.tail + self.orphaned
 
 
 class _ModelQueue:
@@ -86,152 +99,122 @@ class _ModelQueue:
 
 
 class ClockCycleScheduler:
-    def __init__(self, run_cycle: Callable[[CyclePlan], None], *, gap_timeout_s: float = 120.0,
-                 gather_window_s: float = 0.05, max_tokens_per_cycle: int = 1 << 16,
-                 max_models_per_cycle: int = 64, side_work: Callable[[], bool] = lambda: False):
-        self._run_cycle = run_cycle
-        # Work outside the seq_id queues (sampling): it keeps the thread cycling while it lasts.
-        self._side_work = side_work
+    """Plans clock cycles; owns no thread. The `DeviceLoop` asks it for the next plan and reports
+    back when that plan has run. Producers (API threads) call `submit` & co.; each of them rings
+    `on_work`, the loop's wake-up. `clock` is injectable so that tests step time by hand."""
+
+    def __init__(self, *, on_work: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic,
+                 gap_timeout_s: float = 120.0, gather_window_s: float = 0.05, max_tokens_per_cycle: int = 1 << 16,
+                 max_models_per_cycle: int = 64):
+        self._on_work = on_work
+        self.clock = clock
         self.max_tokens_per_cycle = max_tokens_per_cycle
         self.max_models_per_cycle = max_models_per_cycle
         self.gap_timeout_s = gap_timeout_s
         self.gather_window_s = gather_window_s
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._queues: dict[str, _ModelQueue] = {}
         self._rr: list[str] = []  # round-robin order of models, rotated every cycle
         self._after: list[Request] = []
-        self._stop = False
-        self._thread: threading.Thread | None = None
+        self._orphaned: list[Request] = []  # requests of models with no queue (unloaded): answered next cycle
         # metrics
         self.cycles = 0
         self.last_cycle_models = 0
         self.last_cycle_requests = 0
         self.last_cycle_seconds = 0.0
         self.cycle_seconds_total = 0.0
-        # Observation hook (api/metrics.py): called on this thread after each training cycle.
-        self.on_cycle: Callable[[CyclePlan, float], None] = lambda plan, seconds: None
 
     # -- producer side (API threads) --------------------------------------------------------------
     def open_model(self, model_id: str, first_seq: int = 0) -> None:
-        with self._cv:
+        with self._lock:
             if model_id not in self._queues:
                 self._queues[model_id] = _ModelQueue(first_seq)
                 self._rr.append(model_id)
 
     def has_model(self, model_id: str) -> bool:
-        with self._cv:
+        with self._lock:
             return model_id in self._queues
 
     def expected_seq(self, model_id: str) -> int | None:
-        with self._cv:
+        with self._lock:
             q = self._queues.get(model_id)
             return None if q is None else q.next_seq
 
     def submit(self, req: Request) -> None:
-        with self._cv:
+        """Queue a request in its model's seq_id order. A model with no queue (it was unloaded
+        after the caller checked) gets the request back in the next plan's `orphaned` list, so
+        it is answered like any other instead of being lost."""
+        with self._lock:
+            req.arrived_at = self.clock()
             q = self._queues.get(req.model_id)
             if q is None:
-                raise KeyError(req.model_id)
-            if req.seq_id < q.next_seq or req.seq_id in q.pending:
-                raise ValueError(f"seq_id {req.seq_id} of model {req.model_id} was already used")
-            if req.kind == OPTIM and q.in_flight_compute:
-                q.pipelined = True
-            q.pending[req.seq_id] = req
-            self._cv.notify()
+                self._orphaned.append(req)
+            else:
+                if req.seq_id < q.next_seq or req.seq_id in q.pending:
+                    raise ValueError(f"seq_id {req.seq_id} of model {req.model_id} was already used")
+                if req.kind == OPTIM and q.in_flight_compute:
+                    q.pipelined = True
+                q.pending[req.seq_id] = req
+        self._on_work()
 
     def compute_done(self, model_ids) -> None:
         """The worker resolved these models' compute futures (mid-cycle): an optim_step that
         arrives from now on was posted after the client saw its result, i.e. not pipelined."""
-        with self._cv:
+        with self._lock:
             for mid in model_ids:
                 q = self._queues.get(mid)
                 if q is not None:
                     q.in_flight_compute = False
 
-    def wake(self) -> None:
-        """New side work (a sampling request) arrived."""
-        with self._cv:
-            self._cv.notify()
-
     def has_training_work(self) -> bool:
-        with self._cv:
-            return any(q.ready() for q in self._queues.values()) or bool(self._after)
+        with self._lock:
+            return any(q.ready() for q in self._queues.values()) or bool(self._after or self._orphaned)
 
     def submit_after_queue(self, req: Request) -> None:
-        """A request without a seq_id (unload_model): runs at the end of the next cycle."""
-        with self._cv:
+        """An unload_model (no seq_id): runs at the end of the next cycle, and closes the model's
+        queue when planned: requests still queued, or arriving later, are answered as orphaned."""
+        with self._lock:
+            req.arrived_at = self.clock()
             self._after.append(req)
-            self._cv.notify()
+        self._on_work()
 
     def skip(self, model_id: str, seq_id: int) -> None:
         """A submission with this seq_id was rejected: count the seq_id as consumed."""
-        with self._cv:
+        with self._lock:
             q = self._queues.get(model_id)
             if q is None or seq_id < q.next_seq or seq_id in q.pending:
                 return
             q.skipped.add(seq_id)
             q.advance_past_skipped()
-            self._cv.notify()
+        self._on_work()
 
     def queue_depth(self) -> int:
-        with self._cv:
+        with self._lock:
             return sum(len(q.pending) for q in self._queues.values())
 
-    # -- the cycle thread ---------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="clock-cycle", daemon=True)
-        self._thread.start()
+    # -- the device loop's side -------------------------------------------------------------------
+    def next_plan(self) -> tuple[CyclePlan, float | None]:
+        """The next cycle's plan (possibly empty), and when to ask again if nothing arrives
+        before then (a seq_id gap's timeout or a pipelined model's gather window; None: never)."""
+        with self._lock:
+            return self._plan()
 
-    def is_alive(self) -> bool:
-        """The cycle thread is running (GET /health)."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """Finish the running cycle, then stop."""
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                plan, deadline = self._plan()
-                while not plan and not self._stop and not self._side_work():
-                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    self._cv.wait(timeout)
-                    plan, deadline = self._plan()
-                if self._stop:
-                    return
-                for r in plan.compute:
-                    self._queues[r.model_id].in_flight_compute = True
-            start = time.perf_counter()
-            try:
-                self._run_cycle(plan)
-            except Exception:  # the executor fails futures itself; never let the thread die
-                log.exception("clock cycle failed")
-            elapsed = time.perf_counter() - start
-            with self._cv:
-                for mid in plan.models:
-                    q = self._queues.get(mid)
-                    if q is not None:
-                        q.in_flight_compute = False
-                if not plan:  # a sampling-only round: not a training clock cycle
-                    continue
-                self.cycles += 1
-                self.last_cycle_models = len(plan.models)
-                self.last_cycle_requests = len(plan.compute) + len(plan.optim) + len(plan.tail)
-                self.last_cycle_seconds = elapsed
-                self.cycle_seconds_total += elapsed
-            try:  # outside the lock: observers may ask for queue_depth()
-                self.on_cycle(plan, elapsed)
-            except Exception:
-                log.exception("a cycle observer failed")
+    def cycle_done(self, plan: CyclePlan, seconds: float) -> None:
+        """The plan has run (every request answered): account for the cycle."""
+        with self._lock:
+            for mid in plan.models:
+                q = self._queues.get(mid)
+                if q is not None:
+                    q.in_flight_compute = False
+            self.cycles += 1
+            self.last_cycle_models = len(plan.models)
+            self.last_cycle_requests = len(plan.requests)
+            self.last_cycle_seconds = seconds
+            self.cycle_seconds_total += seconds
 
     def _plan(self) -> tuple[CyclePlan, float | None]:
         """Build the next cycle (called with the lock held). Also returns the next deadline."""
-        now = time.monotonic()
+        now = self.clock()
         plan = CyclePlan()
         deadline: float | None = None
         held: list[list[Request]] = []
@@ -278,9 +261,9 @@ class ClockCycleScheduler:
                     continue
                 q.pipelined = False  # the window passed with no optim_step: stop waiting for one
             self._add(plan, take)
-        if self._after:
-            plan.tail.extend(self._after)
-            self._after = []
+        unloads = [r.model_id for r in self._after if r.kind == UNLOAD]
+        plan.tail.extend(self._after)
+        self._after = []
         if plan:
             # Held models ride along with the others rather than delaying the cycle.
             for take in held:
@@ -289,8 +272,18 @@ class ClockCycleScheduler:
             if rest:
                 rest.append(rest.pop(0))
             self._rr = deferred + rest
-            deadline = None
-        return plan, deadline
+        for mid in unloads:
+            self._close(mid)
+        plan.orphaned, self._orphaned = self._orphaned, []
+        return plan, (None if plan else deadline)
+
+    def _close(self, model_id: str) -> None:
+        """Forget a model that is being unloaded: nothing per model outlives it."""
+        q = self._queues.pop(model_id, None)
+        if q is None:
+            return
+        self._orphaned.extend(q.pending[s] for s in sorted(q.pending))
+        self._rr = [m for m in self._rr if m != model_id]
 
     def _handle_gap(self, mid: str, q: _ModelQueue, now: float) -> tuple[list[Request], float | None]:
         """A model whose next seq_id is missing: wait for it, up to gap_timeout_s, then skip it."""
@@ -330,6 +323,7 @@ class ClockCycleScheduler:
             q.next_seq = r.seq_id + 1
             q.advance_past_skipped()
             if r.kind in COMPUTE:
+                q.in_flight_compute = True  # until compute_done / cycle_done
                 plan.compute.append(r)
             elif r.kind == OPTIM:
                 plan.optim.append(r)

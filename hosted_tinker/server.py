@@ -1,29 +1,39 @@
 """`Server`: builds and owns the components, in the order a request flows through them.
 
 HTTP route (api/) -> FutureStore (futures.py) + ClockCycleScheduler (scheduler.py)
--> TrainingWorker (worker.py) -> TrainingRuntime (runtime/trainer.py) -> MultiLoRALinear.
+-> DeviceLoop (device_loop.py) -> TrainingWorker (worker.py) -> ModelRuntime (runtime/trainer.py)
+and, between training cycles, the sampling backend (sampling/backend.py).
+
+Each served base model gets its own runtime, scheduler, worker, sampling backend and device
+loop (`ServedModel`, served_models.py); the store, the futures and the API keys are shared.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from .auth import ENV_VAR, KeyRing
 from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
 from .checkpoints.recovery import recover
 from .checkpoints.transfer import UrlSigner
 from .config import ServerConfig
+from .data_dir_lock import DataDirLock
+from .device_loop import DeviceLoop
 from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
 from .runtime.trainer import TrainingRuntime
-from .sampling.engine import SamplingEngine
+from .sampling.backend import EngineBackend
+from .sampling.engine import SampleJob, SamplingEngine
 from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
-from .scheduler import ClockCycleScheduler
+from .scheduler import ClockCycleScheduler, CyclePlan
+from .served_models import ModelRegistry, ServedModel
 from .store import Store, db_path
 from .worker import TrainingWorker
 
@@ -42,10 +52,52 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+class Observer(Protocol):
+    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick."""
+
+    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None: ...
+
+    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None: ...
+
+
+class _Unobserved:
+    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None:
+        pass
+
+    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None:
+        pass
+
+
+def serve_model(config: ServerConfig, futures: FutureStore, store: Store, checkpoints: CheckpointCatalog,
+                data_dir: Path, observer: Observer) -> ServedModel:
+    """Load `config.base_model` and build the parts that serve it, each given what it needs."""
+    device = pick_device(config.device)
+    model, tokenizer = load_base_model(config.base_model, data_dir, device, pick_dtype(config.dtype, device))
+    runtime = TrainingRuntime(model, config.base_model, device=device,
+                              max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+                              max_live_adapters=config.max_live_adapters)
+    wake = threading.Event()  # the device loop's doorbell, rung by both kinds of producer
+    scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=config.gap_timeout_s,
+                                    gather_window_s=config.gather_window_s,
+                                    max_tokens_per_cycle=config.max_tokens_per_cycle,
+                                    max_models_per_cycle=config.max_live_adapters)
+    backend = EngineBackend(SamplingEngine(model, runtime.routing, tokenizer, device,
+                                           on_request_done=observer.observe_sample),
+                            SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
+    worker = TrainingWorker(runtime, futures, store, checkpoints, backend)
+    return ServedModel(name=config.base_model, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
+                       runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
+                       sampler=SamplingService(backend, futures),
+                       loop=DeviceLoop(scheduler, worker, backend, futures, wake, on_cycle=observer.observe_cycle))
+
+
 class Server:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, observer: Observer | None = None):
         self.config = config
         self.started_at = time.time()
+        data_dir = Path(config.data_dir)
+        # Before anything reads or repairs the store: a second server on this dir stops here.
+        self.data_dir_lock = DataDirLock(data_dir)
         self.keyring = KeyRing.load(config.api_keys_file)
         if self.keyring.dev_mode:
             log.warning("=" * 78)
@@ -54,8 +106,6 @@ class Server:
             log.warning("=" * 78)
         else:
             log.info("%d API key(s) configured", len(self.keyring))
-        data_dir = Path(config.data_dir)
-        data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(db_path(data_dir))
         interrupted = self.store.fail_interrupted_futures(
             "the server restarted while this request was running; resubmit it")
@@ -65,39 +115,51 @@ class Server:
         self.store.mark_models_unloaded()
         self.futures = FutureStore(self.store)
         self.sample_records = SampleRecords(self.store, ttl_s=config.sample_record_ttl_s)
-        device = pick_device(config.device)
-        model, self.tokenizer = load_base_model(config.base_model, data_dir, device,
-                                                pick_dtype(config.dtype, device))
-        self.runtime = TrainingRuntime(model, config.base_model, device=device,
-                                       max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                                       max_live_adapters=config.max_live_adapters)
-        self.eos_token_ids = eos_token_ids(model, self.tokenizer)
-        engine = SamplingEngine(model, self.runtime.routing, self.tokenizer, device)
-        self.snapshots = SnapshotCache(self.runtime.layers, device, capacity=config.max_sampler_snapshots)
-        self.sampler = SamplingService(engine, self.snapshots, self.futures,
-                                       wake=lambda: self.scheduler.wake(),
-                                       training_waiting=lambda: self.scheduler.has_training_work(),
-                                       last_cycle_seconds=lambda: self.scheduler.last_cycle_seconds)
+        # Checkpoints of every served model: one catalog, one expiry sweep, one URL signing key.
         self.checkpoints = CheckpointCatalog(self.store, data_dir / "checkpoints")
         self.expiry = ExpirySweeper(self.checkpoints)
         self.url_signer = UrlSigner(data_dir / "url_signing.key")
         self.uploads = data_dir / "uploads"  # imports being received
-        self.worker = TrainingWorker(self.runtime, self.futures, self.store, self.checkpoints, self.sampler)
-        self.scheduler = ClockCycleScheduler(self.worker.run_cycle, gap_timeout_s=config.gap_timeout_s,
-                                             side_work=self.sampler.has_work,
-                                             gather_window_s=config.gather_window_s,
-                                             max_tokens_per_cycle=config.max_tokens_per_cycle,
-                                             max_models_per_cycle=config.max_live_adapters)
-        self.worker.on_compute_done = self.scheduler.compute_done
+        self.models = ModelRegistry([serve_model(config, self.futures, self.store, self.checkpoints, data_dir,
+                                                 observer or _Unobserved())])
+
+    # The API's view of the one model served today (routes move to `models.get(base_model)`
+    # when several are).
+    @property
+    def runtime(self):
+        return self.models.default.runtime
+
+    @property
+    def scheduler(self) -> ClockCycleScheduler:
+        return self.models.default.scheduler
+
+    @property
+    def worker(self) -> TrainingWorker:
+        return self.models.default.worker
+
+    @property
+    def sampler(self) -> SamplingService:
+        return self.models.default.sampler
+
+    @property
+    def tokenizer(self):
+        return self.models.default.tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.models.default.eos_token_ids
 
     def start(self) -> None:
         recover(self.checkpoints)  # checkpoint records and folders agree again, before any work runs
         shutil.rmtree(self.uploads, ignore_errors=True)  # imports cut short by the last stop
-        self.scheduler.start()
+        for model in self.models:
+            model.loop.start()
         self.expiry.start()
 
     def stop(self) -> None:
         log.info("shutting down: finishing the running cycle")
         self.expiry.stop()
-        self.scheduler.stop()
+        for model in self.models:
+            model.loop.stop()
         self.store.close()
+        self.data_dir_lock.release()

@@ -39,6 +39,13 @@ CREATE TABLE IF NOT EXISTS sessions (
     project_id TEXT,
     status TEXT NOT NULL DEFAULT 'active'
 );
+-- The SDK retries create_session with the same X-Idempotency-Key: one session per (owner, key).
+CREATE TABLE IF NOT EXISTS session_idempotency_keys (
+    owner TEXT NOT NULL,
+    key TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    PRIMARY KEY (owner, key)
+);
 CREATE TABLE IF NOT EXISTS models (
     model_id TEXT PRIMARY KEY,
     session_id TEXT NOT NULL,
@@ -196,12 +203,33 @@ class Store:
 
     # -- sessions -------------------------------------------------------------------------------
     def create_session(self, session_id: str, owner: str, tags: list[str], user_metadata: dict,
-                       display_name: str | None, project_id: str | None) -> None:
+                       display_name: str | None, project_id: str | None, idempotency_key: str | None = None) -> str:
+        """Create a session; return its id. A key already used by this owner returns the session
+        created under it instead: the check and the insert are one transaction, so concurrent
+        retries of one create all get the same session."""
         now = time.time()
-        self._exec(
-            "INSERT INTO sessions(session_id, owner, created_at, last_heartbeat, tags, user_metadata,"
-            " display_name, project_id) VALUES (?,?,?,?,?,?,?,?)",
-            (session_id, owner, now, now, json.dumps(tags), json.dumps(user_metadata), display_name, project_id))
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = None if idempotency_key is None else self._db.execute(
+                    "SELECT session_id FROM session_idempotency_keys WHERE owner=? AND key=?",
+                    (owner, idempotency_key)).fetchone()
+                if row is not None:
+                    session_id = row[0]
+                else:
+                    self._db.execute(
+                        "INSERT INTO sessions(session_id, owner, created_at, last_heartbeat, tags, user_metadata,"
+                        " display_name, project_id) VALUES (?,?,?,?,?,?,?,?)",
+                        (session_id, owner, now, now, json.dumps(tags), json.dumps(user_metadata), display_name,
+                         project_id))
+                    if idempotency_key is not None:
+                        self._db.execute("INSERT INTO session_idempotency_keys(owner, key, session_id)"
+                                         " VALUES (?,?,?)", (owner, idempotency_key, session_id))
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        return session_id
 
     def get_session(self, session_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM sessions WHERE session_id=?", (session_id,))
@@ -211,9 +239,6 @@ class Store:
 
     def finish_session(self, session_id: str, status: str) -> None:
         self._exec("UPDATE sessions SET status=? WHERE session_id=?", (status, session_id))
-
-    def count_sessions(self) -> int:
-        return self._one("SELECT COUNT(*) FROM sessions")[0]
 
     # -- models ---------------------------------------------------------------------------------
     def create_model(self, model_id: str, session_id: str, owner: str, base_model: str,
@@ -284,10 +309,6 @@ class Store:
     def prune_futures(self, older_than: float) -> int:
         return self._exec("DELETE FROM futures WHERE status!='pending' AND completed_at < ?",
                           (older_than,)).rowcount
-
-    def max_seq_id(self, model_id: str) -> int:
-        row = self._one("SELECT MAX(seq_id) FROM futures WHERE model_id=?", (model_id,))
-        return -1 if row[0] is None else int(row[0])
 
     # -- sampling sessions ----------------------------------------------------------------------
     def create_sampling_session(self, sampling_session_id: str, session_id: str, owner: str, base_model: str,

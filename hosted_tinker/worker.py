@@ -1,32 +1,38 @@
-"""`TrainingWorker`: executes one clock cycle against the runtime and resolves its futures.
+"""`TrainingWorker`: executes one clock cycle against the model runtime and answers its futures.
 
 The scheduler decides *what* runs together; this module runs it: one fused forward/backward
 over every model's compute requests, then each ready optimizer step, then checkpoint saves and
-loads, in per-model order. A failure is confined to the request (and model) it belongs to.
+loads, in per-model order. A request that cannot be done fails with category "user" only when
+validation code said so (`UserError`, `CheckpointError`); anything else is the server's fault.
+An exception that escapes a cycle is the device loop's to answer (device_loop.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from pathlib import Path
 
+from . import faults
 from .checkpoints.catalog import MAX_TTL_S, CheckpointCatalog, CheckpointExists
 from .checkpoints.format import CheckpointError, check_fits
 from .checkpoints.paths import TinkerPath
+from .errors import UserError
 from .futures import FutureStore
+from .model_runtime import ModelRuntime
 from .runtime.adapters import LoRAConfig
-from .runtime.trainer import FBWork, TrainingRuntime
+from .runtime.trainer import FBWork
+from .sampling.backend import SamplingBackend
 from .scheduler import CyclePlan, Request
 from .store import Store
 from .wire.codec import encode_forward_backward_output
 
-if TYPE_CHECKING:
-    from .sampling.service import SamplingService
-
 log = logging.getLogger(__name__)
+
+# Tail requests that read a loaded model's adapter (a load_weights may also create one).
+NEEDS_ADAPTER = frozenset({"save_weights", "save_weights_for_sampler", "save_weights_external"})
 
 
 @dataclass
@@ -51,41 +57,60 @@ class LoadSpec:
     with_optimizer: bool
     path: TinkerPath  # echoed in the result
     max_rank: int     # the server's --max-lora-rank, checked against the files as read
-    config: LoRAConfig  # as the manifest declared it when the route looked (the model's record until loaded)
 
 
 class TrainingWorker:
-    def __init__(self, runtime: TrainingRuntime, futures: FutureStore, store: Store, checkpoints: CheckpointCatalog,
-                 sampler: "SamplingService | None" = None):
+    def __init__(self, runtime: ModelRuntime, futures: FutureStore, store: Store, checkpoints: CheckpointCatalog,
+                 sampling: SamplingBackend):
         self.runtime = runtime
-        self.sampler = sampler
-        self.on_compute_done = lambda model_ids: None  # set by the server: tells the scheduler
         self.futures = futures
         self.store = store
         self.checkpoints = checkpoints
+        self.sampling = sampling  # told when a model's weights change
         # metrics
         self.tokens_total = 0
         self.last_cycle_tokens = 0
         self.last_cycle_models = 0
         self.fused_passes = 0  # passes that carried more than one model
 
-    def run_cycle(self, plan: CyclePlan) -> None:
+    def run_cycle(self, plan: CyclePlan, on_compute_answered: Callable[[set[str]], None]) -> None:
+        """Run the plan, answering each request as it completes. `on_compute_answered` hears
+        which models' compute results were handed out, before the optimizer steps run."""
         if plan.compute:
             self._run_compute(plan.compute)
+            on_compute_answered({r.model_id for r in plan.compute})
         if plan.optim:
             self._optim_steps(plan.optim)
         for req in plan.tail:
-            self._guarded(req, getattr(self, f"_{req.kind}"))
-        if self.sampler is not None:
-            self.sampler.run_round()
+            self._guarded(req, self._tail_step)
+        for req in plan.orphaned:
+            self.futures.fail(req.request_id, f"{req.kind}: model {req.model_id!r} is not loaded (it was unloaded)",
+                              "user")
+
+    def _tail_step(self, req: Request) -> None:
+        if req.kind in NEEDS_ADAPTER and req.model_id not in self.runtime.adapters:
+            raise UserError(f"model {req.model_id!r} is not loaded")
+        getattr(self, f"_{req.kind}")(req)
+        if req.kind == "load_weights":
+            self._announce(req.model_id)
+        elif req.kind in NEEDS_ADAPTER:
+            spec: SaveSpec = req.payload
+            self._announce(req.model_id, self.checkpoints.folder(TinkerPath(req.model_id, spec.kind, spec.name)))
+
+    def _announce(self, model_id: str, saved_to: Path | None = None) -> None:
+        """Tell the sampling backend about a model's new weights, after its request was answered
+        (so a backend's failure cannot turn an applied step into a failed request)."""
+        try:
+            self.sampling.adapter_updated(model_id, saved_to)
+        except Exception:
+            log.exception("the sampling backend failed to take model %s's new weights", model_id)
 
     def _guarded(self, req: Request, fn) -> None:
         try:
             fn(req)
-        except (CheckpointError, ValueError, KeyError) as e:
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            self.futures.fail(req.request_id, f"{req.kind}: {msg}", "user")
-        except Exception as e:  # a bug or a device fault: the user should retry or report it
+        except (UserError, CheckpointError) as e:  # raised by validation code: the request asked for the impossible
+            self.futures.fail(req.request_id, f"{req.kind}: {e}", "user")
+        except Exception as e:  # a bug or a device fault, whatever its class: retry or report it
             log.exception("%s of model %s failed", req.kind, req.model_id)
             self.futures.fail(req.request_id, f"{req.kind} failed on the server: {type(e).__name__}: {e}", "server")
 
@@ -110,12 +135,16 @@ class TrainingWorker:
         except Exception as e:
             log.exception("fused forward/backward over %d requests failed", len(live))
             # Whatever partial gradient exists must not be applied later as if it were whole.
+            # TODO(coordinator): once core's transactional forward_backward lands (a failed pass
+            # leaves earlier calls' gradients as they were), delete this zero_grad: it throws
+            # away gradients that earlier, acknowledged forward_backward calls accumulated.
             for mid in {r.model_id for r in live if not r.payload.forward_only}:
                 self.runtime.adapter(mid).zero_grad()
             for r in live:
                 self.futures.fail(r.request_id, f"forward_backward failed on the server: {type(e).__name__}: {e}",
                                   "server")
             return
+        faults.check("after_forward_backward")
         stats = self.runtime.last_pass
         self.tokens_total += stats.tokens
         self.last_cycle_tokens = stats.tokens
@@ -128,7 +157,6 @@ class TrainingWorker:
         for r, out in zip(live, outcomes):
             body = encode_forward_backward_output(out.outputs, out.metrics)
             self.futures.resolve(r.request_id, body, is_proto=True)
-        self.on_compute_done({r.model_id for r in live})
 
     def _optim_steps(self, reqs: list[Request]) -> None:
         """All of the cycle's optimizer steps in one multi-adapter AdamW step."""
@@ -147,10 +175,14 @@ class TrainingWorker:
         for r, metrics in zip(ready, results):
             self.store.touch_model(r.model_id)
             self.futures.resolve(r.request_id, {"type": "optim_step", "metrics": metrics})
+        for r in ready:
+            self._announce(r.model_id)
 
     # -- lifecycle and checkpoints ---------------------------------------------------------------
     def _create_model(self, req: Request) -> None:
         config: LoRAConfig = req.payload
+        if not any(config.adapts(path) for path in self.runtime.layers):
+            raise UserError("the LoRA config adapts no projection of this model")
         self.runtime.create_adapter(req.model_id, config)
         self.futures.resolve(req.request_id, {"type": "create_model", "model_id": req.model_id})
 

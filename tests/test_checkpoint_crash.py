@@ -1,5 +1,5 @@
 """kill -9 at every crash point of a checkpoint write, injected deterministically: the server is
-started with HOSTED_TINKER_FAULT_POINT=<point> and SIGKILLs itself when a save, an overwrite or a
+started with HOSTED_TINKER_FAULTS=<point> and SIGKILLs itself when a save, an overwrite or a
 delete reaches that point. After each kill it restarts and repairs: no acknowledged checkpoint
 is lost, nothing half-written is listed or left on disk, and the state is the one
 docs/checkpoints.md promises for that point. A TTL that ran out while the server was down still
@@ -40,7 +40,7 @@ DELETES = ("checkpoint.after_record_deleted", "checkpoint.in_trash")
 
 
 class Armed:
-    """A server started with HOSTED_TINKER_FAULT_POINT=`spec`, and a raw HTTP client for it (no
+    """A server started with HOSTED_TINKER_FAULTS=`spec`, and a raw HTTP client for it (no
     SDK client: nothing with a heartbeat thread must outlive the server it talks to)."""
 
     def __init__(self, srv: ServerProcess, spec: str):

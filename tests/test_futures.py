@@ -28,26 +28,27 @@ def store(db_path):
 
 
 def test_waiter_wakes_as_soon_as_another_thread_resolves(store):
-    """A long-poll waiter returns right after resolve() from a worker thread, not at its timeout."""
+    """A long-poll waiter is woken by resolve() from a worker thread. It gets the result, which
+    only a wake-up delivers: a wait that runs into its timeout answers None."""
     futures = FutureStore(store)
     rid, is_new = futures.create("alice", "forward_backward", "m1", 0)
     assert is_new
 
     async def main():
         futures.bind_loop(asyncio.get_running_loop())
-        resolver = threading.Timer(0.1, futures.resolve, args=(rid, {"type": "fb", "loss": 1.5}))
-        t0 = time.monotonic()
+        waiter = asyncio.create_task(futures.wait(rid, timeout=60.0))
+        await asyncio.sleep(0)  # the waiter runs up to its wait on the event
+        assert not waiter.done()
+        resolver = threading.Thread(target=futures.resolve, args=(rid, {"type": "fb", "loss": 1.5}))
         resolver.start()
         try:
-            result = await futures.wait(rid, timeout=10.0)
+            return await waiter
         finally:
             resolver.join()
-        return result, time.monotonic() - t0
 
-    result, elapsed = asyncio.run(main())
+    result = asyncio.run(main())
     assert result is not None and not result.failed and not result.is_proto
     assert json.loads(result.payload) == {"type": "fb", "loss": 1.5}
-    assert 0.05 <= elapsed < 2.0  # woken by the resolve, far before the 10 s timeout
 
 
 def test_several_waiters_on_one_id_all_wake(store):
@@ -57,17 +58,17 @@ def test_several_waiters_on_one_id_all_wake(store):
 
     async def main():
         futures.bind_loop(asyncio.get_running_loop())
-        waiters = [asyncio.create_task(futures.wait(rid, timeout=10.0)) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        waiters = [asyncio.create_task(futures.wait(rid, timeout=60.0)) for _ in range(3)]
+        await asyncio.sleep(0)  # each waiter runs up to its wait on the event
         threading.Thread(target=futures.resolve, args=(rid, {"ok": True})).start()
-        return await asyncio.wait_for(asyncio.gather(*waiters), 5.0)
+        return await asyncio.gather(*waiters)
 
     results = asyncio.run(main())
     assert [json.loads(r.payload) for r in results] == [{"ok": True}] * 3
 
 
 def test_wait_returns_none_after_timeout(store):
-    """With nothing resolving, wait() gives None once its timeout has passed."""
+    """With nothing resolving, wait() gives None, and not before its timeout has passed."""
     futures = FutureStore(store)
     rid, _ = futures.create("alice", "forward", "m1", 0)
 
@@ -79,23 +80,22 @@ def test_wait_returns_none_after_timeout(store):
 
     result, elapsed = asyncio.run(main())
     assert result is None
-    assert 0.18 <= elapsed < 2.0
+    assert elapsed >= 0.18
     assert futures.lookup(rid) is None
 
 
 def test_already_resolved_future_returns_immediately(store):
-    """wait() on a resolved id answers without waiting."""
+    """wait() on a resolved id answers without waiting: even with no time to wait at all."""
     futures = FutureStore(store)
     rid, _ = futures.create("alice", "forward", "m1", 0)
     futures.resolve(rid, b"\x08\x01", is_proto=True)  # no loop bound yet: must not fail
 
     async def main():
         futures.bind_loop(asyncio.get_running_loop())
-        t0 = time.monotonic()
-        return await futures.wait(rid, timeout=10.0), time.monotonic() - t0
+        return await futures.wait(rid, timeout=0.0)
 
-    result, elapsed = asyncio.run(main())
-    assert result.payload == b"\x08\x01" and result.is_proto and elapsed < 1.0
+    result = asyncio.run(main())
+    assert result.payload == b"\x08\x01" and result.is_proto
 
 
 def test_results_survive_reopening_the_store(db_path):
@@ -193,3 +193,18 @@ def test_prune_keeps_results_reachable_through_sqlite(store):
     futures.prune()
     assert rid not in futures._results
     assert json.loads(futures.lookup(rid).payload) == {"v": 1}
+
+
+def test_fail_unanswered_fails_only_what_is_still_pending(store):
+    """The device loop's end-of-cycle sweep: pending ids fail with category "server"; answered
+    ones keep their answer; the per-key pending count keeps no entry for a key with none."""
+    futures = FutureStore(store)
+    done, _ = futures.create("alice", "forward_backward", "m1", 0)
+    pending, _ = futures.create("alice", "optim_step", "m1", 1)
+    futures.resolve(done, {"ok": 1})
+    assert futures.fail_unanswered([done, pending], "the cycle failed") == [pending]
+    assert json.loads(futures.lookup(done).payload) == {"ok": 1}
+    r = futures.lookup(pending)
+    assert r.failed and json.loads(r.payload) == {"error": "the cycle failed", "category": "server"}
+    assert futures.fail_unanswered([done, pending], "again") == []
+    assert futures.pending("alice") == 0 and futures.pending_by_owner == {}

@@ -27,12 +27,13 @@ from .metrics import Metrics
 log = logging.getLogger(__name__)
 
 
-def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
-    """Build the app. `server` may be passed in (tests); otherwise it is built at start-up."""
+def create_app(config: ServerConfig, server: Server | None = None, metrics: Metrics | None = None) -> FastAPI:
+    """Build the app. `server` may be passed in (built with `metrics` as its observer); otherwise it
+    is built at start-up."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        srv = server or Server(config)
+        srv = server or Server(config, observer=app.state.metrics)
         srv.futures.bind_loop(asyncio.get_running_loop())
         app.state.metrics.bind(srv)
         srv.start()
@@ -50,7 +51,7 @@ def create_app(config: ServerConfig, server: Server | None = None) -> FastAPI:
             srv.stop()
 
     app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=lifespan)
-    app.state.metrics = Metrics()
+    app.state.metrics = metrics or Metrics()
     app.add_middleware(BodyLimit, config=config)  # inside the access log, which sees its 413s too
     app.add_middleware(AccessLog, metrics=app.state.metrics)
 

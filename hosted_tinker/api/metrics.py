@@ -3,9 +3,9 @@
 Two kinds of series:
 
 * histograms and counters observed as things happen: request latency by route (the access-log
-  middleware), queue wait, cycle time, fused-pass tokens and tenants (the scheduler's `on_cycle`
-  hook), sampling time to first token and tokens per second (the sampling engine's
-  `on_request_done` hook);
+  middleware), queue wait, cycle time, fused-pass tokens and tenants (the server's observer: the
+  device loop's `on_cycle`), sampling time to first token and tokens per second (the sampling
+  engine's `on_request_done`);
 * values the components already keep (cycles run, queue depth, adapters, sampled tokens...), read
   from their attributes at scrape time by `_ServerCollector`, under the names they always had.
 
@@ -73,10 +73,8 @@ class Metrics:
         self._cycles: deque[dict] = deque(maxlen=CYCLE_HISTORY)
 
     def bind(self, server: "Server") -> None:
-        """Start observing a running server (called once it is built)."""
+        """Read the server's own counters at scrape time (its observer since it was built)."""
         self._server = server
-        server.scheduler.on_cycle = self.observe_cycle
-        server.sampler.engine.on_request_done = self.observe_sample
 
     # -- observations ------------------------------------------------------------------------------
     def observe_request(self, route: str, status: int, seconds: float) -> None:
@@ -85,7 +83,7 @@ class Metrics:
         self.request_latency.labels(route).observe(seconds)
 
     def observe_cycle(self, plan: "CyclePlan", seconds: float) -> None:
-        """Called on the cycle thread after each training cycle."""
+        """Called on the device loop's thread after each training cycle."""
         started = time.monotonic() - seconds
         for req in (*plan.compute, *plan.optim, *plan.tail):
             self.queue_wait.labels(req.kind).observe(max(0.0, started - req.arrived_at))
@@ -103,7 +101,7 @@ class Metrics:
                                  "queue_depth": queued})
 
     def observe_sample(self, job: "SampleJob", generated_tokens: int) -> None:
-        """Called on the cycle thread when a sample request has all its sequences."""
+        """Called on the device loop's thread when a sample request has all its sequences."""
         if job.first_token_at is None:
             return
         now = time.perf_counter()
@@ -131,7 +129,8 @@ class _ServerCollector(Collector):
         if server is None:
             return
         sch, wk, rt = server.scheduler, server.worker, server.runtime
-        engine, snapshots = server.sampler.engine, server.snapshots
+        backend = server.models.default.sampling_backend  # the built-in engine's counters
+        engine, snapshots = backend.engine, backend.snapshots
 
         def counter(name: str, help: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, help, value=value)

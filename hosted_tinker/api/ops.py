@@ -1,7 +1,7 @@
 """Operator endpoints in vLLM's conventions, `/metrics`, and clear answers for Tinker-cloud-only routes.
 
-* `GET /health`: 200 with an empty body once the server is up (as `vllm serve`), 503 if the
-  clock-cycle thread has died; `/api/v1/healthz` (the SDK's) stays as it is.
+* `GET /health`: 200 with an empty body once the server is up (as `vllm serve`), 503 if a
+  device loop thread has died; `/api/v1/healthz` (the SDK's) stays as it is.
 * `GET /version`: `{"version": ...}` (as `vllm serve`).
 * `GET /metrics`: Prometheus text (api/metrics.py).
 * Billing and session trace export exist only on Thinking Machines' hosted service: the `tinker`
@@ -24,8 +24,8 @@ router = APIRouter()
 
 @router.get("/health")
 def health(server: Server = Depends(get_server)):
-    if not server.scheduler.is_alive():
-        raise HTTPException(503, "the clock-cycle thread has stopped; see the server log")
+    if not all(model.loop.is_alive() for model in server.models):
+        raise HTTPException(503, "a device loop thread has stopped; see the server log")
     return Response(status_code=200)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,6 @@ from .schemas import (
 router = APIRouter()
 # The SDK sends a batch every few seconds, a few KiB each; this leaves a wide margin.
 TELEMETRY_MAX_BYTES = 1 << 20
-
-# Sessions created per client idempotency key: the SDK's transport layer retries
-# create_session with the same X-Idempotency-Key, which must not make a second session.
-# Bounded: retries come within minutes, so the most recent keys are all that matter.
-_session_by_idempotency_key: OrderedDict[str, str] = OrderedDict()
-_MAX_IDEMPOTENCY_KEYS = 10_000
 
 
 @router.post("/api/v1/client/config")
@@ -69,16 +62,11 @@ def capabilities(server: Server = Depends(get_server)):
 def create_session(body: CreateSessionRequest, owner: str = Depends(require_owner),
                    x_idempotency_key: str | None = Header(default=None),
                    server: Server = Depends(get_server)):
-    key = f"{owner}:{x_idempotency_key}" if x_idempotency_key else None
-    if key and key in _session_by_idempotency_key:
-        return {"type": "create_session", "session_id": _session_by_idempotency_key[key]}
-    session_id = f"sess-{uuid.uuid4().hex[:16]}"
-    server.store.create_session(session_id, owner, body.tags, body.user_metadata, body.display_name,
-                                body.project_id)
-    if key:
-        _session_by_idempotency_key[key] = session_id
-        while len(_session_by_idempotency_key) > _MAX_IDEMPOTENCY_KEYS:
-            _session_by_idempotency_key.popitem(last=False)
+    # The SDK's transport layer retries create_session with the same X-Idempotency-Key: the
+    # store gives every retry, concurrent ones included, the session the first one made.
+    session_id = server.store.create_session(f"sess-{uuid.uuid4().hex[:16]}", owner, body.tags, body.user_metadata,
+                                             body.display_name, body.project_id,
+                                             idempotency_key=x_idempotency_key or None)
     return {"type": "create_session", "session_id": session_id}
 
 

@@ -40,8 +40,7 @@ def _checkpoint_for_load(access: Access, owner: str, path: str, with_optimizer: 
     if lora.rank > max_rank:
         raise HTTPException(400, f"checkpoint {path!r} has LoRA rank {lora.rank}, above this server's limit of "
                                  f"{max_rank}")
-    return LoadSpec(checkpoint_dir=folder, with_optimizer=with_optimizer, path=where, max_rank=max_rank,
-                    config=lora.config())
+    return LoadSpec(checkpoint_dir=folder, with_optimizer=with_optimizer, path=where, max_rank=max_rank)
 
 
 # -- models -----------------------------------------------------------------------------------------

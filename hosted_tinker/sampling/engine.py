@@ -1,7 +1,7 @@
 """`SamplingEngine`: batched autoregressive generation with a KV cache, many adapters per batch.
 
-Runs on the clock-cycle thread, after each cycle's training work, on the same model and the
-same `MultiLoRALinear` layers: each row of a batch goes through its own adapter snapshot (or
+Runs on the device loop's thread (device_loop.py), between training cycles, on the same model
+and the same `MultiLoRALinear` layers: each row of a batch goes through its own adapter snapshot (or
 none, for the base model). Requests that arrive while others decode are admitted between
 decode steps as a new group (prefilled once, with `num_samples` rows sharing that prefill), and
 every group advances one token per step. The engine hands control back to training whenever
@@ -111,7 +111,8 @@ class _Group:
 
 class SamplingEngine:
     def __init__(self, model: torch.nn.Module, routing: LoRARouting, tokenizer, device: torch.device,
-                 *, max_rows_per_group: int = 256, max_prefill_tokens: int = 16384):
+                 *, max_rows_per_group: int = 256, max_prefill_tokens: int = 16384,
+                 on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None):
         self.model = model
         self.routing = routing
         self.tokenizer = tokenizer
@@ -123,8 +124,8 @@ class SamplingEngine:
         self.tokens_generated = 0
         self.requests_done = 0
         self.requests_cancelled = 0
-        # Observation hook (api/metrics.py): a finished request and the tokens it generated.
-        self.on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None
+        # Observation (api/metrics.py): a finished request and the tokens it generated.
+        self.on_request_done = on_request_done
 
     # -- producer side (any thread; list.append/pop are atomic under the GIL) ------------------------
     def submit(self, job: SampleJob) -> None:
@@ -140,7 +141,24 @@ class SamplingEngine:
     def active_rows(self) -> int:
         return sum(len(g.rows) for g in self._groups)
 
-    # -- the cycle thread -----------------------------------------------------------------------------
+    # -- the device loop's thread --------------------------------------------------------------------
+    def fail_all(self, reason: str) -> None:
+        """Give up every queued and running job, each told through on_error(reason)."""
+        jobs: list[SampleJob] = []
+        while self._pending:
+            jobs.append(self._pending.pop(0))
+        for group in self._groups:
+            for row in group.rows:
+                if not row.job.failed:
+                    row.job.failed = True
+                    jobs.append(row.job.job)
+        self._groups.clear()
+        for job in jobs:
+            try:
+                job.on_error(reason)
+            except Exception:  # one broken callback must not keep the others unanswered
+                log.exception("a sampling job's on_error callback failed")
+
     def run(self, should_yield: Callable[[], bool], max_seconds: float = 0.5,
             resolve_adapter: Callable[[SampleJob], str | None] = lambda j: j.adapter_id,
             min_seconds: float = 0.0) -> None:
@@ -247,11 +265,7 @@ class SamplingEngine:
             if row.job.job.cancelled and not row.job.failed:
                 row.job.failed = True
                 self._cancel(row.job.job)
-        if keep:
-            idx = torch.tensor(keep, device=self.device)
-            group.cache.batch_select_indices(idx)
-            group.mask, group.positions = group.mask[idx], group.positions[idx]
-        group.rows = [group.rows[r] for r in keep]
+        self._keep_rows(group, keep)
 
     def _decode_step(self, group: _Group) -> None:
         self._drop_cancelled(group)
@@ -303,13 +317,17 @@ class SamplingEngine:
             else:
                 self._finish_row(row)
         if len(keep) < len(group.rows):
+            self._keep_rows(group, keep)
             if not keep:
                 self._groups.remove(group)
-                return
+
+    def _keep_rows(self, group: _Group, keep: list[int]) -> None:
+        """Retire every row of `group` but those at the indices `keep` (their KV cache rows too)."""
+        if keep:
             idx = torch.tensor(keep, device=self.device)
             group.cache.batch_select_indices(idx)
             group.mask, group.positions = group.mask[idx], group.positions[idx]
-            group.rows = [group.rows[r] for r in keep]
+        group.rows = [group.rows[r] for r in keep]
 
     def _hit_stop_string(self, row: _Row, job: SampleJob) -> bool:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=False)
@@ -332,7 +350,10 @@ class SamplingEngine:
             except Exception as e:  # encoding the answer failed: the request fails, others go on
                 log.exception("delivering a sample result failed")
                 job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
-            self.on_request_done(job, sum(len(r.tokens) for r in st.results))
+            try:
+                self.on_request_done(job, sum(len(r.tokens) for r in st.results))
+            except Exception:  # an observer must not fail the requests
+                log.exception("a sampling observer failed")
 
 
 def _report_token(job: SampleJob, row: _Row) -> None:

@@ -1,40 +1,24 @@
-"""`SamplingService`: turns validated sample requests into engine jobs and results into futures.
-
-The API thread builds jobs and wakes the clock-cycle thread; the cycle thread runs the engine
-(`run_round`) after its training work and encodes each finished request as the protobuf
-`SampleResponse` the SDK expects.
+"""`SamplingService`: the API's door to sampling. A validated request becomes a `SampleJob` for
+the sampling backend; its result becomes the protobuf `SampleResponse` the SDK expects, stored
+as the request's future.
 """
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from ..futures import FutureStore
 from ..wire.codec import SampledSequenceOut, TopkOut, encode_sample_response
-from .engine import SampleJob, SampleResult, SamplingEngine
-from .snapshots import SnapshotCache
-
-log = logging.getLogger(__name__)
+from .backend import SamplingBackend
+from .engine import SampleJob, SampleResult
 
 
 class SamplingService:
-    def __init__(self, engine: SamplingEngine, snapshots: SnapshotCache, futures: FutureStore,
-                 wake: Callable[[], None], training_waiting: Callable[[], bool], *, round_seconds: float = 0.25,
-                 last_cycle_seconds: Callable[[], float] = lambda: 0.0):
-        self.engine = engine
-        self.snapshots = snapshots
+    def __init__(self, backend: SamplingBackend, futures: FutureStore):
+        self.backend = backend
         self.futures = futures
-        self._wake = wake
-        self._training_waiting = training_waiting
-        self.round_seconds = round_seconds
-        self._last_cycle_seconds = last_cycle_seconds
-
-    def has_work(self) -> bool:
-        return self.engine.has_work()
 
     def submit(self, request_id: str, job: SampleJob,
                record: Callable[[SampleResult], None] | None = None) -> None:
@@ -62,26 +46,13 @@ class SamplingService:
     def submit_job(self, job: SampleJob) -> None:
         """Queue a job with the caller's own callbacks (on_done, on_error, on_token), left untouched.
 
-        They run on the cycle thread: keep them short and hand results to other threads.
+        They run on the backend's thread: keep them short and hand results to other threads.
         """
-        self.engine.submit(job)
-        self._wake()
+        self.backend.submit(job)
 
-    def run_round(self) -> None:
-        """Called on the cycle thread after each cycle's training work."""
-        if not self.engine.has_work():
-            return
-        active = self.engine.active_adapter_ids()
-
-        def resolve(job: SampleJob) -> str | None:
-            if job.adapter_id is None:
-                return None
-            return self.snapshots.ensure(Path(job.adapter_id), keep=active)
-
-        # When training waits, sampling still gets as long as the last training cycle took (capped
-        # by the round length): an even share of the device, so neither side stalls the other.
-        share = min(self._last_cycle_seconds(), self.round_seconds)
-        self.engine.run(self._training_waiting, max(self.round_seconds, share), resolve, min_seconds=share)
+    def cancel(self, job: SampleJob) -> None:
+        """Nobody waits for this job any more (its client left): the backend stops it."""
+        self.backend.cancel(job)
 
 
 def encode_result(result: SampleResult) -> bytes:

@@ -116,11 +116,11 @@ def _submit(sampling: SamplingRequests, owner: str, plan: Plan, channel: Channel
     sampling.submit_jobs(owner, plan.jobs)
 
 
-def _stop(plan: Plan, channel: Channel) -> None:
+def _stop(server: Server, plan: Plan, channel: Channel) -> None:
     """Nobody reads this plan's events any more: unfinished jobs are cancelled (finished ones ignore it)."""
     channel.close()
     for job in plan.jobs:
-        job.cancelled = True
+        server.sampler.cancel(job)
 
 
 async def _unless_client_leaves(request: Request, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
@@ -167,7 +167,7 @@ async def _answer(request: Request, server: Server, sampling: SamplingRequests, 
         try:
             stayed, error = await _unless_client_leaves(request, collect)
         finally:
-            _stop(plan, channel)
+            _stop(server, plan, channel)
         if not stayed:
             return Response(status_code=499)  # "client closed request": nobody reads it
         if error is not None:
@@ -179,14 +179,14 @@ async def _answer(request: Request, server: Server, sampling: SamplingRequests, 
     try:
         stayed, first = await _unless_client_leaves(request, channel.get)
     except BaseException:
-        _stop(plan, channel)
+        _stop(server, plan, channel)
         raise
     if not stayed:
-        _stop(plan, channel)
+        _stop(server, plan, channel)
         return Response(status_code=499)
     chunks, error = await run_in_threadpool(answer.events, first)
     if error is not None:
-        _stop(plan, channel)
+        _stop(server, plan, channel)
         raise HTTPException(500, error)
 
     async def stream():
@@ -207,6 +207,6 @@ async def _answer(request: Request, server: Server, sampling: SamplingRequests, 
                 yield _event(answer.chunk([], answer.usage()))
             yield _event("[DONE]")
         finally:  # also when the client disconnects (sse-starlette cancels this generator)
-            _stop(plan, channel)
+            _stop(server, plan, channel)
 
     return EventSourceResponse(stream(), sep="\n")

@@ -1,0 +1,45 @@
+"""`ModelRuntime`: what the server needs from whatever trains one base model's adapters.
+
+One implementation today: `runtime.trainer.TrainingRuntime`, in this process, on one device.
+A pool of torch.distributed ranks will be the next: it keeps the adapters and runs the passes on
+its ranks, and this is the surface it has to offer the worker (which calls it on the device
+loop's thread only) and the API (which reads the limits). Storage stays outside: the worker
+records checkpoints and futures; the runtime only computes and writes adapter files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from .runtime.adapters import AdamParams, LoRAConfig
+from .checkpoints.format import LoadedCheckpoint
+from .runtime.trainer import FBOutcome, FBWork, PassStats
+
+
+class ModelRuntime(Protocol):
+    base_model_name: str
+    vocab_size: int  # token ids a request may use
+    max_context: int  # longest sequence a request may send
+    layers: Mapping[str, Any]  # adaptable projections by module path
+    adapters: Mapping[str, Any]  # model id -> its adapter (read: membership, `.step`)
+    last_pass: PassStats  # what the last forward_backward did
+
+    def create_adapter(self, model_id: str, config: LoRAConfig) -> Any: ...
+
+    def remove_adapter(self, model_id: str) -> None: ...
+
+    def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
+        """One fused pass over every request; gradients accumulate per model."""
+        ...
+
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]: ...
+
+    def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int: ...
+
+    def read(self, ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint: ...
+
+    def load(self, model_id: str, ckpt: LoadedCheckpoint) -> Any: ...
+
+    def adapter(self, model_id: str) -> Any: ...

@@ -1,0 +1,168 @@
+"""Unit tests of `TrainingWorker` on the real runtime (the embedded model, in process), real
+SQLite and real futures: how each request of a cycle is answered, user errors told apart from
+server faults by what raised them, and what the sampling backend hears.
+
+The sampling backend is a recorder (what it is told is the subject here); one test makes a
+store write raise, as a server bug would, since a real one cannot be made to fail on demand.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hosted_tinker.checkpoints.catalog import CheckpointCatalog
+from hosted_tinker.checkpoints.paths import TinkerPath
+from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.futures import FutureStore
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
+from hosted_tinker.runtime.losses import resolve_loss_config
+from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
+from hosted_tinker.sampling.backend import SamplingBackend
+from hosted_tinker.scheduler import CyclePlan, Request
+from hosted_tinker.store import Store
+from hosted_tinker.worker import LoadSpec, SaveSpec, TrainingWorker
+
+
+class NewWeightsRecorder(SamplingBackend):
+    def __init__(self):
+        self.updates: list[tuple] = []
+
+    def submit(self, job) -> None:
+        raise AssertionError("not used")
+
+    def cancel(self, job) -> None:
+        raise AssertionError("not used")
+
+    def adapter_updated(self, model_id, saved_to=None) -> None:
+        self.updates.append((model_id, saved_to))
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    path = ensure_embedded_model(tmp_path_factory.mktemp("models"))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return TrainingRuntime(model, "embedded", device=torch.device("cpu"), max_tokens_per_micro_batch=1024)
+
+
+@pytest.fixture
+def worker(runtime, tmp_path):
+    for mid in list(runtime.adapters):
+        runtime.remove_adapter(mid)
+    store = Store(tmp_path / "db.sqlite3")
+    store.create_session("s", "alice", [], {}, None, None)
+    w = TrainingWorker(runtime, FutureStore(store), store, CheckpointCatalog(store, tmp_path / "checkpoints"),
+                       NewWeightsRecorder())
+    yield w
+    store.close()
+
+
+class Cycle:
+    """Builds one cycle's plan, each request with a real future."""
+
+    def __init__(self, worker: TrainingWorker):
+        self.worker = worker
+        self.plan = CyclePlan()
+        self.seq = 0
+
+    def add(self, part: str, model_id: str, kind: str, payload=None) -> str:
+        rid, _ = self.worker.futures.create("alice", kind, model_id, None)
+        self.seq += 1
+        getattr(self.plan, part).append(Request(rid, kind, model_id, self.seq, payload))
+        return rid
+
+    def run(self) -> list[set[str]]:
+        answered: list[set[str]] = []
+        self.worker.run_cycle(self.plan, on_compute_answered=answered.append)
+        return answered
+
+
+def answer(worker: TrainingWorker, rid: str) -> dict:
+    result = worker.futures.lookup(rid)
+    assert result is not None, f"{rid} left pending"
+    return {"failed": result.failed, **(json.loads(result.payload) if not result.is_proto else {})}
+
+
+def create(worker: TrainingWorker, model_id: str, **flags) -> dict:
+    worker.store.create_model(model_id, "s", "alice", "embedded", {}, {}, {})
+    c = Cycle(worker)
+    rid = c.add("tail", model_id, "create_model", LoRAConfig(rank=4, **flags))
+    c.run()
+    return answer(worker, rid)
+
+
+def fb(model_id: str) -> FBWork:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, 12)
+    data = [DatumWork(tokens=tokens, inputs={"target_tokens": rng.integers(0, 1000, 12),
+                                             "weights": np.ones(12, dtype=np.float32)})]
+    return FBWork(model_id, data, "cross_entropy", resolve_loss_config("cross_entropy", {}), forward_only=False)
+
+
+def test_a_server_bug_is_a_server_error_whatever_its_exception_class(worker, monkeypatch):
+    """A KeyError raised by the server's own code (here: the checkpoint record write) is the
+    server's fault, category "server"; it used to be reported as the user's."""
+    assert not create(worker, "m")["failed"]
+
+    def broken_write(*args, **kwargs):
+        raise KeyError("checkpoints")
+
+    monkeypatch.setattr(worker.store, "upsert_checkpoint", broken_write)
+    c = Cycle(worker)
+    rid = c.add("tail", "m", "save_weights", SaveSpec(kind="weights", name="s1", owner="alice"))
+    c.run()
+    got = answer(worker, rid)
+    assert got["failed"] and got["category"] == "server"
+    assert "save_weights failed on the server: KeyError" in got["error"]
+
+
+def test_what_the_user_asked_for_wrongly_is_a_user_error(worker):
+    """Validation code's refusals are category "user": a config that adapts nothing, a save of a
+    model that is not loaded, a name already taken, a request of an unloaded model."""
+    got = create(worker, "nothing", train_mlp=False, train_attn=False, train_unembed=False)
+    assert got["failed"] and got["category"] == "user" and "adapts no projection" in got["error"]
+
+    assert not create(worker, "m")["failed"]
+    c = Cycle(worker)
+    missing = c.add("tail", "ghost", "save_weights", SaveSpec(kind="weights", name="x", owner="alice"))
+    first = c.add("tail", "m", "save_weights", SaveSpec(kind="weights", name="taken", owner="alice"))
+    again = c.add("tail", "m", "save_weights", SaveSpec(kind="weights", name="taken", owner="alice"))
+    orphan = c.add("orphaned", "gone", "forward_backward", fb("gone"))
+    c.run()
+    assert answer(worker, missing) == {"failed": True, "category": "user",
+                                       "error": "save_weights: model 'ghost' is not loaded"}
+    assert not answer(worker, first)["failed"]
+    got = answer(worker, again)
+    assert got["failed"] and got["category"] == "user" and "already exists" in got["error"]
+    assert answer(worker, orphan) == {"failed": True, "category": "user",
+                                      "error": "forward_backward: model 'gone' is not loaded (it was unloaded)"}
+
+
+def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, tmp_path):
+    """After an optim_step, a save (with the directory now holding the weights) and a load, the
+    backend is told, once each; compute answers are announced before the optimizer steps."""
+    assert not create(worker, "m")["failed"]
+    c = Cycle(worker)
+    fb_id = c.add("compute", "m", "forward_backward", fb("m"))
+    opt_id = c.add("optim", "m", "optim_step", AdamParams(learning_rate=1e-3))
+    save_id = c.add("tail", "m", "save_weights_for_sampler",
+                    SaveSpec(kind="sampler_weights", name="v1", owner="alice", overwrite=True))
+    answered = c.run()
+    assert answered == [{"m"}]
+    assert not any(answer(worker, r)["failed"] for r in (fb_id, opt_id, save_id))
+    saved = tmp_path / "checkpoints" / "m" / "sampler_weights" / "v1"
+    assert worker.sampling.updates == [("m", None), ("m", saved)]
+
+    c = Cycle(worker)
+    load_id = c.add("tail", "m", "load_weights", LoadSpec(checkpoint_dir=saved, with_optimizer=False,
+                                                           path=TinkerPath("m", "sampler_weights", "v1"), max_rank=8))
+    c.run()
+    assert not answer(worker, load_id)["failed"]
+    assert worker.sampling.updates[-1] == ("m", None)
