@@ -93,10 +93,10 @@ def test_ten_random_kills(tmp_path):
             for loss in seen_losses:
                 assert loss == pytest.approx(reference[step], rel=1e-6), (step, seen_losses, reference[step])
         # every acknowledged checkpoint loads
-        sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-crash")
-        for path, _ in acknowledged:
-            tc = sc.create_training_client_from_state_with_optimizer(path).result()
-            assert tc.get_info().lora_rank == 8
+        with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-crash") as sc:  # closed before the server
+            for path, _ in acknowledged:
+                tc = sc.create_training_client_from_state_with_optimizer(path).result()
+                assert tc.get_info().lora_rank == 8
     finally:
         srv.stop()
     assert kills == KILLS and len(acknowledged) >= TOTAL // 2
