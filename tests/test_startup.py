@@ -69,7 +69,7 @@ def test_help_lists_every_setting_dtype_and_env_var():
     for name in ServerConfig.model_fields:
         assert flag(name) in out.stdout and f"[env: HOSTED_TINKER_{name.upper()}]" in out.stdout, name
     assert "{" + ",".join(["auto", *DTYPES]) + "}" in out.stdout  # every accepted dtype, aliases included
-    assert "--base-model str, --model str" in out.stdout  # vLLM's name for it too
+    assert "--base-model MODEL[@DEVICE], --model MODEL[@DEVICE]" in out.stdout  # vLLM's name for it too
 
 
 def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
