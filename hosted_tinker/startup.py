@@ -56,17 +56,22 @@ def preflight(config: ServerConfig) -> Preflight:
 
 
 def _check_devices(config: ServerConfig) -> None:
-    settings = {}  # the setting that chose each device, as written: one line each, however many models it names
+    # One line per setting that chose a device, as written, however many models it names.
+    settings: dict[str, tuple[str, str]] = {}
     for entry in config.served_models:
-        where = (f"{flag('base_model')} {entry.name}@{entry.device}" if entry.own_device
-                 else f"{flag('device')} {entry.device}")
-        settings[where] = entry.device
-    problems = [f"{where}: {problem}" for where, device in settings.items() if (problem := _device_problem(device))]
+        if entry.own_device:
+            settings[f"{flag('base_model')} {entry.name}@{entry.device}"] = (entry.device,
+                                                                             "use cpu (or auto) after the '@'")
+        else:
+            settings[f"{flag('device')} {entry.device}"] = (entry.device, f"use {flag('device')} cpu (or auto)")
+    problems = [f"{where}: {problem}" for where, (device, fix) in settings.items()
+                if (problem := _device_problem(device, fix))]
     if problems:
         raise StartupError(*problems)
 
 
-def _device_problem(spec: str) -> str | None:
+def _device_problem(spec: str, fix: str) -> str | None:
+    """What is wrong with torch device `spec` on this machine (`fix`: how to give another), or None."""
     kind = spec.split(":")[0]
     if kind in ("auto", "cpu"):
         return None
@@ -74,7 +79,7 @@ def _device_problem(spec: str) -> str | None:
 
     backend = getattr(torch, kind, None)
     if backend is None or not backend.is_available():
-        return f"no {kind} device is available to torch on this machine; use {flag('device')} cpu (or auto)"
+        return f"no {kind} device is available to torch on this machine; {fix}"
     index = int(spec.split(":")[1]) if ":" in spec else 0
     if index >= backend.device_count():
         return f"this machine has {backend.device_count()} {kind} device(s), numbered from 0"
