@@ -169,11 +169,12 @@ class ServerConfig(BaseSettings):
     @classmethod
     def _model_list(cls, value: Any) -> Any:
         """A string (a variable, a file's scalar) or list items may each be a comma-separated list."""
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list):
-            return value
-        return [part.strip() for item in items for part in (item.split(",") if isinstance(item, str) else [item])
-                if not isinstance(part, str) or part.strip()]
+        if not isinstance(value, (str, list)):
+            return value  # pydantic says what is wrong with it
+        entries = []
+        for item in [value] if isinstance(value, str) else value:
+            entries += [p.strip() for p in item.split(",") if p.strip()] if isinstance(item, str) else [item]
+        return entries
 
     @field_validator("base_model")
     @classmethod
