@@ -317,16 +317,16 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
 
 
 def _import_target(server: Server, src: Path) -> ServedModel:
-    """The served model an uploaded adapter is for: the base model it names (its manifest, or a PEFT
-    adapter_config's base_model_name_or_path); when one model is served, that one (an adapter made
-    elsewhere names a path or hub id of its own: its shapes are checked instead)."""
+    """The served model an uploaded adapter is for: when one model is served, that one (an adapter made
+    elsewhere names a path or hub id of its own: `prepare_import` checks its shapes instead); else the
+    base model it names (its manifest, or a PEFT adapter_config's base_model_name_or_path)."""
+    if len(server.models) == 1:
+        return next(iter(server.models))
     ours = (src / MANIFEST).is_file()  # a hosted-tinker checkpoint: its manifest says
     named = read_manifest(src).base_model if ours else read_json_object(src, ADAPTER_CONFIG).get(
         "base_model_name_or_path")
     if named in server.models.names:
         return server.models.get(named)
-    if len(server.models) == 1:
-        return next(iter(server.models))
     served = ", ".join(repr(n) for n in server.models.names)
     fix = "" if ours else f"; set base_model_name_or_path in its {ADAPTER_CONFIG} to the served model it fits"
     raise CheckpointError(f"it is for base model {str(named)[:200]!r}, which this server does not serve "
