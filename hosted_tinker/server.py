@@ -4,12 +4,15 @@ HTTP route (api/) -> FutureStore (futures.py) + ClockCycleScheduler (scheduler.p
 -> DeviceLoop (device_loop.py) -> TrainingWorker (worker.py) -> ModelRuntime (runtime/trainer.py)
 and, between training cycles, the sampling backend (sampling/backend.py).
 
-Each served base model gets its own runtime, scheduler, worker, sampling backend and device
-loop (`ServedModel`, served_models.py); the store, the futures and the API keys are shared.
+Each served base model (`--base-model`, once per model) gets its own runtime, scheduler, worker,
+sampling backend and device loop on its own device (`ServedModel`, served_models.py); the store,
+the futures, the checkpoints and the API keys are shared. Routes find a request's model in
+`Server.models` by the base model it names or its objects were made on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import threading
@@ -21,19 +24,18 @@ from .auth import ENV_VAR, KeyRing
 from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
 from .checkpoints.recovery import recover
 from .checkpoints.transfer import UrlSigner
-from .config import ServerConfig
+from .config import ModelEntry, ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
 from .model_loading import load_base_model, pick_device, pick_dtype
-from .runtime.trainer import TrainingRuntime
 from .sampling.backend import EngineBackend
 from .sampling.engine import SampleJob, SamplingEngine
 from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
 from .scheduler import ClockCycleScheduler, CyclePlan
-from .served_models import ModelRegistry, ServedModel
+from .served_models import ModelRegistry, ServedModel, make_runtime
 from .store import Store, db_path
 from .worker import TrainingWorker
 
@@ -53,42 +55,42 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 
 class Observer(Protocol):
-    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick."""
+    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick.
+    `base_model`: the served model whose loop it is."""
 
-    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None: ...
+    def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None: ...
 
-    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None: ...
+    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None: ...
 
 
 class _Unobserved:
-    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None:
+    def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None:
         pass
 
-    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None:
+    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None:
         pass
 
 
-def serve_model(config: ServerConfig, futures: FutureStore, store: Store, checkpoints: CheckpointCatalog,
-                data_dir: Path, observer: Observer) -> ServedModel:
-    """Load `config.base_model` and build the parts that serve it, each given what it needs."""
-    device = pick_device(config.device)
-    model, tokenizer = load_base_model(config.base_model, data_dir, device, pick_dtype(config.dtype, device))
-    runtime = TrainingRuntime(model, config.base_model, device=device,
-                              max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                              max_live_adapters=config.max_live_adapters)
+def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, store: Store,
+                checkpoints: CheckpointCatalog, data_dir: Path, observer: Observer) -> ServedModel:
+    """Load one base model onto its device and build the parts that serve it, each given what it needs."""
+    name, device = entry.name, pick_device(entry.device)
+    model, tokenizer = load_base_model(name, data_dir, device, pick_dtype(config.dtype, device))
+    runtime = make_runtime(name, model, device, config)
     wake = threading.Event()  # the device loop's doorbell, rung by both kinds of producer
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=config.gap_timeout_s,
                                     gather_window_s=config.gather_window_s,
                                     max_tokens_per_cycle=config.max_tokens_per_cycle,
                                     max_models_per_cycle=config.max_live_adapters)
     backend = EngineBackend(SamplingEngine(model, runtime.routing, tokenizer, device,
-                                           on_request_done=observer.observe_sample),
+                                           on_request_done=functools.partial(observer.observe_sample, name)),
                             SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
     worker = TrainingWorker(runtime, futures, store, checkpoints, backend)
-    return ServedModel(name=config.base_model, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
+    return ServedModel(name=name, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
                        runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
                        sampler=SamplingService(backend, futures),
-                       loop=DeviceLoop(scheduler, worker, backend, futures, wake, on_cycle=observer.observe_cycle))
+                       loop=DeviceLoop(scheduler, worker, backend, futures, wake,
+                                       on_cycle=functools.partial(observer.observe_cycle, name)))
 
 
 class Server:
@@ -120,34 +122,9 @@ class Server:
         self.expiry = ExpirySweeper(self.checkpoints)
         self.url_signer = UrlSigner(data_dir / "url_signing.key")
         self.uploads = data_dir / "uploads"  # imports being received
-        self.models = ModelRegistry([serve_model(config, self.futures, self.store, self.checkpoints, data_dir,
-                                                 observer or _Unobserved())])
-
-    # The API's view of the one model served today (routes move to `models.get(base_model)`
-    # when several are).
-    @property
-    def runtime(self):
-        return self.models.default.runtime
-
-    @property
-    def scheduler(self) -> ClockCycleScheduler:
-        return self.models.default.scheduler
-
-    @property
-    def worker(self) -> TrainingWorker:
-        return self.models.default.worker
-
-    @property
-    def sampler(self) -> SamplingService:
-        return self.models.default.sampler
-
-    @property
-    def tokenizer(self):
-        return self.models.default.tokenizer
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return self.models.default.eos_token_ids
+        observer = observer or _Unobserved()
+        self.models = ModelRegistry([serve_model(entry, config, self.futures, self.store, self.checkpoints, data_dir,
+                                                 observer) for entry in config.served_models])
 
     def start(self) -> None:
         recover(self.checkpoints)  # checkpoint records and folders agree again, before any work runs
