@@ -32,7 +32,7 @@ def serve(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.Com
     base = {k: v for k, v in base.items() if not k.startswith("HOSTED_TINKER_") and k != "HF_HUB_OFFLINE"}
     return subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path / "data"),
                            "--port", str(free_port()), *args], env={**base, **(env or {})},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> None:
@@ -64,7 +64,7 @@ def test_every_mistake_gets_its_own_line(tmp_path):
 
 def test_help_lists_every_setting_dtype_and_env_var():
     out = subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--help"], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "COLUMNS": "400"})
+                         timeout=300, env={**os.environ, "COLUMNS": "400"})
     assert out.returncode == 0
     for name in ServerConfig.model_fields:
         assert flag(name) in out.stdout and f"[env: HOSTED_TINKER_{name.upper()}]" in out.stdout, name
