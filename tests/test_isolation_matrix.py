@@ -11,6 +11,7 @@ import sqlite3
 
 import httpx
 import pytest
+import tinker
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_input import ForwardBackwardInput
@@ -123,7 +124,7 @@ def test_key_b_is_refused_everywhere(server, alice):
 
 
 def test_published_checkpoints_are_loadable_and_sampleable_by_others(server, alice):
-    rc = alice["sc"].create_rest_client()
+    rc = tinker.RestClient(base_url=server.base_url, api_key=A)
     rc.publish_checkpoint_from_tinker_path(alice["state"]).result()
     rc.publish_checkpoint_from_tinker_path(alice["sampler"]).result()
     try:

@@ -91,7 +91,8 @@ def test_both_models_train_and_sample_at_once_through_one_base_url(srv, referenc
     from tinker import types
 
     with srv.client(KEY) as sc:
-        served = {m.model_name: m for m in sc.create_rest_client().get_server_capabilities().result().supported_models}
+        rest = tinker.RestClient(base_url=srv.base_url, api_key=KEY)
+        served = {m.model_name: m for m in rest.get_server_capabilities().result().supported_models}
         assert set(served) == {STUDENT, TEACHER} and all(m.trainable and m.sampleable for m in served.values())
 
         start = threading.Barrier(4)
