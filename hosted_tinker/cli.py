@@ -28,7 +28,7 @@ def _serve(config: ServerConfig) -> int:
     except StartupError as e:
         return _fail("serve", [str(e)])
     log.info("base model %s will be loaded from %s", config.base_model, checked.model_source)
-    config = config.model_copy(update={"port": checked.port})
+    config = config.model_copy(update={"port": checked.port, "vllm_python": checked.vllm_python})
 
     import uvicorn
 

@@ -5,9 +5,10 @@ Two kinds of series:
 * histograms and counters observed as things happen: request latency by route (the access-log
   middleware), queue wait, cycle time, fused-pass tokens and tenants (the server's observer: the
   device loop's `on_cycle`), sampling time to first token and tokens per second (the sampling
-  engine's `on_request_done`);
-* values the components already keep (cycles run, queue depth, adapters, sampled tokens...), read
-  from their attributes at scrape time by `_ServerCollector`, under the names they always had.
+  engine's `on_request_done`), vLLM request latency (the vLLM backend's `on_request_done`);
+* values the components already keep (cycles run, queue depth, adapters, sampled tokens, and
+  with a vLLM sidecar its adapter syncs, sync lag, restarts...), read from their attributes at
+  scrape time by `_ServerCollector`, under the names they always had.
 
 Each app has its own registry, so several servers in one process (tests) never share series.
 """
@@ -25,8 +26,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.registry import Collector
 
+from ..sampling.vllm_server_backend import VLLMBackend
+
 if TYPE_CHECKING:
-    from ..sampling.engine import SampleJob
+    from ..sampling.engine import SampleJob, SampleResult
     from ..scheduler import CyclePlan
     from ..server import Server
 
@@ -67,6 +70,10 @@ class Metrics:
         self.tokens_per_second = Histogram("hosted_tinker_sampling_tokens_per_second",
                                            "generated tokens per second of a sample request, after its first token",
                                            buckets=_RATES, registry=r)
+        self.vllm_request_latency = Histogram(
+            "hosted_tinker_vllm_request_duration_seconds",
+            "time from a sample job's hand-over to the vLLM sidecar to its answer (waiting for vLLM included), by "
+            "outcome", ["outcome"], buckets=_SECONDS, registry=r)
         self._server: Server | None = None
         r.register(_ServerCollector(lambda: self._server))
         self._lock = threading.Lock()
@@ -110,6 +117,12 @@ class Metrics:
         if decoding > 0 and generated_tokens > job.num_samples:
             self.tokens_per_second.observe((generated_tokens - job.num_samples) / decoding)
 
+    def observe_vllm_request(self, job: "SampleJob", result: "SampleResult | None", seconds: float) -> None:
+        """Called on the vLLM backend's thread when a job it ran ends (result None: it failed or was cancelled)."""
+        self.vllm_request_latency.labels("ok" if result is not None else "failed").observe(seconds)
+        if result is not None:
+            self.observe_sample(job, sum(len(s.tokens) for s in result.sequences))
+
     def recent_cycles(self) -> list[dict]:
         with self._lock:
             return list(self._cycles)
@@ -129,8 +142,9 @@ class _ServerCollector(Collector):
         if server is None:
             return
         sch, wk, rt = server.scheduler, server.worker, server.runtime
-        backend = server.models.default.sampling_backend  # the built-in engine's counters
-        engine, snapshots = backend.engine, backend.snapshots
+        backend = server.models.default.sampling_backend
+        builtin = backend.builtin if isinstance(backend, VLLMBackend) else backend
+        engine, snapshots = builtin.engine, builtin.snapshots  # the built-in engine's counters
 
         def counter(name: str, help: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, help, value=value)
@@ -171,6 +185,8 @@ class _ServerCollector(Collector):
                       snapshots.loads)
         yield gauge("hosted_tinker_sampler_snapshots", "sampler adapter snapshots resident on the device",
                     len(snapshots))
+        if isinstance(backend, VLLMBackend):
+            yield from _vllm_series(backend.metrics())
         if torch.cuda.is_available():
             g = GaugeMetricFamily("hosted_tinker_gpu_memory_allocated_bytes", "GPU memory held by tensors",
                                   labels=["device"])
@@ -183,3 +199,43 @@ class _ServerCollector(Collector):
             return
         yield gauge("hosted_tinker_process_max_rss_bytes", "peak resident memory of the server",
                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+# (name, help, its key in VLLMBackend.metrics(), counter?)
+_VLLM_SERIES = (
+    ("hosted_tinker_vllm_ready", "1 while the vLLM sidecar answers, 0 while it starts or restarts", "ready", False),
+    ("hosted_tinker_vllm_restarts", "times vLLM was found dead and restarted (or, attached, waited for)",
+     "restarts_total", True),
+    ("hosted_tinker_vllm_last_start_seconds", "how long vLLM's last (re)start took, warm-up included",
+     "last_start_seconds", False),
+    ("hosted_tinker_vllm_adapter_syncs", "adapter versions written and registered with vLLM after training changed "
+     "them", "syncs_total", True),
+    ("hosted_tinker_vllm_adapter_sync_failures", "adapter versions that could not be written or registered",
+     "sync_failures_total", True),
+    ("hosted_tinker_vllm_adapter_on_demand_loads", "adapter versions registered again at use (vLLM evicted or lost "
+     "them, or a snapshot's first use)", "on_demand_loads_total", True),
+    ("hosted_tinker_vllm_sync_lag_steps", "optimizer steps the most-behind model's version in vLLM lags its training",
+     "sync_lag_steps", False),
+    ("hosted_tinker_vllm_sync_lag_seconds", "age of the oldest adapter version not yet synced to vLLM (0: none)",
+     "sync_lag_seconds", False),
+    ("hosted_tinker_vllm_last_sync_seconds", "publish-to-registered time of the last adapter sync", "last_sync_seconds",
+     False),
+    ("hosted_tinker_vllm_adapter_versions", "adapter versions registered with vLLM (latest versions and snapshots)",
+     "registered_versions", False),
+    ("hosted_tinker_vllm_requests", "sample jobs the vLLM sidecar ended (answered or failed)", "requests_total", True),
+    ("hosted_tinker_vllm_request_failures", "sample jobs on the vLLM sidecar that failed (vLLM down, refused, "
+     "cancelled)", "request_failures_total", True),
+    ("hosted_tinker_vllm_requests_cancelled", "sample jobs on the vLLM sidecar stopped because their client left",
+     "requests_cancelled_total", True),
+    ("hosted_tinker_vllm_requests_in_flight", "sample jobs waiting for or running on vLLM", "requests_in_flight",
+     False),
+    ("hosted_tinker_vllm_sampled_tokens", "tokens generated by vLLM", "tokens_generated_total", True),
+    ("hosted_tinker_vllm_jobs_to_builtin", "sample jobs vLLM cannot serve here that went to the built-in engine "
+     "(prompt logprobs with lm_head LoRA, or lm_head adapters without it)", "jobs_to_builtin_total", True),
+)
+
+
+def _vllm_series(values: dict[str, float]):
+    for name, help, key, is_counter in _VLLM_SERIES:
+        family = CounterMetricFamily if is_counter else GaugeMetricFamily
+        yield family(name, help, value=values[key])

@@ -123,6 +123,8 @@ class SamplingRequests:
         check_base_model(self.config, base_model)
         self.server.store.create_sampling_session(sampling_session_id, session_id, owner, self.config.base_model,
                                                   model_path, checkpoint_dir)
+        if checkpoint_dir is not None:
+            self.server.sampler.session_opened(checkpoint_dir)
 
     def submit_for_future(self, owner: str, sampling_session_id: str, seq_id: int, job: SampleJob,
                           record: Callable[[str], Callable[[SampleResult], None] | None] | None = None) -> str:

@@ -39,7 +39,9 @@ class Plan:
 
 
 def resolve_model(server: Server, access: Access, owner: str, model: str) -> str | None:
-    """`model` -> the adapter checkpoint directory to sample from (None = the base model)."""
+    """`model` -> the job's `adapter_id` (None = the base model): a checkpoint directory, or for a
+    training model the sampler's reference to its current weights where the sampler keeps them
+    (vLLM: synced after every optim_step), else its latest sampler checkpoint."""
     if not model:
         raise HTTPException(400, "model is required")
     if model == server.config.base_model:
@@ -52,6 +54,9 @@ def resolve_model(server: Server, access: Access, owner: str, model: str) -> str
         except NotFound:
             raise NotFound(f"model {model!r} not found: use {server.config.base_model!r}, a tinker:// sampler path, "
                            "or the id of a training model you own (GET /v1/models lists them)") from None
+        current = server.sampler.current_weights_ref(model)
+        if current is not None:
+            return current
         saved = [c for c in server.store.live_checkpoints(model) if c["kind"] == "sampler"]  # oldest first
         if not saved:
             raise HTTPException(404, f"model {model!r} has no sampler weights yet: call "

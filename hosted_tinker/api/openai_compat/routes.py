@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
@@ -79,8 +80,9 @@ def get_model(model: str, owner: str = Depends(require_owner), server: Server = 
     base = server.config.base_model
     if model == base:
         return _model_card(base, server.started_at, "hosted-tinker", None)
-    ckpt = resolve_model(server, access, owner, model)
-    return _model_card(model, Path(ckpt).stat().st_mtime, owner, base)
+    adapter = Path(resolve_model(server, access, owner, model))
+    # A training model's current weights (no directory): they are as new as now.
+    return _model_card(model, adapter.stat().st_mtime if adapter.is_dir() else time.time(), owner, base)
 
 
 @router.post("/v1/completions")
