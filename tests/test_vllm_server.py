@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,7 +34,10 @@ from tinker import types
 from tinker.types import RequestErrorCategory
 from transformers import AutoTokenizer
 
-from helpers import logprobs_of, sft_datum
+from helpers import checkpoint_dir, logprobs_of, sft_datum
+from hosted_tinker.sampling.vllm_adapters import AdapterVersions
+from hosted_tinker.sampling.vllm_server_backend import SnapshotPins
+from hosted_tinker.sampling.vllm_sidecar import VLLMSidecar
 from offline_hub import install_fake_hub_model, offline_env
 from server_process import ServerProcess
 from vllm_support import SPEC, vllm_python
@@ -222,6 +226,40 @@ def test_an_unloaded_model_leaves_vllm(srv, clients):
     wait_until(lambda: metric(srv, "hosted_tinker_vllm_adapter_versions") == versions - 1, "version retired", srv)
     with pytest.raises(openai.NotFoundError, match="has no sampler weights yet"):  # as on the built-in engine
         oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=2)
+
+
+def test_snapshot_pins_hold_a_snapshot_until_it_is_unused(srv, clients, tmp_path):
+    """`SnapshotPins` against the server's own vLLM (attached to a second time, from here), with a
+    clock the test moves: a pinned snapshot outlives the registry's LRU limit, an idle one does not."""
+    sc, _ = clients
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=6).result()
+    dirs = [str(checkpoint_dir(srv, tc.save_weights_for_sampler(f"pin-{i}").result().path)) for i in range(3)]
+    port = re.search(r"vLLM starting on port (\d+)", srv.log_path.read_text()).group(1)
+    sidecar = VLLMSidecar(url=f"http://127.0.0.1:{port}", served_model_name=MODEL)
+    adapters = AdapterVersions(sidecar, MODEL, lora_lm_head=True, root=tmp_path / "adapters", max_snapshots=1)
+    now = [0.0]
+    pins = SnapshotPins(adapters, max_pins=8, idle_s=60.0, clock=lambda: now[0])
+    sidecar.start()
+    try:
+        assert sidecar.wait_ready(WAIT)
+        before = {m["id"] for m in httpx.get(f"{sidecar.url}/v1/models").json()["data"]}
+
+        def ours() -> int:  # snapshots registered by `adapters`, after its removals ran
+            assert adapters.flush(WAIT)
+            return len({m["id"] for m in httpx.get(f"{sidecar.url}/v1/models").json()["data"]} - before)
+
+        for d in dirs[:2]:
+            pins.touch(d)
+            pins.flush()
+        assert ours() == 2  # beyond max_snapshots=1, yet both stay: they are pinned
+        now[0] += 61.0  # both unused for longer than idle_s
+        pins.touch(dirs[2])
+        pins.flush()
+        assert ours() == 1  # let go, so the LRU limit retired them; the new one is pinned
+    finally:
+        pins.close()
+        adapters.close()
+        sidecar.stop()
 
 
 def test_answers_and_errors_equal_the_builtin_engines(srv, builtin_srv, tok):

