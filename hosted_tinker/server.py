@@ -21,15 +21,14 @@ from .config import ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
-from .model_loading import load_base_model, pick_device, pick_dtype
-from .runtime.trainer import TrainingRuntime
+from .model_loading import pick_device
 from .sampling.backend import EngineBackend
 from .sampling.engine import SampleJob, SamplingEngine
 from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
 from .scheduler import ClockCycleScheduler, CyclePlan
-from .served_models import ModelRegistry, ServedModel
+from .served_models import ModelRegistry, ServedModel, build_runtime
 from .store import Store
 from .worker import TrainingWorker
 
@@ -68,10 +67,8 @@ def serve_model(config: ServerConfig, futures: FutureStore, store: Store, data_d
                 observer: Observer) -> ServedModel:
     """Load `config.base_model` and build the parts that serve it, each given what it needs."""
     device = pick_device(config.device)
-    model, tokenizer = load_base_model(config.base_model, data_dir, device, pick_dtype(config.dtype, device))
-    runtime = TrainingRuntime(model, config.base_model, device=device,
-                              max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                              max_live_adapters=config.max_live_adapters)
+    runtime, tokenizer = build_runtime(config, data_dir, device)
+    model = runtime.model  # with a sharded base, what the sampling engine calls (its forwards are mirrored)
     wake = threading.Event()  # the device loop's doorbell, rung by both kinds of producer
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=config.gap_timeout_s,
                                     gather_window_s=config.gather_window_s,
@@ -148,5 +145,6 @@ class Server:
         log.info("shutting down: finishing the running cycle")
         for model in self.models:
             model.loop.stop()
+            model.runtime.close()
         self.store.close()
         self.data_dir_lock.release()
