@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .runtime.adapters import AdamParams, LoRAConfig
-from .runtime.checkpoints import LoadedCheckpoint
+from .checkpoints.format import LoadedCheckpoint
 from .runtime.trainer import FBOutcome, FBWork, PassStats
 
 

@@ -11,12 +11,16 @@ loop (`ServedModel`, served_models.py); the store, the futures and the API keys 
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
 from .auth import ENV_VAR, KeyRing
+from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
+from .checkpoints.recovery import recover
+from .checkpoints.transfer import UrlSigner
 from .config import ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
@@ -29,7 +33,7 @@ from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
 from .scheduler import ClockCycleScheduler, CyclePlan
 from .served_models import ModelRegistry, ServedModel, build_runtime
-from .store import Store
+from .store import Store, db_path
 from .worker import TrainingWorker
 
 log = logging.getLogger(__name__)
@@ -63,8 +67,8 @@ class _Unobserved:
         pass
 
 
-def serve_model(config: ServerConfig, futures: FutureStore, store: Store, data_dir: Path,
-                observer: Observer) -> ServedModel:
+def serve_model(config: ServerConfig, futures: FutureStore, store: Store, checkpoints: CheckpointCatalog,
+                data_dir: Path, observer: Observer) -> ServedModel:
     """Load `config.base_model` and build the parts that serve it, each given what it needs."""
     device = pick_device(config.device)
     runtime, tokenizer = build_runtime(config, data_dir, device)
@@ -77,7 +81,7 @@ def serve_model(config: ServerConfig, futures: FutureStore, store: Store, data_d
     backend = EngineBackend(SamplingEngine(model, runtime.routing, tokenizer, device,
                                            on_request_done=observer.observe_sample),
                             SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
-    worker = TrainingWorker(runtime, futures, store, data_dir / "checkpoints", backend)
+    worker = TrainingWorker(runtime, futures, store, checkpoints, backend)
     return ServedModel(name=config.base_model, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
                        runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
                        sampler=SamplingService(backend, futures),
@@ -99,7 +103,7 @@ class Server:
             log.warning("=" * 78)
         else:
             log.info("%d API key(s) configured", len(self.keyring))
-        self.store = Store(data_dir / "hosted_tinker.sqlite3")
+        self.store = Store(db_path(data_dir))
         interrupted = self.store.fail_interrupted_futures(
             "the server restarted while this request was running; resubmit it")
         if interrupted:
@@ -108,7 +112,12 @@ class Server:
         self.store.mark_models_unloaded()
         self.futures = FutureStore(self.store)
         self.sample_records = SampleRecords(self.store, ttl_s=config.sample_record_ttl_s)
-        self.models = ModelRegistry([serve_model(config, self.futures, self.store, data_dir,
+        # Checkpoints of every served model: one catalog, one expiry sweep, one URL signing key.
+        self.checkpoints = CheckpointCatalog(self.store, data_dir / "checkpoints")
+        self.expiry = ExpirySweeper(self.checkpoints)
+        self.url_signer = UrlSigner(data_dir / "url_signing.key")
+        self.uploads = data_dir / "uploads"  # imports being received
+        self.models = ModelRegistry([serve_model(config, self.futures, self.store, self.checkpoints, data_dir,
                                                  observer or _Unobserved())])
 
     # The API's view of the one model served today (routes move to `models.get(base_model)`
@@ -138,11 +147,15 @@ class Server:
         return self.models.default.eos_token_ids
 
     def start(self) -> None:
+        recover(self.checkpoints)  # checkpoint records and folders agree again, before any work runs
+        shutil.rmtree(self.uploads, ignore_errors=True)  # imports cut short by the last stop
         for model in self.models:
             model.loop.start()
+        self.expiry.start()
 
     def stop(self) -> None:
         log.info("shutting down: finishing the running cycle")
+        self.expiry.stop()
         for model in self.models:
             model.loop.stop()
             model.runtime.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import database
 from hosted_tinker.config import ServerConfig, flag
 from hosted_tinker.model_loading import DTYPES
 from server_process import ServerProcess, free_port
@@ -85,7 +86,7 @@ def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
     summary = log[log.index("hosted-tinker 0.1.0 ready"):]
     assert f"ready at http://127.0.0.1:{srv.port}" in summary
     assert re.search(rf"data dir +{re.escape(str(srv.data_dir.resolve()))}\n", summary)
-    assert re.search(rf"database +{re.escape(str(srv.data_dir.resolve() / 'hosted_tinker.sqlite3'))}\n", summary)
+    assert re.search(rf"database +{re.escape(str(database(srv.data_dir).resolve()))}\n", summary)
     assert re.search(r"model +hosted-tinker/tiny-qwen3-embedded on cpu \(float32, ", summary)
     assert "auth       DEV MODE" in summary
     assert "LoRA rank <= 8; per key 4 live models" in summary and "7 samples per request" in summary

@@ -23,6 +23,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from ..checkpoints.paths import TinkerPath
 from ..server import Server
 from .deps import get_server
 
@@ -56,7 +57,11 @@ def _expires(ts: float | None) -> str:
     return f"in {left / 3600:.1f} h" if left < 48 * 3600 else f"in {left / 86400:.1f} days"
 
 
-templates.env.filters.update(when=_when, size=_size, expires=_expires)
+def _tinker_path(checkpoint) -> str:
+    return str(TinkerPath.of_record(checkpoint["model_id"], checkpoint["checkpoint_id"]))
+
+
+templates.env.filters.update(when=_when, size=_size, expires=_expires, tinker_path=_tinker_path)
 
 
 def _key(request: Request) -> str | None:

@@ -9,13 +9,14 @@ from fastapi import APIRouter, Depends, HTTPException
 from pydantic import Field
 
 from ..access import Access
+from ..checkpoints.paths import TinkerPath
 from ..sampling.engine import SampleJob
 from ..sampling.records import sequence_ids
 from ..server import Server
 from ..services.sampling import SamplingRequests
 from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
-from .training import _checkpoint_for_load, parse_tinker_path
+from .training import _checkpoint_for_load
 
 router = APIRouter()
 
@@ -61,7 +62,8 @@ def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Dep
     access.session(owner, body.session_id)
     sid = sampling_session_id(body.session_id, body.sampling_session_seq_id)
     if body.model_path is not None:
-        spec = _checkpoint_for_load(access, owner, body.model_path, with_optimizer=False)
+        spec = _checkpoint_for_load(access, owner, body.model_path, with_optimizer=False,
+                                    max_rank=sampling.config.max_lora_rank)
         ckpt_dir, path = str(spec.checkpoint_dir), body.model_path
     elif body.base_model is not None:
         ckpt_dir, path = None, None
@@ -172,8 +174,8 @@ def _recorder(server: Server, body: AsampleRequest, row, request_id: str, job: S
         return None
     version = None
     if row["model_path"] is not None:
-        run, kind, name = parse_tinker_path(row["model_path"])
-        ckpt = server.store.get_checkpoint(run, f"{kind}/{name}")
+        where = TinkerPath.parse(row["model_path"])
+        ckpt = server.store.get_checkpoint(where.run, where.checkpoint_id)
         version = None if ckpt is None else ckpt["created_at"]
     return server.sample_records.recorder(
         request_id=request_id, owner=row["owner"], session_id=row["session_id"],

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, adamw_step
-from .checkpoints import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
+from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
 from .invariance import FusionPolicy, RowIndependenceProbe
 from .losses import LOSS_INPUT_KEYS, LOSSES, merge_metrics, run_losses
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, segments_of

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.checkpoints import ADAPTER_WEIGHTS, MANIFEST, read_checkpoint
+from ..checkpoints.format import ADAPTER_WEIGHTS, MANIFEST, read_checkpoint
 from ..runtime.multi_lora import LoRAWeights, MultiLoRALinear, attach_adapter, detach_adapter
 
 

@@ -14,8 +14,8 @@ from typing import Callable
 from fastapi import HTTPException
 
 from ..access import Access
+from ..checkpoints.format import CheckpointError, read_manifest
 from ..runtime.adapters import AdamParams, LoRAConfig
-from ..runtime.checkpoints import MANIFEST
 from ..runtime.losses import LossInputError, resolve_loss_config, validate_datum
 from ..runtime.provenance import RecordNotFound, loss_inputs, named_sequences
 from ..runtime.trainer import DatumWork, FBWork
@@ -66,10 +66,12 @@ class TrainingRequests:
         self.access.session(owner, session_id)
         check_base_model(self.config, base_model)
         spec = find_checkpoint()
-        manifest = spec.checkpoint_dir / MANIFEST
-        lora = json.loads(manifest.read_text())["lora_config"] if manifest.is_file() else {}
-        return self._create(owner, f"{session_id}:train:{model_seq_id}", session_id, "load_weights", lora,
-                            optimizer, user_metadata, spec)
+        try:  # the model's record holds the manifest's LoRA config, checked, until the load replaces it
+            lora = read_manifest(spec.checkpoint_dir).lora_config.config()
+        except CheckpointError as e:
+            raise HTTPException(400, f"checkpoint {spec.path} cannot be loaded: {e}") from None
+        return self._create(owner, f"{session_id}:train:{model_seq_id}", session_id, "load_weights",
+                            lora.to_dict(), optimizer, user_metadata, spec)
 
     def _create(self, owner: str, model_id: str, session_id: str, kind: str, lora: dict, optimizer: dict,
                 user_metadata: dict, payload) -> dict:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from fastapi import HTTPException
 
 from ...access import Access, NotFound
+from ...checkpoints.paths import SCHEME
 from ...sampling.engine import SampleJob
 from ...server import Server
 from ..training import _checkpoint_for_load
@@ -44,8 +45,9 @@ def resolve_model(server: Server, access: Access, owner: str, model: str) -> str
         raise HTTPException(400, "model is required")
     if model == server.config.base_model:
         return None
-    if model.startswith("tinker://"):
-        ckpt_dir = _checkpoint_for_load(access, owner, model, with_optimizer=False).checkpoint_dir
+    if model.startswith(SCHEME):
+        ckpt_dir = _checkpoint_for_load(access, owner, model, with_optimizer=False,
+                                        max_rank=server.config.max_lora_rank).checkpoint_dir
     else:
         try:
             access.model(owner, model)

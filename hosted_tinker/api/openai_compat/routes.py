@@ -17,6 +17,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...access import Access
+from ...checkpoints.paths import TinkerPath
 from ...server import Server
 from ...services.sampling import SamplingRequests
 from ..deps import get_access, get_sampling, get_server, require_owner
@@ -69,7 +70,8 @@ def list_models(owner: str = Depends(require_owner), server: Server = Depends(ge
     rows, _ = server.store.owner_checkpoints(owner, limit=1 << 30, offset=0)
     for c in rows:
         if c["kind"] == "sampler" and Path(c["dir"]).is_dir():
-            data.append(_model_card(f"tinker://{c['model_id']}/{c['checkpoint_id']}", c["created_at"], owner, base))
+            path = TinkerPath.of_record(c["model_id"], c["checkpoint_id"])
+            data.append(_model_card(str(path), c["created_at"], owner, base))
     return {"object": "list", "data": data}
 
 
