@@ -18,6 +18,7 @@ import re
 import numpy as np
 import pytest
 import tinker
+import torch
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
@@ -66,8 +67,14 @@ def run_workload(server: ServerProcess) -> dict:
             for opt in [tc.optim_step(ADAM) for tc in clients]:
                 opt.result(timeout=WAIT)
         got["forward"] = logprobs_of(clients[0].forward(sft_batch(3, seed=7), "cross_entropy").result(timeout=WAIT))
+        # The first tenant again, alone: the exactness rule (its bits alone = its bits co-batched).
+        lora, loss, n = TENANTS[0]
+        solo = sc.create_lora_training_client(base_model=BASE_MODEL, **lora).result(timeout=WAIT)
+        for step in range(2):
+            solo.forward_backward(batch(loss, n, step), loss).result(timeout=WAIT)
+            solo.optim_step(ADAM).result(timeout=WAIT)
         got["weights"] = [read_adapter(server, tc.save_weights_for_sampler("w").result(timeout=WAIT).path)
-                          for tc in clients]
+                          for tc in [*clients, solo]]
         sampler = clients[1].save_weights_and_get_sampling_client().result(timeout=WAIT)
         sample = sampler.sample(types.ModelInput.from_ints(PROMPT), 2, types.SamplingParams(max_tokens=6, seed=3),
                                 include_prompt_logprobs=True).result(timeout=WAIT)
@@ -77,6 +84,8 @@ def run_workload(server: ServerProcess) -> dict:
 
 
 def assert_same(got: dict, want: dict) -> None:
+    co_batched, alone = got["weights"][0], got["weights"][-1]
+    assert all(torch.equal(co_batched[k], alone[k]) for k in alone), "a tenant's bits changed with its co-tenants"
     np.testing.assert_allclose(got["loss"], want["loss"], **TOL)
     for a, b in zip(got["logprobs"] + got["forward"], want["logprobs"] + want["forward"], strict=True):
         np.testing.assert_allclose(a, b, **TOL)
@@ -123,10 +132,13 @@ def train_steps(tc, steps) -> None:
         tc.optim_step(ADAM).result(timeout=WAIT)
 
 
-def test_a_rank_killed_mid_pass_fails_the_pass_and_training_goes_on(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2_sharded"])
+def test_a_rank_killed_mid_pass_fails_the_pass_and_training_goes_on(tmp_path, sharded):
     # Rank 1's third pass of its first epoch: it has summed its gradients into rank 0's and is
-    # killed (SIGKILL) before it sends its outputs.
-    srv = served(tmp_path / "pool", "--workers", "2", env={"HOSTED_TINKER_FAULTS": "rank1_epoch1_pass3"})
+    # killed (SIGKILL) before it sends its outputs. With a sharded base, rank 0's shards belong
+    # to the dead group: the relaunch also re-shards rank 0's base model.
+    srv = served(tmp_path / "pool", "--workers", "2", *(["--shard-base"] if sharded else []),
+                 env={"HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@3"})
     try:
         with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-pool") as sc:
             tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result(timeout=WAIT)

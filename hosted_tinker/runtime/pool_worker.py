@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         runtime = FollowerRuntime(model, settings.base_model, device=device, group=group, shard=settings.shard_base,
-                                  label=f"rank{rank}_epoch{epoch}",
+                                  epoch=epoch,
                                   max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
                                   max_live_adapters=settings.max_live_adapters)
         log.info("rank %d of %d ready (epoch %d, %s)", rank, settings.world, epoch, device)
