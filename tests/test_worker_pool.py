@@ -13,7 +13,9 @@ on CPU), driven through the real SDK.
 
 from __future__ import annotations
 
-import re
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
 from helpers import BASE_MODEL, logprobs_of, read_adapter, rl_datum, sft_batch
-from server_process import ServerProcess
+from server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.e2e
 WAIT = 300  # bound on any one result: a hung future fails the test here
@@ -132,37 +134,74 @@ def train_steps(tc, steps) -> None:
         tc.optim_step(ADAM).result(timeout=WAIT)
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2_sharded"])
-def test_a_rank_killed_mid_pass_fails_the_pass_and_training_goes_on(tmp_path, sharded):
-    # Rank 1's third pass of its first epoch: it has summed its gradients into rank 0's and is
-    # killed (SIGKILL) before it sends its outputs. With a sharded base, rank 0's shards belong
-    # to the dead group: the relaunch also re-shards rank 0's base model.
-    srv = served(tmp_path / "pool", "--workers", "2", *(["--shard-base"] if sharded else []),
-                 env={"HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@3"})
-    try:
-        with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-pool") as sc:
-            tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result(timeout=WAIT)
-            train_steps(tc, [0, 1])
-            checkpoint = tc.save_state("after-two").result(timeout=WAIT).path
-            with pytest.raises(tinker.RequestFailedError) as failed:
-                tc.forward_backward(sft_batch(4, seed=2), "cross_entropy").result(timeout=WAIT)
-            assert failed.value.category is RequestErrorCategory.Server
-            assert "worker pool" in failed.value.message
-            train_steps(tc, [2, 3])  # the pool is relaunched before this pass; the retried step 2 counts once
-            interrupted = read_adapter(srv, tc.save_weights_for_sampler("end").result(timeout=WAIT).path)
+def interrupted_training(srv: ServerProcess) -> None:
+    """Two steps, a checkpoint, then a step whose pass loses a rank (the server was started with
+    `pool.rank_mid_pass@3` armed: rank 1 is killed in its third pass, after its gradients were
+    summed into rank 0's and before its outputs were sent). That request fails with category
+    `server`; retried, it counts once; an uninterrupted run and a run resumed from the checkpoint
+    end with the same weights."""
+    with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-pool") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result(timeout=WAIT)
+        train_steps(tc, [0, 1])
+        checkpoint = tc.save_state("after-two").result(timeout=WAIT).path
+        with pytest.raises(tinker.RequestFailedError) as failed:
+            tc.forward_backward(sft_batch(4, seed=2), "cross_entropy").result(timeout=WAIT)
+        assert failed.value.category is RequestErrorCategory.Server
+        assert "worker pool" in failed.value.message
+        train_steps(tc, [2, 3])  # the pool is relaunched before this pass
+        interrupted = read_adapter(srv, tc.save_weights_for_sampler("end").result(timeout=WAIT).path)
 
-            reference = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result(timeout=WAIT)
-            train_steps(reference, [0, 1, 2, 3])
-            uninterrupted = read_adapter(srv, reference.save_weights_for_sampler("end").result(timeout=WAIT).path)
+        reference = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result(timeout=WAIT)
+        train_steps(reference, [0, 1, 2, 3])
+        uninterrupted = read_adapter(srv, reference.save_weights_for_sampler("end").result(timeout=WAIT).path)
 
-            resumed = sc.create_training_client_from_state_with_optimizer(checkpoint).result(timeout=WAIT)
-            train_steps(resumed, [2, 3])
-            from_checkpoint = read_adapter(srv, resumed.save_weights_for_sampler("end").result(timeout=WAIT).path)
-    finally:
-        srv.stop()
+        resumed = sc.create_training_client_from_state_with_optimizer(checkpoint).result(timeout=WAIT)
+        train_steps(resumed, [2, 3])
+        from_checkpoint = read_adapter(srv, resumed.save_weights_for_sampler("end").result(timeout=WAIT).path)
     for key, want in uninterrupted.items():
         np.testing.assert_allclose(interrupted[key].numpy(), want.numpy(), **TOL, err_msg=key)
         np.testing.assert_allclose(from_checkpoint[key].numpy(), want.numpy(), **TOL, err_msg=key)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2_sharded"])
+def test_a_rank_killed_mid_pass_fails_the_pass_and_training_goes_on(tmp_path, sharded):
+    # With a sharded base rank 0's shards belong to the dead group: the relaunch re-shards them.
+    srv = served(tmp_path / "pool", "--workers", "2", *(["--shard-base"] if sharded else []),
+                 env={"HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@3"})
+    try:
+        interrupted_training(srv)
+    finally:
+        srv.stop()
     log = srv.log_path.read_text()
-    assert re.search(r"worker pool: back \(epoch 2, relaunch 1\)", log)
+    assert "worker pool: back (epoch 2, relaunch 1)" in log
     assert "rank 1 of 2 ready (epoch 2" in log
+
+
+def test_two_machines_launched_as_documented(tmp_path):
+    """docs/scale.md's two-machine launch, both "machines" here: the server (machine 0, rank 0)
+    and `launch.sh pool-node` (machine 1: torchrun, rank 1, with its own data directory). When
+    rank 1 is killed, its torchrun starts it again, it asks rank 0 for a new epoch, and training
+    goes on as on one machine."""
+    port = free_port()
+    node_log = open(tmp_path / "node.log", "wb")
+    node = subprocess.Popen(
+        [sys.executable, "-m", "hosted_tinker.runtime.pool_launch", "--nnodes", "2", "--node-rank", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "--workers", "1",
+         "--data-dir", str(tmp_path / "machine1")],
+        stdout=node_log, stderr=subprocess.STDOUT, env={**os.environ, "HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@3"})
+    try:
+        srv = served(tmp_path / "machine0", "--workers", "1", "--nnodes", "2", "--master-addr", "127.0.0.1",
+                     "--master-port", str(port))
+        try:
+            interrupted_training(srv)
+        finally:
+            srv.stop()
+        assert node.wait(WAIT) == 0  # told to stop: machine 1's torchrun ends with the pool
+    finally:
+        if node.poll() is None:
+            node.terminate()
+            node.wait(WAIT)
+        node_log.close()
+    assert "worker pool: back (epoch 2, relaunch 1)" in srv.log_path.read_text()
+    machine1 = (tmp_path / "node.log").read_text()
+    assert "rank 1 of 2 ready (epoch 1" in machine1 and "rank 1 of 2 ready (epoch 2" in machine1
