@@ -14,6 +14,7 @@ on CPU), driven through the real SDK.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -26,6 +27,7 @@ from tinker.types.request_error_category import RequestErrorCategory
 
 from helpers import BASE_MODEL, logprobs_of, read_adapter, rl_datum, sft_batch
 from server_process import ServerProcess, free_port
+from test_startup import assert_one_line_error, serve
 
 pytestmark = pytest.mark.e2e
 WAIT = 300  # bound on any one result: a hung future fails the test here
@@ -205,3 +207,24 @@ def test_two_machines_launched_as_documented(tmp_path):
     assert "worker pool: back (epoch 2, relaunch 1)" in srv.log_path.read_text()
     machine1 = (tmp_path / "node.log").read_text()
     assert "rank 1 of 2 ready (epoch 1" in machine1 and "rank 1 of 2 ready (epoch 2" in machine1
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (("--shard-base",), r"--shard-base shards the base model across the pool's ranks: give it more than one "
+                        r"\(--workers N and/or --nnodes M\)"),
+    (("--workers", "2", "--nnodes", "2"), r"--nnodes 2: the other machines need a fixed --master-port \(and a "
+                                          r"--master-addr they can reach\) to join the pool"),
+])
+def test_a_pool_that_cannot_work_is_one_line_before_anything_starts(tmp_path, args, pattern):
+    out = serve(tmp_path, *args)
+    assert_one_line_error(out, pattern)
+
+
+def test_a_rendezvous_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = serve(tmp_path, "--workers", "2", "--master-port", str(port))
+    assert_one_line_error(out, rf"--master-port {port}: cannot listen on 127\.0\.0\.1:{port} \(.*\); choose another "
+                               r"port, or a --master-addr of this machine")

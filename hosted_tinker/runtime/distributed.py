@@ -293,7 +293,9 @@ class ShardedBase:
         self._before_call()
         return self.module(*args, **kwargs)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):  # only for names the handle lacks: config, parameters, ...
+        if name == "module":  # not set yet (never delegate it, or this recurses)
+            raise AttributeError(name)
         return getattr(self.module, name)
 
 

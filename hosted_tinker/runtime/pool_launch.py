@@ -131,6 +131,9 @@ class RankPool:
 
     def __init__(self, settings: PoolSettings, *, master_addr: str, master_port: int, device: torch.device,
                  data_dir: Path):
+        if dist.is_initialized():
+            raise PoolUnavailable("this process already runs a worker pool: torch.distributed has one default "
+                                  "process group per process, so a server has at most one pool")
         self.settings = settings
         self.master_addr = master_addr
         self.device = device
