@@ -49,7 +49,7 @@ from hosted_tinker.embedded_model import SPEC_PRESETS, build_tiny_model  # noqa:
 from hosted_tinker.model_loading import load_base_model  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
-from hosted_tinker.served_models import build_runtime  # noqa: E402
+from hosted_tinker.served_models import make_runtime  # noqa: E402
 from bench_common import cpu_stall_us, fb_work, paired_ratio, tenant_rows  # noqa: E402
 
 LORA = LoRAConfig(rank=16, train_unembed=False)
@@ -110,7 +110,7 @@ def main() -> int:
 
     config = ServerConfig(base_model=str(src), data_dir=tmp, device="cpu", workers=2, shard_base=args.shard_base,
                           log_level="warning")
-    pool, _ = build_runtime(config, tmp, cpu)  # (b); sets this process's torch threads to 1 (2 ranks / 2 CPUs)
+    pool, _ = make_runtime(str(src), cpu, config, tmp)  # (b); sets this process's torch threads to 1 (2 ranks / 2 CPUs)
     try:
         torch.set_num_threads(1)
         single = TrainingRuntime(load_base_model(str(src), tmp, cpu, torch.float32)[0], str(src), device=cpu)

@@ -4,12 +4,15 @@ HTTP route (api/) -> FutureStore (futures.py) + ClockCycleScheduler (scheduler.p
 -> DeviceLoop (device_loop.py) -> TrainingWorker (worker.py) -> ModelRuntime (runtime/trainer.py)
 and, between training cycles, the sampling backend (sampling/backend.py).
 
-Each served base model gets its own runtime, scheduler, worker, sampling backend and device
-loop (`ServedModel`, served_models.py); the store, the futures and the API keys are shared.
+Each served base model (`--base-model`, once per model) gets its own runtime, scheduler, worker,
+sampling backend and device loop on its own device (`ServedModel`, served_models.py); the store,
+the futures, the checkpoints and the API keys are shared. Routes find a request's model in
+`Server.models` by the base model it names or its objects were made on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import threading
@@ -21,7 +24,7 @@ from .auth import ENV_VAR, KeyRing
 from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
 from .checkpoints.recovery import recover
 from .checkpoints.transfer import UrlSigner
-from .config import ServerConfig
+from .config import ModelEntry, ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
@@ -32,7 +35,7 @@ from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
 from .scheduler import ClockCycleScheduler, CyclePlan
-from .served_models import ModelRegistry, ServedModel, build_runtime
+from .served_models import ModelRegistry, ServedModel, make_runtime
 from .store import Store, db_path
 from .worker import TrainingWorker
 
@@ -52,26 +55,27 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 
 class Observer(Protocol):
-    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick."""
+    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick.
+    `base_model`: the served model whose loop it is."""
 
-    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None: ...
+    def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None: ...
 
-    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None: ...
+    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None: ...
 
 
 class _Unobserved:
-    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None:
+    def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None:
         pass
 
-    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None:
+    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None:
         pass
 
 
-def serve_model(config: ServerConfig, futures: FutureStore, store: Store, checkpoints: CheckpointCatalog,
-                data_dir: Path, observer: Observer) -> ServedModel:
-    """Load `config.base_model` and build the parts that serve it, each given what it needs."""
-    device = pick_device(config.device)
-    runtime, tokenizer = build_runtime(config, data_dir, device)
+def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, store: Store,
+                checkpoints: CheckpointCatalog, data_dir: Path, observer: Observer) -> ServedModel:
+    """Load one base model onto its device and build the parts that serve it, each given what it needs."""
+    name, device = entry.name, pick_device(entry.device)
+    runtime, tokenizer = make_runtime(name, device, config, data_dir)
     model = runtime.model  # with a sharded base, what the sampling engine calls (its forwards are mirrored)
     wake = threading.Event()  # the device loop's doorbell, rung by both kinds of producer
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=config.gap_timeout_s,
@@ -79,13 +83,14 @@ def serve_model(config: ServerConfig, futures: FutureStore, store: Store, checkp
                                     max_tokens_per_cycle=config.max_tokens_per_cycle,
                                     max_models_per_cycle=config.max_live_adapters)
     backend = EngineBackend(SamplingEngine(model, runtime.routing, tokenizer, device,
-                                           on_request_done=observer.observe_sample),
+                                           on_request_done=functools.partial(observer.observe_sample, name)),
                             SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
     worker = TrainingWorker(runtime, futures, store, checkpoints, backend)
-    return ServedModel(name=config.base_model, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
+    return ServedModel(name=name, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
                        runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
                        sampler=SamplingService(backend, futures),
-                       loop=DeviceLoop(scheduler, worker, backend, futures, wake, on_cycle=observer.observe_cycle))
+                       loop=DeviceLoop(scheduler, worker, backend, futures, wake,
+                                       on_cycle=functools.partial(observer.observe_cycle, name)))
 
 
 class Server:
@@ -117,34 +122,9 @@ class Server:
         self.expiry = ExpirySweeper(self.checkpoints)
         self.url_signer = UrlSigner(data_dir / "url_signing.key")
         self.uploads = data_dir / "uploads"  # imports being received
-        self.models = ModelRegistry([serve_model(config, self.futures, self.store, self.checkpoints, data_dir,
-                                                 observer or _Unobserved())])
-
-    # The API's view of the one model served today (routes move to `models.get(base_model)`
-    # when several are).
-    @property
-    def runtime(self):
-        return self.models.default.runtime
-
-    @property
-    def scheduler(self) -> ClockCycleScheduler:
-        return self.models.default.scheduler
-
-    @property
-    def worker(self) -> TrainingWorker:
-        return self.models.default.worker
-
-    @property
-    def sampler(self) -> SamplingService:
-        return self.models.default.sampler
-
-    @property
-    def tokenizer(self):
-        return self.models.default.tokenizer
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return self.models.default.eos_token_ids
+        observer = observer or _Unobserved()
+        self.models = ModelRegistry([serve_model(entry, config, self.futures, self.store, self.checkpoints, data_dir,
+                                                 observer) for entry in config.served_models])
 
     def start(self) -> None:
         recover(self.checkpoints)  # checkpoint records and folders agree again, before any work runs

@@ -3,12 +3,14 @@
 `hosted-tinker serve` runs, in this order, each step only if the ones before passed:
 
 1. settings (config.py: types, ranges, choices);
-2. `preflight`: the device exists, the keys file parses, the data directory can be written, the
-   port is bound (the bound socket is handed to uvicorn, so nothing can take it meanwhile), the
-   model can be found (local directory, Hugging Face cache, or a hub that answers);
-3. `Server` (server.py): data-directory lock, store, then the model load, the slow part.
+2. `preflight`: every served model's device exists, the keys file parses, the data directory can
+   be written, the port is bound (the bound socket is handed to uvicorn, so nothing can take it
+   meanwhile), every served model can be found (local directory, Hugging Face cache, or a hub
+   that answers);
+3. `Server` (server.py): data-directory lock, store, then the model loads, the slow part.
 
-A failed check is one line saying what is wrong and what to do (`StartupError`), never a traceback.
+A failed check is one line per mistake saying what is wrong and what to do (`StartupError`), never
+a traceback.
 """
 
 from __future__ import annotations
@@ -26,44 +28,76 @@ from .model_loading import ModelUnavailable, check_model_available
 
 
 class StartupError(RuntimeError):
-    """A setting that cannot work on this machine; the message is one line with the fix."""
+    """Settings that cannot work on this machine: one line per mistake, each with its fix."""
+
+    def __init__(self, *problems: str):
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
 
 
 @dataclass
 class Preflight:
     sock: socket.socket  # bound, not yet listening: uvicorn listens on it
     port: int  # the bound port (differs from the setting when that is 0)
-    model_source: str  # where the model will come from, for the log
+    model_sources: dict[str, str]  # served model -> where it will come from, for the log
 
 
 def preflight(config: ServerConfig) -> Preflight:
-    _check_device(config.device)
+    _check_devices(config)
     _check_pool(config)
     _check_keys(config.api_keys_file)
     _check_data_dir(Path(config.data_dir))
     sock = bind_port(config.host, config.port)
     try:
-        source = check_model_available(config.base_model)
-    except ModelUnavailable as e:
+        sources = _check_models(config)
+    except StartupError:
         sock.close()
-        raise StartupError(str(e)) from None
-    return Preflight(sock=sock, port=sock.getsockname()[1], model_source=source)
+        raise
+    return Preflight(sock=sock, port=sock.getsockname()[1], model_sources=sources)
 
 
-def _check_device(spec: str) -> None:
+def _check_devices(config: ServerConfig) -> None:
+    # One line per setting that chose a device, as written, however many models it names.
+    settings: dict[str, tuple[str, str]] = {}
+    for entry in config.served_models:
+        if entry.own_device:
+            settings[f"{flag('base_model')} {entry.name}@{entry.device}"] = (entry.device,
+                                                                             "use cpu (or auto) after the '@'")
+        else:
+            settings[f"{flag('device')} {entry.device}"] = (entry.device, f"use {flag('device')} cpu (or auto)")
+    problems = [f"{where}: {problem}" for where, (device, fix) in settings.items()
+                if (problem := _device_problem(device, fix))]
+    if problems:
+        raise StartupError(*problems)
+
+
+def _device_problem(spec: str, fix: str) -> str | None:
+    """What is wrong with torch device `spec` on this machine (`fix`: how to give another), or None."""
     kind = spec.split(":")[0]
     if kind in ("auto", "cpu"):
-        return
+        return None
     import torch
 
     backend = getattr(torch, kind, None)
     if backend is None or not backend.is_available():
-        raise StartupError(f"{flag('device')} {spec}: no {kind} device is available to torch on this machine; "
-                           f"use {flag('device')} cpu (or auto)")
+        return f"no {kind} device is available to torch on this machine; {fix}"
     index = int(spec.split(":")[1]) if ":" in spec else 0
     if index >= backend.device_count():
-        raise StartupError(f"{flag('device')} {spec}: this machine has {backend.device_count()} {kind} device(s), "
-                           f"numbered from 0")
+        return f"this machine has {backend.device_count()} {kind} device(s), numbered from 0"
+    return None
+
+
+def _check_models(config: ServerConfig) -> dict[str, str]:
+    """Where each served model will come from; every one that cannot be found is a line."""
+    sources, problems = {}, []
+    for entry in config.served_models:
+        try:
+            sources[entry.name] = check_model_available(entry.name)
+        except ModelUnavailable as e:
+            problems.append(str(e))
+    if problems:
+        raise StartupError(*problems)
+    return sources
 
 
 def _check_pool(config: ServerConfig) -> None:
@@ -74,15 +108,20 @@ def _check_pool(config: ServerConfig) -> None:
                            f"one ({flag('workers')} N and/or {flag('nnodes')} M)")
     if ranks == 1:
         return
+    models = config.served_models
+    if len(models) > 1:
+        raise StartupError(f"{flag('workers')} / {flag('nnodes')}: a worker pool serves one base model (torch.distributed "
+                           f"has one process group per process) and {len(models)} were given; run a server per model")
     if config.nnodes > 1 and not config.master_port:
         raise StartupError(f"{flag('nnodes')} {config.nnodes}: the other machines need a fixed {flag('master_port')} "
                            f"(and a {flag('master_addr')} they can reach) to join the pool")
-    kind = config.device.split(":")[0]
+    device = models[0].device
+    kind = device.split(":")[0]
     if kind not in ("auto", "cpu", "cuda"):
         raise StartupError(f"{flag('workers')}: a worker pool runs on CPU (gloo) or CUDA GPUs (NCCL), not {kind}")
-    if kind == "cuda" and ":" in config.device:
-        raise StartupError(f"{flag('device')} {config.device}: with a worker pool the ranks use cuda:0..N-1; "
-                           "choose the GPUs with CUDA_VISIBLE_DEVICES and pass --device cuda")
+    if kind == "cuda" and ":" in device:
+        raise StartupError(f"{device}: with a worker pool the ranks use cuda:0..N-1; choose the GPUs with "
+                           f"CUDA_VISIBLE_DEVICES and give the device as cuda")
     if kind in ("auto", "cuda"):
         import torch
 
@@ -148,12 +187,17 @@ def base_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
+def _model_line(served) -> str:
+    runtime = served.runtime
+    dtype = str(next(runtime.model.parameters()).dtype).removeprefix("torch.")
+    params = sum(p.numel() for p in runtime.model.parameters())
+    return (f"{served.name} on {runtime.device} ({dtype}, {params / 1e6:.1f}M parameters, "
+            f"context {runtime.max_context})")
+
+
 def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
     """What an operator needs to know once the server is up (also what it accepts from whom)."""
     data_dir = Path(config.data_dir).resolve()
-    runtime = server.runtime
-    dtype = str(next(runtime.model.parameters()).dtype).removeprefix("torch.")
-    params = sum(p.numel() for p in runtime.model.parameters())
     if server.keyring.dev_mode:
         auth = f"DEV MODE: any key starting with 'tml-' is accepted (set ${ENV_VAR} or {flag('api_keys_file')})"
     else:
@@ -161,7 +205,8 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
     c = config
     listening = "" if url.endswith(f"//{c.host}:{c.port}") else f" (listening on {c.host}:{c.port})"
     pool = []
-    if c.workers * c.nnodes > 1:
+    if c.workers * c.nnodes > 1:  # one served model (preflight): its runtime is the pool's rank 0
+        runtime = next(iter(server.models)).runtime
         pool = [f"  pool       {c.workers * c.nnodes} ranks ({c.workers} per machine x {c.nnodes} machine(s), "
                 f"{'NCCL' if runtime.device.type == 'cuda' else 'gloo'}), base "
                 f"{'sharded (FSDP2)' if c.shard_base else 'replicated'}; rendezvous store "
@@ -171,8 +216,7 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
         f"  SDK        tinker.ServiceClient(base_url=\"{url}\"); OpenAI API {url}/v1; dashboard {url}/dashboard",
         f"  data dir   {data_dir}",
         f"  database   {server.store.path.resolve()}",
-        f"  model      {c.base_model} on {runtime.device} ({dtype}, {params / 1e6:.1f}M parameters, "
-        f"context {runtime.max_context})",
+        *(f"  model      {_model_line(served)}" for served in server.models),
         *pool,
         f"  tokenizer  export HF_ENDPOINT={url} and tc.get_tokenizer() fetches it from this server",
         f"  auth       {auth}",

@@ -131,8 +131,8 @@ def route_stats(text: str, route: str) -> tuple[int, float]:
 
 
 def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    """Summed over its label sets (a served model's series carry its base_model)."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
 @pytest.fixture(scope="module")

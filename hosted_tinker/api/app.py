@@ -38,7 +38,7 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         app.state.metrics.bind(srv)
         srv.start()
         app.state.server = srv
-        app.state.access = Access(srv.store, srv.scheduler.has_model)
+        app.state.access = Access(srv.store, srv.models.has_training_model)
         app.state.training = TrainingRequests(srv, app.state.access)
         app.state.sampling = SamplingRequests(srv, app.state.access)
         pruner = asyncio.create_task(_prune_forever(srv))

@@ -111,7 +111,7 @@ def overview(request: Request):
     session_ids, _ = server.store.list_sessions(owner, ROWS, 0)
     sessions = [server.store.get_session(sid) for sid in session_ids]
     return templates.TemplateResponse(request, "overview.html", {
-        "owner": owner, "base_model": server.config.base_model, "dev_mode": server.keyring.dev_mode,
+        "owner": owner, "base_models": server.models.names, "dev_mode": server.keyring.dev_mode,
         "runs": run_rows, "checkpoints": checkpoints, "sessions": [s for s in sessions if s is not None],
         "session_runs": {sid: len(server.store.session_model_ids(sid)) for sid in session_ids}})
 
@@ -165,7 +165,8 @@ def cycles(request: Request):
     """Recent clock cycles: how full each was. Server-wide totals, no tenant's identity."""
     _require_owner(request)
     server = get_server(request)
-    return {"cycles": request.app.state.metrics.recent_cycles(), "queue_depth": server.scheduler.queue_depth(),
+    queued = sum(served.scheduler.queue_depth() for served in server.models)
+    return {"cycles": request.app.state.metrics.recent_cycles(), "queue_depth": queued,
             "max_tokens_per_cycle": server.config.max_tokens_per_cycle}
 
 

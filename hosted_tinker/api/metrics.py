@@ -10,6 +10,8 @@ Two kinds of series:
   from their attributes at scrape time by `_ServerCollector`, under the names they always had.
 
 Each app has its own registry, so several servers in one process (tests) never share series.
+What a served base model's own parts do (its cycles, queue, adapters, sampling) carries a
+`base_model` label: each model has its own device loop; sum over the label for the server.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from ..sampling.engine import SampleJob
+    from ..served_models import ServedModel
     from ..scheduler import CyclePlan
     from ..server import Server
 
@@ -53,20 +56,20 @@ class Metrics:
                                          registry=r)
         self.queue_wait = Histogram("hosted_tinker_queue_wait_seconds",
                                     "time a training request waited between arriving and its cycle starting, by kind",
-                                    ["kind"], buckets=_SECONDS, registry=r)
+                                    ["base_model", "kind"], buckets=_SECONDS, registry=r)
         self.cycle_duration = Histogram("hosted_tinker_cycle_duration_seconds", "duration of a clock cycle",
-                                        buckets=_SECONDS, registry=r)
+                                        ["base_model"], buckets=_SECONDS, registry=r)
         self.fused_tokens = Histogram("hosted_tinker_fused_pass_tokens", "tokens in a fused forward/backward pass",
-                                      buckets=_TOKENS, registry=r)
+                                      ["base_model"], buckets=_TOKENS, registry=r)
         self.fused_models = Histogram("hosted_tinker_fused_pass_models",
-                                      "tenants (adapters) in a fused forward/backward pass", buckets=_TENANTS,
-                                      registry=r)
+                                      "tenants (adapters) in a fused forward/backward pass", ["base_model"],
+                                      buckets=_TENANTS, registry=r)
         self.ttft = Histogram("hosted_tinker_sampling_time_to_first_token_seconds",
-                              "time from a sample request's arrival to its first generated token", buckets=_SECONDS,
-                              registry=r)
+                              "time from a sample request's arrival to its first generated token", ["base_model"],
+                              buckets=_SECONDS, registry=r)
         self.tokens_per_second = Histogram("hosted_tinker_sampling_tokens_per_second",
                                            "generated tokens per second of a sample request, after its first token",
-                                           buckets=_RATES, registry=r)
+                                           ["base_model"], buckets=_RATES, registry=r)
         self._server: Server | None = None
         r.register(_ServerCollector(lambda: self._server))
         self._lock = threading.Lock()
@@ -82,33 +85,35 @@ class Metrics:
         self.request_seconds.labels(route).inc(seconds)
         self.request_latency.labels(route).observe(seconds)
 
-    def observe_cycle(self, plan: "CyclePlan", seconds: float) -> None:
-        """Called on the device loop's thread after each training cycle."""
+    def observe_cycle(self, base_model: str, plan: "CyclePlan", seconds: float) -> None:
+        """Called on `base_model`'s device loop thread after each of its training cycles."""
         started = time.monotonic() - seconds
         for req in (*plan.compute, *plan.optim, *plan.tail):
-            self.queue_wait.labels(req.kind).observe(max(0.0, started - req.arrived_at))
-        self.cycle_duration.observe(seconds)
-        tokens = tenants = 0
-        if plan.compute and self._server is not None:
-            stats = self._server.runtime.last_pass
-            tokens, tenants = stats.tokens, stats.models
-            self.fused_tokens.observe(tokens)
-            self.fused_models.observe(tenants)
-        queued = self._server.scheduler.queue_depth() if self._server is not None else 0
+            self.queue_wait.labels(base_model, req.kind).observe(max(0.0, started - req.arrived_at))
+        self.cycle_duration.labels(base_model).observe(seconds)
+        tokens = tenants = queued = 0
+        if self._server is not None:
+            served = self._server.models.get(base_model)
+            queued = served.scheduler.queue_depth()
+            if plan.compute:
+                stats = served.runtime.last_pass
+                tokens, tenants = stats.tokens, stats.models
+                self.fused_tokens.labels(base_model).observe(tokens)
+                self.fused_models.labels(base_model).observe(tenants)
         with self._lock:
-            self._cycles.append({"t": time.time(), "seconds": seconds, "tokens": tokens, "tenants": tenants,
-                                 "requests": len(plan.compute) + len(plan.optim) + len(plan.tail),
+            self._cycles.append({"t": time.time(), "base_model": base_model, "seconds": seconds, "tokens": tokens,
+                                 "tenants": tenants, "requests": len(plan.compute) + len(plan.optim) + len(plan.tail),
                                  "queue_depth": queued})
 
-    def observe_sample(self, job: "SampleJob", generated_tokens: int) -> None:
-        """Called on the device loop's thread when a sample request has all its sequences."""
+    def observe_sample(self, base_model: str, job: "SampleJob", generated_tokens: int) -> None:
+        """Called on `base_model`'s device loop thread when a sample request has all its sequences."""
         if job.first_token_at is None:
             return
         now = time.perf_counter()
-        self.ttft.observe(job.first_token_at - job.submitted_at)
+        self.ttft.labels(base_model).observe(job.first_token_at - job.submitted_at)
         decoding = now - job.first_token_at
         if decoding > 0 and generated_tokens > job.num_samples:
-            self.tokens_per_second.observe((generated_tokens - job.num_samples) / decoding)
+            self.tokens_per_second.labels(base_model).observe((generated_tokens - job.num_samples) / decoding)
 
     def recent_cycles(self) -> list[dict]:
         with self._lock:
@@ -116,6 +121,49 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_C, _G = CounterMetricFamily, GaugeMetricFamily
+# (family, name, help, value of one served model), read from its own parts at scrape time;
+# `.sampling_backend` is the built-in engine's, whose counters these are.
+_PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
+    (_C, "hosted_tinker_cycles", "clock cycles run", lambda m: m.scheduler.cycles),
+    (_C, "hosted_tinker_cycle_seconds", "time spent in clock cycles", lambda m: m.scheduler.cycle_seconds_total),
+    (_G, "hosted_tinker_last_cycle_seconds", "duration of the last cycle", lambda m: m.scheduler.last_cycle_seconds),
+    (_G, "hosted_tinker_last_cycle_models", "models served by the last cycle",
+     lambda m: m.scheduler.last_cycle_models),
+    (_G, "hosted_tinker_last_cycle_requests", "requests executed by the last cycle",
+     lambda m: m.scheduler.last_cycle_requests),
+    (_G, "hosted_tinker_last_fused_pass_models", "adapters packed into the last fused forward/backward",
+     lambda m: m.worker.last_cycle_models),
+    (_G, "hosted_tinker_last_fused_pass_tokens", "tokens in the last fused forward/backward",
+     lambda m: m.worker.last_cycle_tokens),
+    (_G, "hosted_tinker_last_fused_pass_padded_tokens",
+     "token slots computed by the last fused pass, padding included (vs _tokens: padding waste)",
+     lambda m: m.runtime.last_pass.padded_tokens),
+    (_C, "hosted_tinker_fused_passes", "forward/backward passes that carried several models",
+     lambda m: m.worker.fused_passes),
+    (_C, "hosted_tinker_trained_tokens", "tokens through forward/backward", lambda m: m.worker.tokens_total),
+    (_G, "hosted_tinker_queue_depth", "training requests waiting", lambda m: m.scheduler.queue_depth()),
+    (_G, "hosted_tinker_adapters", "adapters held by the runtime (on the device or paged out)",
+     lambda m: len(m.runtime.adapters)),
+    (_G, "hosted_tinker_live_adapters", "adapters resident on the device", lambda m: len(m.runtime.live)),
+    (_C, "hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", lambda m: m.runtime.page_outs),
+    (_C, "hosted_tinker_sample_requests", "sample requests answered",
+     lambda m: m.sampling_backend.engine.requests_done),
+    (_C, "hosted_tinker_sampled_tokens", "tokens generated by sampling",
+     lambda m: m.sampling_backend.engine.tokens_generated),
+    (_G, "hosted_tinker_sampling_active_sequences", "sequences being generated now",
+     lambda m: m.sampling_backend.engine.active_rows),
+    (_C, "hosted_tinker_sampling_requests_cancelled",
+     "sample requests dropped unfinished because nobody waited for them any more (client gone)",
+     lambda m: m.sampling_backend.engine.requests_cancelled),
+    (_C, "hosted_tinker_sampler_weight_syncs",
+     "sampler adapter snapshots loaded onto the device (weights synced for sampling)",
+     lambda m: m.sampling_backend.snapshots.loads),
+    (_G, "hosted_tinker_sampler_snapshots", "sampler adapter snapshots resident on the device",
+     lambda m: len(m.sampling_backend.snapshots)),
+]
 
 
 class _ServerCollector(Collector):
@@ -128,49 +176,13 @@ class _ServerCollector(Collector):
         server = self._server()
         if server is None:
             return
-        sch, wk, rt = server.scheduler, server.worker, server.runtime
-        backend = server.models.default.sampling_backend  # the built-in engine's counters
-        engine, snapshots = backend.engine, backend.snapshots
-
-        def counter(name: str, help: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, help, value=value)
-
-        def gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, help, value=value)
-
-        yield counter("hosted_tinker_cycles", "clock cycles run", sch.cycles)
-        yield counter("hosted_tinker_cycle_seconds", "time spent in clock cycles", sch.cycle_seconds_total)
-        yield gauge("hosted_tinker_last_cycle_seconds", "duration of the last cycle", sch.last_cycle_seconds)
-        yield gauge("hosted_tinker_last_cycle_models", "models served by the last cycle", sch.last_cycle_models)
-        yield gauge("hosted_tinker_last_cycle_requests", "requests executed by the last cycle",
-                    sch.last_cycle_requests)
-        yield gauge("hosted_tinker_last_fused_pass_models", "adapters packed into the last fused forward/backward",
-                    wk.last_cycle_models)
-        yield gauge("hosted_tinker_last_fused_pass_tokens", "tokens in the last fused forward/backward",
-                    wk.last_cycle_tokens)
-        yield gauge("hosted_tinker_last_fused_pass_padded_tokens",
-                    "token slots computed by the last fused pass, padding included (vs _tokens: padding waste)",
-                    rt.last_pass.padded_tokens)
-        yield counter("hosted_tinker_fused_passes", "forward/backward passes that carried several models",
-                      wk.fused_passes)
-        yield counter("hosted_tinker_trained_tokens", "tokens through forward/backward", wk.tokens_total)
-        yield gauge("hosted_tinker_queue_depth", "training requests waiting", sch.queue_depth())
-        yield gauge("hosted_tinker_adapters", "adapters held by the runtime (on the device or paged out)",
-                    len(rt.adapters))
-        yield gauge("hosted_tinker_live_adapters", "adapters resident on the device", len(rt.live))
-        yield counter("hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", rt.page_outs)
-        yield counter("hosted_tinker_futures_resolved", "futures resolved", server.futures.resolved_total)
-        yield counter("hosted_tinker_sample_requests", "sample requests answered", engine.requests_done)
-        yield counter("hosted_tinker_sampled_tokens", "tokens generated by sampling", engine.tokens_generated)
-        yield gauge("hosted_tinker_sampling_active_sequences", "sequences being generated now", engine.active_rows)
-        yield counter("hosted_tinker_sampling_requests_cancelled",
-                      "sample requests dropped unfinished because nobody waited for them any more (client gone)",
-                      engine.requests_cancelled)
-        yield counter("hosted_tinker_sampler_weight_syncs",
-                      "sampler adapter snapshots loaded onto the device (weights synced for sampling)",
-                      snapshots.loads)
-        yield gauge("hosted_tinker_sampler_snapshots", "sampler adapter snapshots resident on the device",
-                    len(snapshots))
+        for family, name, help, value in _PER_MODEL:
+            metric = family(name, help, labels=["base_model"])
+            for served in server.models:
+                metric.add_metric([served.name], value(served))
+            yield metric
+        yield CounterMetricFamily("hosted_tinker_futures_resolved", "futures resolved",
+                                  value=server.futures.resolved_total)
         if torch.cuda.is_available():
             g = GaugeMetricFamily("hosted_tinker_gpu_memory_allocated_bytes", "GPU memory held by tensors",
                                   labels=["device"])
@@ -181,5 +193,5 @@ class _ServerCollector(Collector):
             import resource
         except ImportError:  # pragma: no cover - not on Linux
             return
-        yield gauge("hosted_tinker_process_max_rss_bytes", "peak resident memory of the server",
-                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        yield GaugeMetricFamily("hosted_tinker_process_max_rss_bytes", "peak resident memory of the server",
+                                value=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

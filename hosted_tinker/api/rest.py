@@ -32,13 +32,14 @@ from pydantic import BaseModel, ConfigDict
 
 from ..access import Access
 from ..checkpoints.catalog import MAX_TTL_S, CheckpointExists, version_of
-from ..checkpoints.format import CheckpointError, read_manifest
+from ..checkpoints.format import ADAPTER_CONFIG, MANIFEST, CheckpointError, read_json_object, read_manifest
 from ..checkpoints.paths import TinkerPath, check_run_id
 from ..checkpoints.transfer import (
     SIGNED_URL_TTL_S, ArchiveTooLarge, DownloadGrant, extract_checkpoint_tar, prepare_import, tar_length, tar_stream,
     write_import,
 )
 from ..server import Server
+from ..served_models import ServedModel
 from .deps import accessible_scope, get_access, get_server, require_owner
 from .schemas import INT64_MAX, str_dict
 
@@ -315,12 +316,30 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _import_target(server: Server, src: Path) -> ServedModel:
+    """The served model an uploaded adapter is for: when one model is served, that one (an adapter made
+    elsewhere names a path or hub id of its own: `prepare_import` checks its shapes instead); else the
+    base model it names (its manifest, or a PEFT adapter_config's base_model_name_or_path)."""
+    if len(server.models) == 1:
+        return next(iter(server.models))
+    ours = (src / MANIFEST).is_file()  # a hosted-tinker checkpoint: its manifest says
+    named = read_manifest(src).base_model if ours else read_json_object(src, ADAPTER_CONFIG).get(
+        "base_model_name_or_path")
+    if named in server.models.names:
+        return server.models.get(named)
+    served = ", ".join(repr(n) for n in server.models.names)
+    fix = "" if ours else f"; set base_model_name_or_path in its {ADAPTER_CONFIG} to the served model it fits"
+    raise CheckpointError(f"it is for base model {str(named)[:200]!r}, which this server does not serve "
+                          f"(it serves {served}){fix}")
+
+
 def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archive_path: Path, src: Path) -> dict:
     src.mkdir()
     limit = server.config.max_request_bytes
     try:
         extract_checkpoint_tar(archive_path, src, max_bytes=limit)
-        prepared = prepare_import(src, base_model=server.config.base_model, layers=server.runtime.layers,
+        served = _import_target(server, src)
+        prepared = prepare_import(src, base_model=served.name, layers=served.runtime.layers,
                                   max_rank=server.config.max_lora_rank)
     except ArchiveTooLarge as e:
         raise HTTPException(413, f"cannot import this adapter: {e} (the limit is --max-request-bytes)") from None
@@ -330,11 +349,14 @@ def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archi
     with server.checkpoints.lock:  # the run and the checkpoint appear together
         run = server.store.get_model(path.run)
         if run is None:
-            server.store.create_model(path.run, "", owner, server.config.base_model, config.to_dict(),
+            server.store.create_model(path.run, "", owner, served.name, config.to_dict(),
                                       {"type": "adamw"}, {"source": "import"})
             server.store.set_model_status(path.run, "imported")
         elif run["owner"] != owner:
             raise HTTPException(404, f"training run {path.run!r} not found")
+        elif run["base_model"] != served.name:
+            raise HTTPException(400, f"training run {path.run!r} is of base model {run['base_model']!r}; this "
+                                     f"adapter is for {served.name!r}: import it into a run of its own base model")
         try:
             size = server.checkpoints.save(path, owner, write_import(src, prepared), overwrite=overwrite)
         except CheckpointExists as e:

@@ -13,6 +13,8 @@ from ..checkpoints.paths import TinkerPath
 from ..sampling.engine import SampleJob
 from ..sampling.records import sequence_ids
 from ..server import Server
+from ..served_models import ServedModel
+from ..services import served_model
 from ..services.sampling import SamplingRequests
 from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
@@ -92,9 +94,9 @@ def _prompt_tokens(prompt: dict) -> list[int]:
     return tokens
 
 
-def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
-    """Validate a sample request against the model and the server's limits."""
-    cfg, runtime = server.config, server.runtime
+def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
+    """Validate a sample request against the model it samples and the server's limits."""
+    cfg, runtime = server.config, served.runtime
     if body.prompt_alt_tokens_k:
         raise HTTPException(400, "prompt_alt_tokens_k is not supported by this server")
     if body.target_prompt_logprobs is not None:
@@ -126,7 +128,7 @@ def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> 
     stop_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     if sp.stop is None:  # implicit end of sequence
-        stop_ids = frozenset(server.eos_token_ids)
+        stop_ids = frozenset(served.eos_token_ids)
     elif isinstance(sp.stop, str):
         stop_strings = (sp.stop,)
     elif all(isinstance(s, int) for s in sp.stop):
@@ -151,7 +153,8 @@ def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: S
     grant = access.sampler(owner, body.sampling_session_id)  # the checkpoint it samples, checked again now
     existing = server.store.get_future_id(body.sampling_session_id, body.seq_id)
     if existing is None:
-        job = build_job(server, body, grant.adapter_dir)
+        served = served_model(server, grant.row["base_model"])  # the session's model, whatever its prompt says
+        job = build_job(server, served, body, grant.adapter_dir)
         if grant.adapter_dir is not None and not Path(grant.adapter_dir).is_dir():
             raise HTTPException(404, f"the weights of sampling session {body.sampling_session_id!r} were deleted")
         if server.sample_records.request_was_recorded(body.sampling_session_id, body.seq_id):
@@ -159,7 +162,7 @@ def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: S
             raise HTTPException(400, f"seq_id {body.seq_id} of sampling session {body.sampling_session_id!r} was "
                                      "already used; each sample request needs a new seq_id")
         request_id = sampling.submit_for_future(
-            owner, body.sampling_session_id, body.seq_id, job,
+            owner, served, body.sampling_session_id, body.seq_id, job,
             record=lambda request_id: _recorder(server, body, grant.row, request_id, job))
     else:
         request_id = existing

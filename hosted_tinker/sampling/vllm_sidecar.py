@@ -211,7 +211,8 @@ class VLLMSidecar:
         self._listeners: list[_Listener] = []
         self._proc: subprocess.Popen | None = None
         self._group_shm: dict[str, int] = {}  # what the running group maps (group_shm_files)
-        self._ready = threading.Event()
+        self._ready = threading.Event()  # requests may go to vLLM now
+        self._up = False  # the supervisor's view: vLLM came up and has not been found down since
         self._kick = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -242,8 +243,12 @@ class VLLMSidecar:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def report_failure(self, reason: str) -> None:
-        """A request saw vLLM fail (connection lost, 5xx): check its health now, not at the next poll."""
+        """A request saw vLLM fail (connection lost, 5xx): check its health now, not at the next poll.
+
+        Until that check answers, vLLM no longer counts as ready, so `wait_ready` and new requests
+        wait for the supervisor's verdict instead of racing it (a healthy vLLM is ready again at once)."""
         log.warning("vLLM request failed: %s; checking its health", reason)
+        self._ready.clear()
         self._kick.set()
 
     def stop(self) -> None:
@@ -281,6 +286,7 @@ class VLLMSidecar:
                 except Exception:
                     log.exception("a vLLM on_ready listener failed")
             self.stats.down_since = None
+            self._up = True
             self._ready.set()
             log.info("vLLM ready at %s (generation %d)", self.url, self.stats.generation)
             delay = self.backoff_s[0]
@@ -293,13 +299,13 @@ class VLLMSidecar:
         self._ready.clear()
 
     def _down(self, reason: str) -> None:
-        was_ready = self._ready.is_set()
+        was_up, self._up = self._up, False
         self._ready.clear()
         self.stats.last_down_reason = reason
         if self.stats.down_since is None:
             self.stats.down_since = time.time()
         self._kill_group()  # an engine that died leaves a live API server answering 503
-        if was_ready:
+        if was_up:
             for listener in self._listeners:
                 try:
                     listener.on_down(reason)
@@ -340,6 +346,7 @@ class VLLMSidecar:
                 return f"vLLM exited with code {self._proc.returncode}"
             if not self._healthy():
                 return "vLLM's /health failed"
+            self._ready.set()  # a reported failure that left vLLM healthy (report_failure)
         return "stopping"
 
     def _healthy(self) -> bool:
