@@ -128,6 +128,9 @@ def _check_pool(config: ServerConfig) -> None:
         if torch.cuda.is_available() and torch.cuda.device_count() < config.workers:
             raise StartupError(f"{flag('workers')} {config.workers}: this machine has {torch.cuda.device_count()} "
                                "GPU(s), one per rank")
+    if config.master_port and config.master_port == config.port:
+        raise StartupError(f"{flag('master_port')} {config.master_port}: the HTTP server listens on that port; give the "
+                           "pool's rendezvous store another one")
     if config.master_port:  # rank 0's rendezvous store listens there
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -184,7 +184,9 @@ def test_two_machines_launched_as_documented(tmp_path):
     and `launch.sh pool-node` (machine 1: torchrun, rank 1, with its own data directory). When
     rank 1 is killed, its torchrun starts it again, it asks rank 0 for a new epoch, and training
     goes on as on one machine."""
-    port = free_port()
+    srv = ServerProcess(tmp_path / "machine0")  # its HTTP port is chosen here; the store's must differ
+    port = next(p for p in iter(free_port, None) if p != srv.port)
+    srv.args = ("--workers", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
     node_log = open(tmp_path / "node.log", "wb")
     node = subprocess.Popen(
         [sys.executable, "-m", "hosted_tinker.runtime.pool_launch", "--nnodes", "2", "--node-rank", "1",
@@ -192,8 +194,7 @@ def test_two_machines_launched_as_documented(tmp_path):
          "--data-dir", str(tmp_path / "machine1")],
         stdout=node_log, stderr=subprocess.STDOUT, env={**os.environ, "HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@3"})
     try:
-        srv = served(tmp_path / "machine0", "--workers", "1", "--nnodes", "2", "--master-addr", "127.0.0.1",
-                     "--master-port", str(port))
+        srv.start(timeout=START)
         try:
             interrupted_training(srv)
         finally:
@@ -214,6 +215,11 @@ def test_two_machines_launched_as_documented(tmp_path):
                         r"\(--workers N and/or --nnodes M\)"),
     (("--workers", "2", "--nnodes", "2"), r"--nnodes 2: the other machines need a fixed --master-port \(and a "
                                           r"--master-addr they can reach\) to join the pool"),
+    (("--workers", "2", "--port", "8123", "--master-port", "8123"),
+     r"--master-port 8123: the HTTP server listens on that port; give the pool's rendezvous store another one"),
+    (("--workers", "2", "--base-model", BASE_MODEL, "--base-model", "/elsewhere/model"),
+     r"--workers / --nnodes: a worker pool serves one base model \(torch.distributed has one process group per "
+     r"process\) and 2 were given; run a server per model"),
 ])
 def test_a_pool_that_cannot_work_is_one_line_before_anything_starts(tmp_path, args, pattern):
     out = serve(tmp_path, *args)
