@@ -63,6 +63,9 @@ def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir
         log_level=config.log_level, log_format=config.log_format)
     if device.type == "cpu":
         torch.set_num_threads(settings.threads)
+    else:  # rank 0 is the first GPU (preflight: the device was given as cuda or auto)
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
     # A sharded base is loaded on the CPU: fully_shard moves each rank's shards to its device.
     cpu = torch.device("cpu")
     model, tokenizer = load_base_model(name, data_dir, cpu if config.shard_base else device, dtype)

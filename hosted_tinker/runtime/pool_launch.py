@@ -134,6 +134,11 @@ class RankPool:
         if dist.is_initialized():
             raise PoolUnavailable("this process already runs a worker pool: torch.distributed has one default "
                                   "process group per process, so a server has at most one pool")
+        if device.type == "cuda":
+            # An NCCL error or timeout must fail rank 0's collective, not end the process (torch's
+            # default, 3, tears the process down): rank 0 is the server. 2 = abort the communicators
+            # and raise in the waiting call. Read when the NCCL group is created.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self.settings = settings
         self.master_addr = master_addr
         self.device = device
