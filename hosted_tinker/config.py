@@ -91,6 +91,22 @@ class ServerConfig(BaseSettings):
     dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
         "auto", description="base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (= float), "
                             "bfloat16, float16 (= half)")
+    workers: int = Field(
+        1, ge=1, description="ranks of the worker pool on this machine, one per device: 1 = the model runs in this "
+                             "process; N > 1 = this process is rank 0 and starts N-1 more with torchrun (gloo on CPU, "
+                             "NCCL on GPU: cuda:0..N-1), and each pass's datums are split across the ranks "
+                             "(docs/scale.md)")
+    shard_base: bool = Field(False, description="shard the base model's weights across the pool's ranks with FSDP2, "
+                                                "for a model that does not fit one device (needs more than one rank)")
+    nnodes: int = Field(1, ge=1, description="machines in the worker pool (as torchrun's --nnodes); machines "
+                                             "1.. run `launch.sh pool-node` (docs/scale.md)")
+    master_addr: str = Field("127.0.0.1", description="as torchrun's --master-addr: this machine's address, where the "
+                                                      "pool's other machines reach its rendezvous store")
+    master_port: int = Field(0, ge=0, le=65535, description="as torchrun's --master-port: the port of the pool's "
+                                                            "rendezvous store; 0 = any free port (one machine only)")
+    pool_timeout_s: float = Field(
+        300.0, gt=0, description="how long a rank of the pool waits for the others (to join, in a collective) "
+                                 "before the pool counts as broken and is relaunched")
     max_tokens_per_micro_batch: int = Field(
         0, ge=0, description="padded tokens per fused forward/backward micro-batch (bounds activation memory); "
                              "0 = auto: 8192 on GPU; on CPU 512-8192 by the model's MLP width, since passes whose "

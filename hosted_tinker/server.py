@@ -28,7 +28,7 @@ from .config import ModelEntry, ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
-from .model_loading import load_base_model, pick_device, pick_dtype
+from .model_loading import pick_device
 from .sampling.backend import EngineBackend
 from .sampling.engine import SampleJob, SamplingEngine
 from .sampling.records import SampleRecords
@@ -75,8 +75,8 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                 checkpoints: CheckpointCatalog, data_dir: Path, observer: Observer) -> ServedModel:
     """Load one base model onto its device and build the parts that serve it, each given what it needs."""
     name, device = entry.name, pick_device(entry.device)
-    model, tokenizer = load_base_model(name, data_dir, device, pick_dtype(config.dtype, device))
-    runtime = make_runtime(name, model, device, config)
+    runtime, tokenizer = make_runtime(name, device, config, data_dir)
+    model = runtime.model  # with a sharded base, what the sampling engine calls (its forwards are mirrored)
     wake = threading.Event()  # the device loop's doorbell, rung by both kinds of producer
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=config.gap_timeout_s,
                                     gather_window_s=config.gather_window_s,
@@ -138,5 +138,6 @@ class Server:
         self.expiry.stop()
         for model in self.models:
             model.loop.stop()
+            model.runtime.close()
         self.store.close()
         self.data_dir_lock.release()

@@ -44,6 +44,7 @@ class Preflight:
 
 def preflight(config: ServerConfig) -> Preflight:
     _check_devices(config)
+    _check_pool(config)
     _check_keys(config.api_keys_file)
     _check_data_dir(Path(config.data_dir))
     sock = bind_port(config.host, config.port)
@@ -97,6 +98,48 @@ def _check_models(config: ServerConfig) -> dict[str, str]:
     if problems:
         raise StartupError(*problems)
     return sources
+
+
+def _check_pool(config: ServerConfig) -> None:
+    """The worker pool's settings fit together and this machine (runtime/pool_launch.py)."""
+    ranks = config.workers * config.nnodes
+    if config.shard_base and ranks < 2:
+        raise StartupError(f"{flag('shard_base')} shards the base model across the pool's ranks: give it more than "
+                           f"one ({flag('workers')} N and/or {flag('nnodes')} M)")
+    if ranks == 1:
+        return
+    models = config.served_models
+    if len(models) > 1:
+        raise StartupError(f"{flag('workers')} / {flag('nnodes')}: a worker pool serves one base model (torch.distributed "
+                           f"has one process group per process) and {len(models)} were given; run a server per model")
+    if config.nnodes > 1 and not config.master_port:
+        raise StartupError(f"{flag('nnodes')} {config.nnodes}: the other machines need a fixed {flag('master_port')} "
+                           f"(and a {flag('master_addr')} they can reach) to join the pool")
+    device = models[0].device
+    kind = device.split(":")[0]
+    if kind not in ("auto", "cpu", "cuda"):
+        raise StartupError(f"{flag('workers')}: a worker pool runs on CPU (gloo) or CUDA GPUs (NCCL), not {kind}")
+    if kind == "cuda" and ":" in device:
+        raise StartupError(f"{device}: with a worker pool the ranks use cuda:0..N-1; choose the GPUs with "
+                           f"CUDA_VISIBLE_DEVICES and give the device as cuda")
+    if kind in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() < config.workers:
+            raise StartupError(f"{flag('workers')} {config.workers}: this machine has {torch.cuda.device_count()} "
+                               "GPU(s), one per rank")
+    if config.master_port and config.master_port == config.port:
+        raise StartupError(f"{flag('master_port')} {config.master_port}: the HTTP server listens on that port; give the "
+                           "pool's rendezvous store another one")
+    if config.master_port:  # rank 0's rendezvous store listens there
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((config.master_addr, config.master_port))
+            except OSError as e:
+                raise StartupError(f"{flag('master_port')} {config.master_port}: cannot listen on {config.master_addr}:"
+                                   f"{config.master_port} ({e.strerror}); choose another port, or a "
+                                   f"{flag('master_addr')} of this machine") from None
 
 
 def _check_keys(keys_file: Path | None) -> None:
@@ -164,12 +207,20 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
         auth = f"{len(server.keyring)} API key(s); each key sees only its own runs, checkpoints and sessions"
     c = config
     listening = "" if url.endswith(f"//{c.host}:{c.port}") else f" (listening on {c.host}:{c.port})"
+    pool = []
+    if c.workers * c.nnodes > 1:  # one served model (preflight): its runtime is the pool's rank 0
+        runtime = next(iter(server.models)).runtime
+        pool = [f"  pool       {c.workers * c.nnodes} ranks ({c.workers} per machine x {c.nnodes} machine(s), "
+                f"{'NCCL' if runtime.device.type == 'cuda' else 'gloo'}), base "
+                f"{'sharded (FSDP2)' if c.shard_base else 'replicated'}; rendezvous store "
+                f"{c.master_addr}:{runtime.pool.master_port}"]
     return [
         f"hosted-tinker {__version__} ready at {url}{listening}",
         f"  SDK        tinker.ServiceClient(base_url=\"{url}\"); OpenAI API {url}/v1; dashboard {url}/dashboard",
         f"  data dir   {data_dir}",
         f"  database   {server.store.path.resolve()}",
         *(f"  model      {_model_line(served)}" for served in server.models),
+        *pool,
         f"  tokenizer  export HF_ENDPOINT={url} and tc.get_tokenizer() fetches it from this server",
         f"  auth       {auth}",
         f"  limits     LoRA rank <= {c.max_lora_rank}; per key {c.max_models_per_key} live models and "
