@@ -61,10 +61,10 @@ import torch.nn.functional as F  # noqa: E402
 from hosted_tinker.embedded_model import SPEC_PRESETS, TinyModelSpec, build_tiny_model  # noqa: E402
 from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
-from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
 from hosted_tinker.runtime.multi_lora import ATTN_TARGETS, MLP_TARGETS  # noqa: E402
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime  # noqa: E402
-from bench_common import cpu_stall_us  # noqa: E402
+from hosted_tinker.runtime.trainer import FBWork, TrainingRuntime  # noqa: E402
+from bench_common import (cpu_stall_us, fb_work, host_op_counts, matmul_peak_tflops, paired_ratio,  # noqa: E402
+                          tenant_rows)
 
 RANK = 16
 ALPHA = 32.0
@@ -102,6 +102,8 @@ def load_pair(size: str, tmp: Path, device: torch.device, dtype: torch.dtype):
                          num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                          max_window_layers=spec.num_layers).items():
             setattr(config, k, v)
+        # One attention type per layer: the tiny config's list has its own 2 layers' entries.
+        config.layer_types = [config.layer_types[0]] * spec.num_layers
         models = []
         for _ in range(2):
             torch.manual_seed(0)
@@ -128,21 +130,6 @@ def make_peft(model):
                 p.normal_(0, 1e-3)
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
     return peft_model, opt
-
-
-# ---- data -----------------------------------------------------------------------------------------
-def tenant_rows(n_tenants: int, rows: int, seq_len: int, vocab: int, seed: int = 0) -> list[np.ndarray]:
-    """Per tenant, a [rows, seq_len + 1] array of token ids (input = [:-1], target = [1:])."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, (rows, seq_len + 1)) for _ in range(n_tenants)]
-
-
-def fb_work(model_id: str, seqs: np.ndarray) -> FBWork:
-    cfg = resolve_loss_config("cross_entropy", {})
-    data = [DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
-                      {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
-                       "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
-    return FBWork(model_id=model_id, data=data, loss_fn="cross_entropy", loss_config=cfg, forward_only=False)
 
 
 # ---- the three steps ------------------------------------------------------------------------------
@@ -172,16 +159,6 @@ def ideal_step(peft_model, opt, ids: torch.Tensor, targets: torch.Tensor) -> Non
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def paired_ratio(times: dict[str, list[float]], x: str, y: str) -> float:
-    """Throughput of x over y: the median over rounds of time(y) / time(x) within each round.
-
-    Each round runs every variant once, back to back, so a ratio taken inside a round cancels
-    the slow drifts of a shared machine (its speed wanders by 10-20% over tens of seconds) that
-    a ratio of two separate medians keeps.
-    """
-    return statistics.median(ty / tx for tx, ty in zip(times[x], times[y]))
 
 
 def timed(fn, device) -> float:
@@ -228,6 +205,8 @@ def main() -> int:
                          "2-core box that other jobs also load, 2 OpenMP threads made steps 20-60x "
                          "slower and erratic; raise it on an idle machine)")
     ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    ap.add_argument("--no-host-ops", dest="host_ops", action="store_false",
+                    help="skip counting host ops per fused step (torch.profiler) at the smallest and largest N")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -249,6 +228,10 @@ def main() -> int:
     adam = AdamParams(learning_rate=LR)
     results: list[tuple] = []
     big_results: list[tuple] = []
+    op_results: list[tuple] = []
+    peak = matmul_peak_tflops(device, dtype)
+    print(f"one square {dtype} matmul on this device: {peak:.3g} TFLOP/s (the peak the step TFLOP/s are "
+          "compared with)")
     t_start = time.perf_counter()
     stall0 = cpu_stall_us()
     for size in sizes:
@@ -285,9 +268,19 @@ def main() -> int:
             tps = {k: tokens / statistics.median(v) for k, v in times.items()}
             ratios = {"a/c": paired_ratio(times, "fused", "ideal"), "a/b": paired_ratio(times, "fused", "serial"),
                       "c/b": paired_ratio(times, "ideal", "serial")}
-            results.append((size, n, tokens, tps, ratios))
+            ms = 1000 * statistics.median(times["fused"])
+            results.append((size, n, tokens, tps, ratios, ms))
             print(f"  N={n:<3} fused {tps['fused']:>9.0f}  serial {tps['serial']:>9.0f}  ideal {tps['ideal']:>9.0f} "
-                  f"tok/s  a/c {ratios['a/c']:.3f}  a/b {ratios['a/b']:.3f}", flush=True)
+                  f"tok/s  a/c {ratios['a/c']:.3f}  a/b {ratios['a/b']:.3f}  fused {ms:.1f} ms/step", flush=True)
+        if args.host_ops:  # host ops per fused step, smallest and largest N (after their warm-up)
+            counts = {}
+            for n in (min(tenants), max(tenants)):
+                works = [fb_work(f"tenant-{t}", all_rows[t]) for t in range(n)]
+                counts[n] = host_op_counts(lambda: fused_step(runtime, works, adam))
+            op_results.append((size, counts, runtime.policy.describe()))
+            lo, hi = min(tenants), max(tenants)
+            print(f"  host ops per fused step (aten, all / top-level): N={lo} {counts[lo][0]} / {counts[lo][1]}, "
+                  f"N={hi} {counts[hi][0]} / {counts[hi][1]}", flush=True)
         if args.big_rows:
             seqs = tenant_rows(1, args.big_rows, args.seq_len, vocab, seed=1)[0]
             works = [fb_work("tenant-0", seqs)]
@@ -300,16 +293,19 @@ def main() -> int:
             tokens = args.big_rows * args.seq_len
             med = {k: statistics.median(v) for k, v in times.items()}
             med["ratio"] = paired_ratio(times, "runtime", "peft")
+            # 4 x params x tokens: forward 2PT, backward to the activations 2PT (the base is frozen).
+            med["tflops"] = 4 * n_params * tokens / med["runtime"] / 1e12
             big_results.append((size, tokens, med))
-            print(f"  1 tenant x {args.big_rows} rows: runtime {1000 * med['runtime']:.1f} ms, "
-                  f"PEFT {1000 * med['peft']:.1f} ms, ratio {med['ratio']:.3f}", flush=True)
+            print(f"  1 tenant x {args.big_rows} rows: runtime {1000 * med['runtime']:.1f} ms "
+                  f"({med['tflops']:.3g} TFLOP/s), PEFT {1000 * med['peft']:.1f} ms, ratio {med['ratio']:.3f}",
+                  flush=True)
         print(f"  ({time.perf_counter() - t_size:.0f}s)")
         del runtime, rt_model, peft_model, peft_base, opt
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    report(results, big_results, args)
+    report(results, big_results, op_results, peak, args)
     wall = time.perf_counter() - t_start
     stall1 = cpu_stall_us()
     if stall0 is not None and stall1 is not None:
@@ -321,7 +317,7 @@ def main() -> int:
     return 0
 
 
-def report(results, big_results, args) -> None:
+def report(results, big_results, op_results, peak, args) -> None:
     sizes_order = list(SIZES)
     print("\nTable 1: aggregate training tokens/s, N tenants x "
           f"{args.rows} datums x {args.seq_len} tokens per step (medians; ratios: medians of "
@@ -330,11 +326,11 @@ def report(results, big_results, args) -> None:
     print("  (b) serial = per tenant: forward_backward + optim_step")
     print("  (c) ideal = plain transformers + one PEFT adapter over all rows + one AdamW step")
     hdr = (f"{'model':<16}{'N':>4}{'tokens':>8}{'(a) fused':>11}{'(b) serial':>12}{'(c) ideal':>11}"
-           f"{'a/c':>7}{'a/b':>7}{'c/b':>7}  targets (a/c>=0.90, a/b>=1.00)")
+           f"{'a/c':>7}{'a/b':>7}{'c/b':>7}{'(a) ms':>9}  targets (a/c>=0.90, a/b>=1.00)")
     print(hdr)
     print("-" * len(hdr))
     missed = []
-    for size, n, tokens, tps, ratios in sorted(results, key=lambda r: (sizes_order.index(r[0]), r[1])):
+    for size, n, tokens, tps, ratios, ms in sorted(results, key=lambda r: (sizes_order.index(r[0]), r[1])):
         ac, ab, cb = ratios["a/c"], ratios["a/b"], ratios["c/b"]
         # At N=1, (a) and (b) run the very same calls: their a/b is the noise of this run, not a
         # property of fusing, so only a/c is judged there.
@@ -345,18 +341,18 @@ def report(results, big_results, args) -> None:
         if n == 1 and ab < 1.00 and ok:
             verdict += " (a/b: same work, noise)"
         print(f"{LABELS[size]:<16}{n:>4}{tokens:>8}{tps['fused']:>11.0f}{tps['serial']:>12.0f}{tps['ideal']:>11.0f}"
-              f"{ac:>7.3f}{ab:>7.3f}{cb:>7.3f}  {verdict}")
+              f"{ac:>7.3f}{ab:>7.3f}{cb:>7.3f}{ms:>9.1f}  {verdict}")
     print(f"target over the table: {'MET' if not missed else 'NOT MET (' + ', '.join(missed) + ')'}")
     # The run's own noise: at N=1, (a) and (b) run the same calls, so |1 - a/b| there is how far
     # a ratio of equal work strayed in this run, per model size.
-    noise = {size: abs(1 - ratios["a/b"]) for size, n, _, _, ratios in results if n == 1}
+    noise = {size: abs(1 - ratios["a/b"]) for size, n, _, _, ratios, _ in results if n == 1}
     if noise:
         print("  same-work noise of this run (|1 - a/b| at N=1): "
               + ", ".join(f"{LABELS[size]} {100 * v:.1f}%" for size, v in noise.items()))
         if missed:
             within = all(
                 ratios["a/c"] >= 0.90 - noise.get(size, 0) and (n == 1 or ratios["a/b"] >= 1.00 - noise.get(size, 0))
-                for size, n, _, _, ratios in results)
+                for size, n, _, _, ratios, _ in results)
             print(f"  every miss {'is' if within else 'is NOT'} within that noise")
     print("  c/b bounds what fusing can gain over serial; at N=1 (a) and (b) are the same work, so "
           "a/b there shows the measurement noise (judged on a/c only)")
@@ -364,13 +360,34 @@ def report(results, big_results, args) -> None:
     if big_results:
         print(f"\nTable 2: one tenant, {args.big_rows} x {args.seq_len} tokens: multi-LoRA runtime step "
               "vs plain PEFT single-adapter step (median ms per fb + optim step)")
-        hdr = f"{'model':<16}{'tokens':>8}{'runtime ms':>12}{'PEFT ms':>10}{'PEFT/runtime':>14}  target (>= 0.90)"
+        print(f"  TFLOP/s = 4 x base params x tokens / runtime step; peak = one square matmul, this run: "
+              f"{peak:.3g} TFLOP/s")
+        hdr = (f"{'model':<16}{'tokens':>8}{'runtime ms':>12}{'PEFT ms':>10}{'PEFT/runtime':>14}{'TFLOP/s':>10}"
+               f"{'% peak':>8}  target (>= 0.90)")
         print(hdr)
         print("-" * len(hdr))
         for size, tokens, med in big_results:
             r = med["ratio"]
             print(f"{LABELS[size]:<16}{tokens:>8}{1000 * med['runtime']:>12.1f}{1000 * med['peft']:>10.1f}"
-                  f"{r:>14.3f}  {'met' if r >= 0.90 else 'NOT MET'}")
+                  f"{r:>14.3f}{med['tflops']:>10.3g}{100 * med['tflops'] / peak:>7.1f}%  "
+                  f"{'met' if r >= 0.90 else 'NOT MET'}")
+
+    if op_results:
+        lo, hi = min(op_results[0][1]), max(op_results[0][1])
+        print(f"\nTable 3: host ops per fused step (torch.profiler aten ops), N={lo} vs N={hi}; target: "
+              f"N={hi} at most 1.5x N={lo}")
+        print("  all = every aten op, nested ones too (the per-tensor loops inside CPU multi-tensor kernels);")
+        print("  top = ops the host dispatches itself (on a GPU, each one launch or more)")
+        hdr = (f"{'model':<16}{f'all N={lo}':>10}{f'all N={hi}':>11}{'ratio':>7}{f'top N={lo}':>10}"
+               f"{f'top N={hi}':>11}{'ratio':>7}  policy")
+        print(hdr)
+        print("-" * len(hdr))
+        for size, counts, policy in op_results:
+            (a_lo, t_lo), (a_hi, t_hi) = counts[lo], counts[hi]
+            mode = ("tenants share micro-batches" if policy["mix_tenants"]
+                    else "each tenant its own micro-batches (sharing not proven here)")
+            print(f"{LABELS[size]:<16}{a_lo:>10}{a_hi:>11}{a_hi / a_lo:>7.2f}{t_lo:>10}{t_hi:>11}{t_hi / t_lo:>7.2f}"
+                  f"  {mode}")
 
 
 if __name__ == "__main__":

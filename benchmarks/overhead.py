@@ -67,7 +67,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def scrape(base_url: str) -> dict[str, float]:
-    """The unlabelled counters of /metrics plus per-route HTTP seconds."""
+    """Every series of /metrics, keyed by name and labels."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -222,8 +222,9 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, dict[str, float]]:
-    def d(k: str) -> float:
-        return after.get(k, 0.0) - before.get(k, 0.0)
+    def d(k: str) -> float:  # summed over the served models (a base_model label)
+        return sum(v - before.get(key, 0.0) for key, v in after.items()
+                   if key == k or key.startswith(k + '{base_model="'))
 
     prefix = 'hosted_tinker_http_request_seconds_total{route="'
     http = {k[len(prefix):-2]: d(k) for k in after if k.startswith(prefix)}

@@ -19,7 +19,8 @@ from typing import Callable
 
 from starlette.exceptions import HTTPException
 
-from .checkpoint_admin import is_expired
+from .checkpoints.catalog import is_expired
+from .checkpoints.paths import TinkerPath
 from .store import FutureRecord, Store
 
 
@@ -74,7 +75,7 @@ class Access:
         """A live checkpoint this key owns, or, to read it, one that is published."""
         row = self.store.get_checkpoint(run_id, checkpoint_id)
         if row is None or is_expired(row) or (row["owner"] != owner and (write or not row["public"])):
-            raise NotFound(f"checkpoint tinker://{run_id}/{checkpoint_id} not found")
+            raise NotFound(f"checkpoint {TinkerPath.of_record(run_id, checkpoint_id)} not found")
         return row
 
     def run(self, owner: str, run_id: str, *, accessible: bool) -> tuple[sqlite3.Row, bool]:
@@ -97,9 +98,9 @@ class Access:
         if path is None:
             return SamplerGrant(row, None)
         # Checked when the session was made: 'tinker://<run>/<kind>/<name>'.
-        run_id, checkpoint_id = path[len("tinker://"):].split("/", 1)
+        where = TinkerPath.parse(path)
         try:
-            ckpt = self.checkpoint(owner, run_id, checkpoint_id)
+            ckpt = self.checkpoint(owner, where.run, where.checkpoint_id)
         except NotFound:
             raise NotFound(f"sampling session {sampling_session_id!r} samples {path}, which this key can no longer "
                            "read (deleted, expired, unpublished or saved over); open a new session") from None

@@ -26,8 +26,9 @@ def _serve(config: ServerConfig) -> int:
     try:
         checked = preflight(config)  # before anything slow: the model loads only once all of this passed
     except StartupError as e:
-        return _fail("serve", [str(e)])
-    log.info("base model %s will be loaded from %s", config.base_model, checked.model_source)
+        return _fail("serve", e.problems)
+    for name, source in checked.model_sources.items():
+        log.info("base model %s will be loaded from %s", name, source)
     config = config.model_copy(update={"port": checked.port, "vllm_python": checked.vllm_python})
 
     import uvicorn

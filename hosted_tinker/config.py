@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
-    BaseSettings, CliSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource,
-    YamlConfigSettingsSource,
+    BaseSettings, CliSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
+    TomlConfigSettingsSource, YamlConfigSettingsSource,
 )
+from typing_extensions import TypeAliasType
 
 from .embedded_model import EMBEDDED_MODEL_NAME
 
@@ -33,6 +35,36 @@ DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
 _DEVICE_LIST_RE = re.compile(r"^\d+(,\d+)*$")
+_DEVICE_HELP = "use auto, cpu, cuda, cuda:N, mps or xpu"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One served base model: the name clients send as `base_model`, and the device it runs on."""
+
+    name: str
+    device: str
+    own_device: bool  # given as NAME@DEVICE (else --device chose it)
+
+
+def split_model_entry(entry: str) -> tuple[str, str | None]:
+    """'NAME' or 'NAME@DEVICE' -> (name, device or None). Hub ids cannot hold '@', so the last one
+    starts the device."""
+    name, at, device = entry.rpartition("@")
+    return (name, device) if at else (entry, None)
+
+
+def _model_entry(entry: str) -> str:
+    name, device = split_model_entry(entry)
+    if not name:
+        raise ValueError("a base model needs a name before '@'")
+    if device is not None and not _DEVICE_RE.match(device):
+        raise ValueError(f"{device!r} is not a device: {_DEVICE_HELP} after the '@'")
+    return entry
+
+
+# The flag's metavar in --help is this alias's name.
+ModelEntries = TypeAliasType("MODEL[@DEVICE]", list[Annotated[str, AfterValidator(_model_entry)]])
 
 
 class ServerConfig(BaseSettings):
@@ -47,15 +79,35 @@ class ServerConfig(BaseSettings):
                           "(base_model or base-model); flags and HOSTED_TINKER_* variables override it")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    base_model: str = Field(
-        EMBEDDED_MODEL_NAME, min_length=1,
-        description="Hugging Face causal LM id or local directory (e.g. Qwen/Qwen3-8B); the default is a tiny "
-                    "model built locally, deterministically, with no download")
+    # NoDecode: a variable holds names, not JSON (`_model_list` splits them).
+    base_model: Annotated[ModelEntries, NoDecode] = Field(
+        [EMBEDDED_MODEL_NAME], min_length=1,
+        description="Hugging Face causal LM id or local directory (e.g. Qwen/Qwen3-8B), optionally with its own "
+                    "device after an '@' (Qwen/Qwen3-8B@cuda:1; else --device). Give it once per model to serve "
+                    "several (or a comma-separated list; a list in the config file); requests pick one by "
+                    "base_model. The default is a tiny model built locally, deterministically, with no download")
     data_dir: Path = Field(Path("./data"), description="where the SQLite database, checkpoints and built models live")
-    device: str = Field("auto", description="torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
+    device: str = Field("auto", description="torch device of every base model given without '@DEVICE': auto (cuda "
+                                            "if available, else cpu), cpu, cuda, cuda:1 ...")
     dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
         "auto", description="base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (= float), "
                             "bfloat16, float16 (= half)")
+    workers: int = Field(
+        1, ge=1, description="ranks of the worker pool on this machine, one per device: 1 = the model runs in this "
+                             "process; N > 1 = this process is rank 0 and starts N-1 more with torchrun (gloo on CPU, "
+                             "NCCL on GPU: cuda:0..N-1), and each pass's datums are split across the ranks "
+                             "(docs/scale.md)")
+    shard_base: bool = Field(False, description="shard the base model's weights across the pool's ranks with FSDP2, "
+                                                "for a model that does not fit one device (needs more than one rank)")
+    nnodes: int = Field(1, ge=1, description="machines in the worker pool (as torchrun's --nnodes); machines "
+                                             "1.. run `launch.sh pool-node` (docs/scale.md)")
+    master_addr: str = Field("127.0.0.1", description="as torchrun's --master-addr: this machine's address, where the "
+                                                      "pool's other machines reach its rendezvous store")
+    master_port: int = Field(0, ge=0, le=65535, description="as torchrun's --master-port: the port of the pool's "
+                                                            "rendezvous store; 0 = any free port (one machine only)")
+    pool_timeout_s: float = Field(
+        300.0, gt=0, description="how long a rank of the pool waits for the others (to join, in a collective) "
+                                 "before the pool counts as broken and is relaunched")
     max_tokens_per_micro_batch: int = Field(
         0, ge=0, description="padded tokens per fused forward/backward micro-batch (bounds activation memory); "
                              "0 = auto: 8192 on GPU; on CPU 512-8192 by the model's MLP width, since passes whose "
@@ -138,6 +190,12 @@ class ServerConfig(BaseSettings):
         "text", description="text: one line per record; json: one JSON object per record (uvicorn's too)")
 
     @property
+    def served_models(self) -> list[ModelEntry]:
+        """The base models to serve, in the order given, each with its device."""
+        return [ModelEntry(name, device or self.device, device is not None)
+                for name, device in map(split_model_entry, self.base_model)]
+
+    @property
     def samples_on_vllm(self) -> bool:
         return self.vllm or self.vllm_url is not None
 
@@ -145,7 +203,27 @@ class ServerConfig(BaseSettings):
     @classmethod
     def _device_name(cls, value: str) -> str:
         if not _DEVICE_RE.match(value):
-            raise ValueError(f"{value!r} is not a device: use auto, cpu, cuda, cuda:N, mps or xpu")
+            raise ValueError(f"{value!r} is not a device: {_DEVICE_HELP}")
+        return value
+
+    @field_validator("base_model", mode="before")
+    @classmethod
+    def _model_list(cls, value: Any) -> Any:
+        """A string (a variable, a file's scalar) or list items may each be a comma-separated list."""
+        if not isinstance(value, (str, list)):
+            return value  # pydantic says what is wrong with it
+        entries = []
+        for item in [value] if isinstance(value, str) else value:
+            entries += [p.strip() for p in item.split(",") if p.strip()] if isinstance(item, str) else [item]
+        return entries
+
+    @field_validator("base_model")
+    @classmethod
+    def _each_model_once(cls, value: list[str]) -> list[str]:
+        names = [split_model_entry(entry)[0] for entry in value]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(map(repr, twice))} given more than once: each base model is served once")
         return value
 
     @field_validator("vllm_python", "vllm_devices")
@@ -211,7 +289,11 @@ def _explain(err: dict, args: argparse.Namespace) -> str:
         return f"config file: unknown setting {field!r} (see hosted-tinker serve --help for the settings)"
     env = ENV_PREFIX + field.upper()
     if getattr(args, field, None) is not None:
-        where = f"{flag(field)} {getattr(args, field)!s}"
+        # A list setting's item names the one value that is wrong; the list as a whole, all of them.
+        given = err["input"] if len(err["loc"]) > 1 else getattr(args, field)
+        if isinstance(given, list):
+            given = " ".join(map(str, given))
+        where = f"{flag(field)} {given!s}"
     elif env in os.environ:
         where = f"${env}={os.environ[env]}"
     else:

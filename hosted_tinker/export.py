@@ -29,8 +29,12 @@ from typing import Callable
 
 import httpx
 
-from .checkpoint_admin import CHECKPOINT_FILES, checkpoint_files, extract_checkpoint_tar
-from .runtime.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, CheckpointError, read_checkpoint
+from .checkpoints.format import (
+    ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_FILES, MANIFEST, CheckpointError, read_checkpoint,
+)
+from .checkpoints.paths import InvalidPath, TinkerPath
+from .checkpoints.transfer import extract_checkpoint_tar
+from .store import db_path
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 # progress(bytes done, bytes in all or None if unknown): how far a download, copy or upload is.
@@ -40,15 +44,6 @@ CHUNK = 1 << 20
 
 class ExportError(RuntimeError):
     """A user-facing failure of export or import (printed without a traceback)."""
-
-
-def _parse(tinker_path: str) -> tuple[str, str, str]:
-    if not tinker_path.startswith("tinker://"):
-        raise ExportError(f"invalid checkpoint path {tinker_path!r}: expected tinker://<run>/<kind>/<name>")
-    parts = tinker_path[len("tinker://"):].split("/")
-    if len(parts) != 3 or not all(parts) or ".." in tinker_path:
-        raise ExportError(f"invalid checkpoint path {tinker_path!r}: expected tinker://<run>/<kind>/<name>")
-    return parts[0], parts[1], parts[2]
 
 
 def _remote(base_url: str | None, api_key: str | None) -> tuple[str, dict]:
@@ -69,46 +64,45 @@ def _detail(r: httpx.Response) -> str:
         return r.text or r.reason_phrase
 
 
-def _fetch_remote(tinker_path: str, dest: Path, base_url: str | None, api_key: str | None,
+def _fetch_remote(path: TinkerPath, dest: Path, base_url: str | None, api_key: str | None,
                   progress: Progress) -> None:
-    run, kind, name = _parse(tinker_path)
     url, headers = _remote(base_url, api_key)
     archive = dest / ".download.tar"
     with httpx.Client(timeout=TIMEOUT) as http:
-        with http.stream("GET", f"{url}/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/archive",
+        with http.stream("GET", f"{url}/api/v1/training_runs/{path.run}/checkpoints/{path.kind}/{path.name}/archive",
                          headers=headers) as r:
             if r.status_code != 200:
                 r.read()
-                raise ExportError(f"{tinker_path}: the server answered {r.status_code}: {_detail(r)}")
+                raise ExportError(f"{path}: the server answered {r.status_code}: {_detail(r)}")
             total = int(r.headers["content-length"]) if "content-length" in r.headers else None
             with open(archive, "wb") as f:
                 for block in r.iter_bytes(CHUNK):
                     f.write(block)
                     progress(f.tell(), total)
     try:
-        extract_checkpoint_tar(archive, dest)
+        extract_checkpoint_tar(archive, dest, max_bytes=None)  # a plain tar: as large as the checkpoint is
+    except CheckpointError as e:
+        raise ExportError(f"{path}: the server's archive cannot be read: {e}") from None
     finally:
         archive.unlink()
 
 
-def _fetch_local(tinker_path: str, dest: Path, data_dir: Path, progress: Progress) -> None:
-    run, kind, name = _parse(tinker_path)
-    db = data_dir / "hosted_tinker.sqlite3"
+def _fetch_local(path: TinkerPath, dest: Path, data_dir: Path, progress: Progress) -> None:
+    db = db_path(data_dir)
     if not db.is_file():
         raise ExportError(f"{data_dir} is not a hosted-tinker data directory (no {db.name})")
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         conn.row_factory = sqlite3.Row
         row = conn.execute("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?",
-                           (run, f"{kind}/{name}")).fetchone()
+                           (path.run, path.checkpoint_id)).fetchone()
     if row is None or (row["expires_at"] is not None and row["expires_at"] <= time.time()):
-        raise ExportError(f"checkpoint {tinker_path} not found in {data_dir}")
-    src = data_dir / "checkpoints" / run / kind / name
-    src = src if src.is_dir() else Path(row["dir"])
+        raise ExportError(f"checkpoint {path} not found in {data_dir}")
+    src = data_dir / "checkpoints" / path.run / path.kind / path.name
     for attempt in range(3):  # a save may replace the directory while we copy: verify, retry
         for f in dest.iterdir():
             f.unlink()
         try:
-            files = [f for f in checkpoint_files(src) if f.name in CHECKPOINT_FILES]
+            files = [src / name for name in CHECKPOINT_FILES if (src / name).is_file()]
             total, done = sum(f.stat().st_size for f in files), 0
             for f in files:
                 shutil.copyfile(f, dest / f.name)
@@ -118,7 +112,7 @@ def _fetch_local(tinker_path: str, dest: Path, data_dir: Path, progress: Progres
             return
         except (OSError, CheckpointError) as e:
             if attempt == 2:
-                raise ExportError(f"cannot copy {tinker_path} out of {data_dir}: {e}") from None
+                raise ExportError(f"cannot copy {path} out of {data_dir}: {e}") from None
             time.sleep(0.2)
 
 
@@ -136,16 +130,20 @@ def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = No
                       ) -> Path:
     """Write the checkpoint's adapter directory (or, `merged`, the full merged model) into `out`;
     `progress` is told how many bytes of the checkpoint have arrived."""
+    try:
+        path = TinkerPath.parse(tinker_path)
+    except InvalidPath as e:
+        raise ExportError(str(e)) from None
     out = Path(out)
     _prepare_out(out, force)
     target = Path(tempfile.mkdtemp(prefix="adapter-", dir=out.parent)) if merged else out
     try:
         if data_dir is not None:
-            _fetch_local(tinker_path, target, Path(data_dir), progress)
+            _fetch_local(path, target, Path(data_dir), progress)
         else:
-            _fetch_remote(tinker_path, target, base_url, api_key, progress)
+            _fetch_remote(path, target, base_url, api_key, progress)
         if not (target / ADAPTER_CONFIG).is_file() or not (target / ADAPTER_WEIGHTS).is_file():
-            raise ExportError(f"{tinker_path} holds no LoRA adapter")
+            raise ExportError(f"{path} holds no LoRA adapter")
         if merged:
             manifest = json.loads((target / MANIFEST).read_text()) if (target / MANIFEST).is_file() else {}
             name = base_model or manifest.get("base_model") or json.loads(

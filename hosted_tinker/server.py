@@ -4,28 +4,35 @@ HTTP route (api/) -> FutureStore (futures.py) + ClockCycleScheduler (scheduler.p
 -> DeviceLoop (device_loop.py) -> TrainingWorker (worker.py) -> ModelRuntime (runtime/trainer.py)
 and, between training cycles, the sampling backend (sampling/backend.py).
 
-Each served base model gets its own runtime, scheduler, worker, sampling backend and device
-loop (`ServedModel`, served_models.py); the store, the futures and the API keys are shared.
-The sampling backend is the built-in engine, or with `--vllm` / `--vllm-url` a vLLM sidecar
-that hands the jobs it refuses to the built-in engine (sampling/vllm_server_backend.py).
+Each served base model (`--base-model`, once per model) gets its own runtime, scheduler, worker,
+sampling backend and device loop on its own device (`ServedModel`, served_models.py); the store,
+the futures, the checkpoints and the API keys are shared. Routes find a request's model in
+`Server.models` by the base model it names or its objects were made on. The sampling backend is
+the built-in engine, or with `--vllm` / `--vllm-url` a vLLM sidecar that hands the jobs it
+refuses to the built-in engine (sampling/vllm_server_backend.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
 from .auth import ENV_VAR, KeyRing
-from .config import ServerConfig
+from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
+from .checkpoints.recovery import recover
+from .checkpoints.transfer import UrlSigner
+from .config import ModelEntry, ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
-from .model_loading import load_base_model, model_directory, pick_device, pick_dtype
-from .runtime.trainer import TrainingRuntime
+from .model_loading import model_directory, pick_device, pick_dtype
+from .model_runtime import ModelRuntime
 from .sampling.backend import EngineBackend, SamplingBackend
 from .sampling.engine import SampleJob, SampleResult, SamplingEngine
 from .sampling.records import SampleRecords
@@ -36,9 +43,9 @@ from .sampling.vllm_backend import VLLMSamplingBackend
 from .sampling.vllm_server_backend import VLLMBackend
 from .sampling.vllm_sidecar import VLLMLaunch, VLLMSidecar
 from .scheduler import ClockCycleScheduler, CyclePlan
-from .served_models import ModelRegistry, ServedModel
+from .served_models import ModelRegistry, ServedModel, make_runtime
 from .startup import vllm_child_devices, vllm_python
-from .store import Store
+from .store import Store, db_path
 from .worker import TrainingWorker
 
 log = logging.getLogger(__name__)
@@ -57,59 +64,60 @@ def eos_token_ids(model, tokenizer) -> set[int]:
 
 
 class Observer(Protocol):
-    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick."""
+    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick.
+    `base_model`: the served model whose loop it is."""
 
-    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None: ...
+    def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None: ...
 
-    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None: ...
+    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None: ...
 
-    def observe_vllm_request(self, job: SampleJob, result: SampleResult | None, seconds: float) -> None: ...
+    def observe_vllm_request(self, base_model: str, job: SampleJob, result: SampleResult | None,
+                             seconds: float) -> None: ...
 
 
 class _Unobserved:
-    def observe_cycle(self, plan: CyclePlan, seconds: float) -> None:
+    def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None:
         pass
 
-    def observe_sample(self, job: SampleJob, generated_tokens: int) -> None:
+    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None:
         pass
 
-    def observe_vllm_request(self, job: SampleJob, result: SampleResult | None, seconds: float) -> None:
+    def observe_vllm_request(self, base_model: str, job: SampleJob, result: SampleResult | None,
+                             seconds: float) -> None:
         pass
 
 
-def serve_model(config: ServerConfig, futures: FutureStore, store: Store, data_dir: Path,
-                observer: Observer) -> ServedModel:
-    """Load `config.base_model` and build the parts that serve it, each given what it needs."""
-    device = pick_device(config.device)
-    dtype = pick_dtype(config.dtype, device)
-    model, tokenizer = load_base_model(config.base_model, data_dir, device, dtype)
-    runtime = TrainingRuntime(model, config.base_model, device=device,
-                              max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                              max_live_adapters=config.max_live_adapters)
+def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, store: Store,
+                checkpoints: CheckpointCatalog, data_dir: Path, observer: Observer) -> ServedModel:
+    """Load one base model onto its device and build the parts that serve it, each given what it needs."""
+    name, device = entry.name, pick_device(entry.device)
+    runtime, tokenizer = make_runtime(name, device, config, data_dir)
+    model = runtime.model  # with a sharded base, what the sampling engine calls (its forwards are mirrored)
     wake = threading.Event()  # the device loop's doorbell, rung by both kinds of producer
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=config.gap_timeout_s,
                                     gather_window_s=config.gather_window_s,
                                     max_tokens_per_cycle=config.max_tokens_per_cycle,
                                     max_models_per_cycle=config.max_live_adapters)
     backend: SamplingBackend = EngineBackend(
-        SamplingEngine(model, runtime.routing, tokenizer, device, on_request_done=observer.observe_sample),
+        SamplingEngine(model, runtime.routing, tokenizer, device,
+                       on_request_done=functools.partial(observer.observe_sample, name)),
         SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
-    if config.samples_on_vllm:
-        backend = vllm_backend(config, runtime, backend, str(dtype).removeprefix("torch."), data_dir, observer)
-    worker = TrainingWorker(runtime, futures, store, data_dir / "checkpoints", backend)
-    return ServedModel(name=config.base_model, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
+    if config.samples_on_vllm:  # one served model (preflight)
+        dtype = str(pick_dtype(config.dtype, device)).removeprefix("torch.")  # vLLM runs the training dtype
+        backend = vllm_backend(name, config, runtime, backend, dtype, data_dir, observer)
+    worker = TrainingWorker(runtime, futures, store, checkpoints, backend)
+    return ServedModel(name=name, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
                        runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
                        sampler=SamplingService(backend, futures),
-                       loop=DeviceLoop(scheduler, worker, backend, futures, wake, on_cycle=observer.observe_cycle))
+                       loop=DeviceLoop(scheduler, worker, backend, futures, wake,
+                                       on_cycle=functools.partial(observer.observe_cycle, name)))
 
 
-def vllm_backend(config: ServerConfig, runtime: TrainingRuntime, builtin: EngineBackend, dtype: str, data_dir: Path,
-                 observer: Observer) -> VLLMBackend:
-    """Sampling on vLLM (launched with the same weights, or attached), the jobs it refuses on `builtin`.
-
-    vLLM starts in the background (20-90 s on a CPU, minutes for a big model on a GPU); sampling
-    requests wait for it, training does not."""
-    name = config.base_model
+def vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builtin: EngineBackend, dtype: str,
+                 data_dir: Path, observer: Observer) -> VLLMBackend:
+    """Sampling base model `name` on vLLM (launched with the same weights, or attached), the jobs
+    it refuses on `builtin`. vLLM starts in the background (20-90 s on a CPU, minutes for a big
+    model on a GPU); sampling requests wait for it, training does not."""
     if config.vllm_url is not None:
         sidecar = VLLMSidecar(url=config.vllm_url, served_model_name=name)
     else:
@@ -123,7 +131,8 @@ def vllm_backend(config: ServerConfig, runtime: TrainingRuntime, builtin: Engine
     adapters = AdapterVersions(sidecar, name, lora_lm_head=config.vllm_lora_lm_head,
                                max_snapshots=config.max_sampler_snapshots)
     backend = VLLMBackend(runtime, builtin, sidecar, adapters, VLLMSamplingBackend(sidecar, adapters),
-                          on_request_done=observer.observe_vllm_request, max_pins=config.max_sampler_snapshots)
+                          on_request_done=functools.partial(observer.observe_vllm_request, name),
+                          max_pins=config.max_sampler_snapshots)
     sidecar.start()
     log.info("vLLM %s; sampling requests wait for it to be ready", f"at {config.vllm_url}" if config.vllm_url else
              f"starting on port {sidecar.port} (its log: {data_dir / 'vllm.log'})")
@@ -145,7 +154,7 @@ class Server:
             log.warning("=" * 78)
         else:
             log.info("%d API key(s) configured", len(self.keyring))
-        self.store = Store(data_dir / "hosted_tinker.sqlite3")
+        self.store = Store(db_path(data_dir))
         interrupted = self.store.fail_interrupted_futures(
             "the server restarted while this request was running; resubmit it")
         if interrupted:
@@ -154,42 +163,27 @@ class Server:
         self.store.mark_models_unloaded()
         self.futures = FutureStore(self.store)
         self.sample_records = SampleRecords(self.store, ttl_s=config.sample_record_ttl_s)
-        self.models = ModelRegistry([serve_model(config, self.futures, self.store, data_dir,
-                                                 observer or _Unobserved())])
-
-    # The API's view of the one model served today (routes move to `models.get(base_model)`
-    # when several are).
-    @property
-    def runtime(self):
-        return self.models.default.runtime
-
-    @property
-    def scheduler(self) -> ClockCycleScheduler:
-        return self.models.default.scheduler
-
-    @property
-    def worker(self) -> TrainingWorker:
-        return self.models.default.worker
-
-    @property
-    def sampler(self) -> SamplingService:
-        return self.models.default.sampler
-
-    @property
-    def tokenizer(self):
-        return self.models.default.tokenizer
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return self.models.default.eos_token_ids
+        # Checkpoints of every served model: one catalog, one expiry sweep, one URL signing key.
+        self.checkpoints = CheckpointCatalog(self.store, data_dir / "checkpoints")
+        self.expiry = ExpirySweeper(self.checkpoints)
+        self.url_signer = UrlSigner(data_dir / "url_signing.key")
+        self.uploads = data_dir / "uploads"  # imports being received
+        observer = observer or _Unobserved()
+        self.models = ModelRegistry([serve_model(entry, config, self.futures, self.store, self.checkpoints, data_dir,
+                                                 observer) for entry in config.served_models])
 
     def start(self) -> None:
+        recover(self.checkpoints)  # checkpoint records and folders agree again, before any work runs
+        shutil.rmtree(self.uploads, ignore_errors=True)  # imports cut short by the last stop
         for model in self.models:
             model.loop.start()
+        self.expiry.start()
 
     def stop(self) -> None:
         log.info("shutting down: finishing the running cycle")
+        self.expiry.stop()
         for model in self.models:
             model.loop.stop()
+            model.runtime.close()
         self.store.close()
         self.data_dir_lock.release()

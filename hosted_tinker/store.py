@@ -20,6 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+DB_FILENAME = "hosted_tinker.sqlite3"  # inside --data-dir
+
+
+def db_path(data_dir: Path) -> Path:
+    return Path(data_dir) / DB_FILENAME
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY,
@@ -373,12 +380,6 @@ class Store:
 
     def get_checkpoint(self, model_id: str, checkpoint_id: str) -> sqlite3.Row | None:
         return self._one("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?", (model_id, checkpoint_id))
-
-    def list_checkpoints(self, model_id: str) -> list[sqlite3.Row]:
-        return self._all("SELECT * FROM checkpoints WHERE model_id=? ORDER BY created_at", (model_id,))
-
-    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
-        self._exec("DELETE FROM checkpoints WHERE model_id=? AND checkpoint_id=?", (model_id, checkpoint_id))
 
     # -- REST: runs and checkpoints -------------------------------------------------------------
     # Listings never show an expired checkpoint, even before the sweeper has removed it.

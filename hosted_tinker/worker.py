@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import faults
-from .checkpoint_admin import CHECKPOINT_LOCK, KIND_TYPES, dir_size, is_expired
+from .checkpoints.catalog import MAX_TTL_S, CheckpointCatalog, CheckpointExists
+from .checkpoints.format import CheckpointError, check_fits
+from .checkpoints.paths import TinkerPath
 from .errors import UserError
 from .futures import FutureStore
 from .model_runtime import ModelRuntime
 from .runtime.adapters import LoRAConfig
-from .runtime.checkpoints import CheckpointError
 from .runtime.trainer import FBWork
 from .sampling.backend import SamplingBackend
 from .scheduler import CyclePlan, Request
@@ -45,34 +45,33 @@ class SaveSpec:
     user_metadata: dict | None = None
     sampling_session_id: str | None = None  # set for the ephemeral save_weights_and_get_sampling_client
 
+    def __post_init__(self) -> None:
+        if self.ttl_seconds is not None and not 1 <= self.ttl_seconds <= MAX_TTL_S:
+            raise ValueError(f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or unset to never expire; "
+                             f"got {self.ttl_seconds}")
+
 
 @dataclass
 class LoadSpec:
     checkpoint_dir: Path
     with_optimizer: bool
-    path: str  # the tinker:// path, echoed in the result
-
-
-def tinker_path(model_id: str, kind: str, name: str) -> str:
-    return f"tinker://{model_id}/{kind}/{name}"
+    path: TinkerPath  # echoed in the result
+    max_rank: int     # the server's --max-lora-rank, checked against the files as read
 
 
 class TrainingWorker:
-    def __init__(self, runtime: ModelRuntime, futures: FutureStore, store: Store, checkpoint_root: Path,
+    def __init__(self, runtime: ModelRuntime, futures: FutureStore, store: Store, checkpoints: CheckpointCatalog,
                  sampling: SamplingBackend):
         self.runtime = runtime
         self.futures = futures
         self.store = store
-        self.checkpoint_root = checkpoint_root
+        self.checkpoints = checkpoints
         self.sampling = sampling  # told when a model's weights change
         # metrics
         self.tokens_total = 0
         self.last_cycle_tokens = 0
         self.last_cycle_models = 0
         self.fused_passes = 0  # passes that carried more than one model
-
-    def checkpoint_dir(self, model_id: str, kind: str, name: str) -> Path:
-        return self.checkpoint_root / model_id / kind / name
 
     def run_cycle(self, plan: CyclePlan, on_compute_answered: Callable[[set[str]], None]) -> None:
         """Run the plan, answering each request as it completes. `on_compute_answered` hears
@@ -98,7 +97,7 @@ class TrainingWorker:
             self._announce_removal(req.model_id)
         elif req.kind in NEEDS_ADAPTER:
             spec: SaveSpec = req.payload
-            self._announce(req.model_id, self.checkpoint_dir(req.model_id, spec.kind, spec.name))
+            self._announce(req.model_id, self.checkpoints.folder(TinkerPath(req.model_id, spec.kind, spec.name)))
 
     def _announce(self, model_id: str, saved_to: Path | None = None) -> None:
         """Tell the sampling backend about a model's new weights, after its request was answered
@@ -143,12 +142,6 @@ class TrainingWorker:
             outcomes = self.runtime.forward_backward(works)
         except Exception as e:
             log.exception("fused forward/backward over %d requests failed", len(live))
-            # Whatever partial gradient exists must not be applied later as if it were whole.
-            # TODO(coordinator): once core's transactional forward_backward lands (a failed pass
-            # leaves earlier calls' gradients as they were), delete this zero_grad: it throws
-            # away gradients that earlier, acknowledged forward_backward calls accumulated.
-            for mid in {r.model_id for r in live if not r.payload.forward_only}:
-                self.runtime.adapter(mid).zero_grad()
             for r in live:
                 self.futures.fail(r.request_id, f"forward_backward failed on the server: {type(e).__name__}: {e}",
                                   "server")
@@ -201,51 +194,45 @@ class TrainingWorker:
         self.futures.resolve(req.request_id, {"type": "unload_model", "model_id": req.model_id})
 
     def _save_weights(self, req: Request) -> None:
-        self._save(req, with_optimizer=True, result_type="save_weights")
+        path, _ = self._save(req, with_optimizer=True)
+        self.futures.resolve(req.request_id, {"type": "save_weights", "path": str(path)})
 
     def _save_weights_for_sampler(self, req: Request) -> None:
         spec: SaveSpec = req.payload
-        out = self._save(req, with_optimizer=False)
+        path, _ = self._save(req, with_optimizer=False)
         if spec.sampling_session_id is None:
-            self.futures.resolve(req.request_id, {"type": "save_weights_for_sampler",
-                                                  "path": tinker_path(req.model_id, spec.kind, spec.name)})
+            self.futures.resolve(req.request_id, {"type": "save_weights_for_sampler", "path": str(path)})
             return
         # The ephemeral form: a sampling session on this exact snapshot of the weights.
         model = self.store.get_model(req.model_id)
         self.store.create_sampling_session(spec.sampling_session_id, model["session_id"], spec.owner,
-                                           model["base_model"], tinker_path(req.model_id, spec.kind, spec.name),
-                                           str(out))
+                                           model["base_model"], str(path), str(self.checkpoints.folder(path)))
         self.futures.resolve(req.request_id, {"type": "save_weights_for_sampler",
                                               "sampling_session_id": spec.sampling_session_id})
 
-    def _save(self, req: Request, *, with_optimizer: bool, result_type: str | None = None) -> Path:
+    def _save(self, req: Request, *, with_optimizer: bool) -> tuple[TinkerPath, int]:
+        """Write the model's checkpoint and its record together; (its path, its size in bytes)."""
         spec: SaveSpec = req.payload
-        out = self.checkpoint_dir(req.model_id, spec.kind, spec.name)
-        checkpoint_id = f"{spec.kind}/{spec.name}"
-        with CHECKPOINT_LOCK:  # the record and the directory change together (vs. REST deletes, TTL sweeps)
-            existing = self.store.get_checkpoint(req.model_id, checkpoint_id)
-            if existing is not None and not spec.overwrite and not is_expired(existing):
-                raise CheckpointError(f"checkpoint {tinker_path(req.model_id, spec.kind, spec.name)} already exists; "
-                                      "save with overwrite=True to replace it")
-            # No live record: whatever is on disk under that name is unlisted and may be replaced.
-            size = self.runtime.save(req.model_id, out, with_optimizer=with_optimizer, overwrite=True)
-            expires = time.time() + spec.ttl_seconds if spec.ttl_seconds else None
-            self.store.upsert_checkpoint(req.model_id, checkpoint_id, KIND_TYPES[spec.kind], spec.owner, str(out),
-                                         size, expires, spec.user_metadata or {})
-        if result_type is not None:
-            self.futures.resolve(req.request_id, {"type": result_type,
-                                                  "path": tinker_path(req.model_id, spec.kind, spec.name)})
-        return out
+        path = TinkerPath(req.model_id, spec.kind, spec.name)
+        try:
+            size = self.checkpoints.save(
+                path, spec.owner,
+                lambda folder: self.runtime.save(req.model_id, folder, with_optimizer=with_optimizer, overwrite=True),
+                overwrite=spec.overwrite, ttl_seconds=spec.ttl_seconds, user_metadata=spec.user_metadata)
+        except CheckpointExists as e:
+            raise CheckpointError(f"{e}; save with overwrite=True to replace it") from None
+        return path, size
 
     def _save_weights_external(self, req: Request) -> None:
-        spec: SaveSpec = req.payload
-        out = self._save(req, with_optimizer=False)
-        self.futures.resolve(req.request_id, {"type": "save_weights_external", "size_bytes": dir_size(out),
-                                              "path": tinker_path(req.model_id, spec.kind, spec.name)})
+        path, size = self._save(req, with_optimizer=False)
+        self.futures.resolve(req.request_id, {"type": "save_weights_external", "size_bytes": size,
+                                              "path": str(path)})
 
     def _load_weights(self, req: Request) -> None:
         spec: LoadSpec = req.payload
         ckpt = self.runtime.read(spec.checkpoint_dir, with_optimizer=spec.with_optimizer)
+        check_fits(ckpt, self.runtime.layers, max_rank=spec.max_rank)  # the files as read now, whatever the route saw
         adapter = self.runtime.load(req.model_id, ckpt)
         self.store.update_model_lora(req.model_id, adapter.config.to_dict())
-        self.futures.resolve(req.request_id, {"type": "load_weights", "path": spec.path, "model_id": req.model_id})
+        self.futures.resolve(req.request_id, {"type": "load_weights", "path": str(spec.path),
+                                              "model_id": req.model_id})

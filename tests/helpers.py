@@ -8,7 +8,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from hosted_tinker.checkpoints.paths import TinkerPath
 from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from hosted_tinker.store import db_path
 
 BASE_MODEL = EMBEDDED_MODEL_NAME
 VOCAB = 1000  # ids used by tests stay below the embedded tokenizer's size
@@ -37,9 +39,14 @@ def rl_datum(tokens: list[int], sampling_logprobs: list[float], advantages: list
                                        "advantages": advantages})
 
 
+def database(data_dir: Path) -> Path:
+    """A data dir's SQLite file (for tests that look at or tamper with records directly)."""
+    return db_path(data_dir)
+
+
 def checkpoint_dir(server, tinker_path: str) -> Path:
-    run, kind, name = tinker_path[len("tinker://"):].split("/")
-    return server.data_dir / "checkpoints" / run / kind / name
+    path = TinkerPath.parse(tinker_path)
+    return server.data_dir / "checkpoints" / path.run / path.kind / path.name
 
 
 def read_adapter(server, tinker_path: str) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, sft_batch
+from helpers import BASE_MODEL, database, sft_batch
 from hosted_tinker.auth import anonymous_owner
 from server_process import ServerProcess
 
@@ -47,7 +47,7 @@ def sampler_status(srv, key: str, sampler_id: str) -> int:
 
 
 def bobs_sampler_id(srv) -> str:
-    with sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite3") as db:
+    with sqlite3.connect(database(srv.data_dir)) as db:
         (sid,) = db.execute("SELECT sampling_session_id FROM sampling_sessions WHERE owner=?",
                             (anonymous_owner(BOB),)).fetchone()
     return sid

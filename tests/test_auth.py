@@ -12,7 +12,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, sft_batch
+from helpers import BASE_MODEL, database, sft_batch
 from hosted_tinker.auth import KeyConfigError, KeyRing, anonymous_owner, redact
 from server_process import ServerProcess
 
@@ -54,7 +54,7 @@ def test_serve_refuses_a_malformed_key_with_one_line(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "hosted-tinker serve: error: $HOSTED_TINKER_API_KEYS entry 1: API keys must start with 'tml-' (the SDK refuses "
         "others); expected 'owner: tml-key' or 'tml-key'"]
-    assert not (tmp_path / "hosted_tinker.sqlite3").exists()  # refused before touching the data dir
+    assert not database(tmp_path).exists()  # refused before touching the data dir
 
 
 def test_keys_file_rejects_non_tinker_keys(tmp_path):
@@ -91,7 +91,7 @@ def test_server_with_configured_keys(tmp_path):
             tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
             tc.forward_backward(sft_batch(2), "cross_entropy").result()
             tc.optim_step(types.AdamParams()).result()
-        with sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite3") as db:
+        with sqlite3.connect(database(srv.data_dir)) as db:
             owners = {row[0] for row in db.execute("SELECT owner FROM models")}
         assert owners == {"alice", anonymous_owner("tml-ci-key"), "carol"}
         for headers in ({"X-API-Key": "tml-unknown"}, {}, {"Authorization": "Bearer tml-unknown"}):

@@ -1,134 +1,188 @@
-"""kill -9 while checkpoints are being written leaves the old state or the new one, never a corrupt
-listing; and every other crash point of a save, an overwrite or a delete is repaired at restart.
-A TTL that runs out while the server is down still removes the checkpoint once it is back."""
+"""kill -9 at every crash point of a checkpoint write, injected deterministically: the server is
+started with HOSTED_TINKER_FAULTS=<point> and SIGKILLs itself when a save, an overwrite or a
+delete reaches that point. After each kill it restarts and repairs: no acknowledged checkpoint
+is lost, nothing half-written is listed or left on disk, and the state is the one
+docs/checkpoints.md promises for that point. A TTL that ran out while the server was down still
+removes the checkpoint once it is back."""
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
+import signal
 import sqlite3
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, checkpoint_dir, logprobs_of, sft_batch
-from hosted_tinker.runtime.checkpoints import read_checkpoint
+from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, sft_batch
+from hosted_tinker import faults
+from hosted_tinker.checkpoints.format import read_checkpoint
+from hosted_tinker.checkpoints.paths import TinkerPath
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
 KEY = "tml-crash"
 ADAM = {"learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+# point -> (times a first save of a new name reaches it, where an overwrite killed there lands at
+# restart: the acknowledged old version, or the new one whole, renamed in before the kill).
+OVERWRITES = {
+    "checkpoint.after_tensors": (1, "old"),
+    "checkpoint.before_rename": (1, "old"),
+    "checkpoint.between_renames": (0, "old"),
+    "checkpoint.before_old_removed": (0, "new"),
+    "checkpoint.before_record": (1, "new"),
+}
+DELETES = ("checkpoint.after_record_deleted", "checkpoint.in_trash")
 
 
-def _db(srv) -> sqlite3.Connection:
-    return sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite3")
+class Armed:
+    """A server started with HOSTED_TINKER_FAULTS=`spec`, and a raw HTTP client for it (no
+    SDK client: nothing with a heartbeat thread must outlive the server it talks to)."""
+
+    def __init__(self, srv: ServerProcess, spec: str):
+        self.srv, self.spec = srv, spec
+
+    def __enter__(self) -> "Armed":
+        self.srv.env[faults.ENV_VAR] = self.spec
+        self.srv.start()
+        self.http = httpx.Client(base_url=self.srv.base_url, headers={"X-API-Key": KEY}, timeout=60)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+        del self.srv.env[faults.ENV_VAR]
+        if exc[0] is None:  # the request sent last made the server reach its crash point
+            assert self.srv.proc.wait(120) == -signal.SIGKILL, f"{self.spec} was not reached:\n{self.srv.log()}"
+        else:
+            self.srv.stop()
+
+    def call(self, route: str, body: dict) -> dict:
+        """POST a request and wait for its result."""
+        r = self.http.post(route, json=body)
+        assert r.status_code == 200, r.text
+        while True:
+            answer = self.http.post("/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]})
+            assert answer.status_code == 200, answer.text
+            if answer.json().get("type") != "try_again":
+                return answer.json()
+
+    def model_from(self, source: str) -> str:
+        """A new model (in a new run) from a training state."""
+        session = self.http.post("/api/v1/create_session", json={}).json()["session_id"]
+        return self.call("/api/v1/load_weights", {"path": source, "optimizer": True, "session_id": session,
+                                                  "model_seq_id": 0})["model_id"]
+
+    def save(self, model_id: str, seq_id: int, name: str, *, overwrite: bool = False, wait: bool = True):
+        body = {"model_id": model_id, "seq_id": seq_id, "path": name, "overwrite": overwrite, "type": "save_weights"}
+        if wait:
+            return self.call("/api/v1/save_weights", body)["path"]
+        try:  # queued: its write kills the server, which may come before this answer is sent
+            assert self.http.post("/api/v1/save_weights", json=body).status_code == 200
+        except httpx.TransportError:
+            pass
 
 
-def _hammer(srv, model_id: str, saves: int) -> None:
-    """Queue `saves` overwrites of weights/c, each after an optim_step (so each version has its own
-    step in its manifest), without waiting: the server writes checkpoints back to back."""
-    with httpx.Client(base_url=srv.base_url, headers={"X-API-Key": KEY}, timeout=30) as http:
-        for i in range(saves):
-            r = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 2 * i + 1, "adam_params": ADAM})
-            assert r.status_code == 200, r.text
-            r = http.post("/api/v1/save_weights", json={"model_id": model_id, "seq_id": 2 * i + 2, "path": "c",
-                                                        "overwrite": True, "type": "save_weights"})
-            assert r.status_code == 200, r.text
+def _files(folder) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in folder.iterdir()}
 
 
-def _mid_write(kind_dir: Path) -> bool:
-    return any(p.name.startswith((".tmp-c-", ".old-c-")) for p in kind_dir.iterdir())
+def _step(folder) -> int:
+    return json.loads((folder / "manifest.json").read_text())["step"]
 
 
-def test_kill9_mid_save_and_every_crash_point(tmp_path):
+def test_every_crash_point_of_a_checkpoint_write(tmp_path):
+    assert set(OVERWRITES) | set(DELETES) == {p for p in faults.POINTS if p.startswith("checkpoint.")}
     srv = ServerProcess(tmp_path / "srv").start()
     try:
-        sc = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
-        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=1).result()
-        tc.forward_backward(sft_batch(4, seed=1), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        paths = {n: tc.save_state(n).result().path for n in ("a", "b", "d", "e")}
-        expiring = tc.save_state("t", ttl_seconds=4).result().path
-        run = tc.model_id
-        weights = checkpoint_dir(srv, paths["a"]).parent
-        original_a = {f.name: f.read_bytes() for f in checkpoint_dir(srv, paths["a"]).iterdir()}
+        with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY) as sc:
+            tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=1).result()
+            tc.forward_backward(sft_batch(4, seed=1), "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            source = tc.save_state("source").result().path
+            doomed = {p: tc.save_state(f"del-{i}").result().path for i, p in enumerate(DELETES)}
+            expiring = tc.save_state("t", ttl_seconds=3600).result().path
+            lost = tc.save_state("e").result().path
+            run = tc.model_id
+        srv.stop()
+        step0 = _step(checkpoint_dir(srv, source))
 
-        # -- a real kill -9 in the middle of back-to-back saves (a big adapter makes each write long)
-        for attempt in range(3):
-            hammer = sc.create_lora_training_client(base_model=BASE_MODEL, rank=128, seed=2).result()
-            hammer_weights = srv.data_dir / "checkpoints" / hammer.model_id / "weights"
-            _hammer(srv, hammer.model_id, saves=60)
-            deadline = time.monotonic() + 30
-            while not (hammer_weights / "c").is_dir() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(random.uniform(0.05, 0.4))
-            srv.kill9()
-            if _mid_write(hammer_weights):
-                break
-            srv.start()  # the kill fell between two saves: try again
-            sc = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
-        assert _mid_write(hammer_weights), "three kills never landed inside a checkpoint write"
+        # -- a real kill -9 at every point of an overwrite: its first version is acknowledged first
+        acked: dict[str, tuple[str, dict[str, bytes]]] = {}
+        for point, (first_save_hits, _) in OVERWRITES.items():
+            with Armed(srv, f"{point}@{first_save_hits + 1}") as armed:
+                model = armed.model_from(source)
+                path = armed.save(model, 1, "x")
+                acked[point] = path, _files(checkpoint_dir(srv, path))
+                armed.call("/api/v1/optim_step", {"model_id": model, "seq_id": 2, "adam_params": ADAM})
+                armed.save(model, 3, "x", overwrite=True, wait=False)
+        # ... of a first save, before its record: the client was not told, nothing is listed
+        new = {}
+        for point in ("checkpoint.after_tensors", "checkpoint.before_record"):
+            with Armed(srv, point) as armed:
+                model = armed.model_from(source)
+                new[point] = str(TinkerPath(model, "weights", "y"))
+                armed.save(model, 1, "y", wait=False)
+        # ... and of a delete
+        for point, path in doomed.items():
+            with Armed(srv, point) as armed:
+                checkpoint = path[len("tinker://"):].split("/", 1)[1]
+                with pytest.raises(httpx.HTTPError):  # the server dies inside the request
+                    armed.http.delete(f"/api/v1/training_runs/{run}/checkpoints/{checkpoint}")
 
-        # -- every other crash point, laid out on disk while the server is down
-        a, b, d, e = (checkpoint_dir(srv, paths[n]) for n in "abde")
-        a.rename(weights / ".old-a-12345678")  # overwrite of a: killed between its two renames
-        (weights / ".tmp-a-87654321").mkdir()  # ... with the new version half written
-        (weights / ".tmp-a-87654321" / "adapter_model.safetensors").write_bytes(b"\0" * 100)
-        shutil.copytree(b, weights / "n")  # a new save renamed into place, killed before its record
-        shutil.rmtree(b)                   # overwrite of b renamed into place, record not updated:
-        shutil.copytree(d, b)              # (d's files were written after b's record)
-        with _db(srv) as db:               # delete of d: killed after its record went
-            db.execute("DELETE FROM checkpoints WHERE model_id=? AND checkpoint_id='weights/d'", (run,))
-        (weights / ".trash-d-0badf00d").mkdir()
-        shutil.rmtree(e)                   # e's directory lost: its record must not stay listed
+        # -- laid out while the server is down: a TTL that ran out, a lost folder, an unknown run
+        with sqlite3.connect(database(srv.data_dir)) as db:
+            db.execute("UPDATE checkpoints SET expires_at=? WHERE model_id=? AND checkpoint_id='weights/t'",
+                       (time.time() - 1, run))
+        shutil.rmtree(checkpoint_dir(srv, lost))  # e's folder lost: its record must not stay listed
         stranger = srv.data_dir / "checkpoints" / "run-the-database-never-knew" / "weights" / "x"
-        shutil.copytree(d, stranger)       # unknown runs are never touched (a lost database != delete all)
-        b_written = json.loads((b / "manifest.json").read_text())["created_at"]
+        shutil.copytree(checkpoint_dir(srv, source), stranger)  # never touched: a lost database != delete all
 
         srv.start()
         rest = tinker.RestClient(base_url=srv.base_url, api_key=KEY)
-        listed = {c.checkpoint_id: c for c in rest.list_checkpoints(run).result().checkpoints}
-        assert set(listed) == {"weights/a", "weights/b"}  # "t" expired while the server was down
-        deadline = time.monotonic() + 15  # ... and the sweeper removes its files once it is back
-        while checkpoint_dir(srv, expiring).exists() and time.monotonic() < deadline:
+        listed = {}
+        for r in {run} | {p.split("/")[2] for p in [*new.values(), *(a for a, _ in acked.values())]}:
+            listed.update({c.tinker_path: c for c in rest.list_checkpoints(r).result().checkpoints})
+        assert set(listed) == {source, *(a for a, _ in acked.values())}
+        for point, (path, before) in acked.items():
+            folder = checkpoint_dir(srv, path)
+            if OVERWRITES[point][1] == "old":
+                assert _files(folder) == before, point  # the acknowledged version, byte for byte
+            else:
+                assert _step(folder) == step0 + 1, point  # the new version, whole, and listed as such
+                assert listed[path].time.timestamp() == pytest.approx(
+                    json.loads((folder / "manifest.json").read_text())["created_at"], abs=1e-3), point
+        for gone in (*new.values(), *doomed.values(), lost):
+            assert gone not in listed and not checkpoint_dir(srv, gone).exists(), gone
+        assert stranger.is_dir()
+        # the expired one is hidden at once, and the sweeper removes its files and record
+        assert expiring not in listed
+        folder = checkpoint_dir(srv, expiring)
+
+        def swept() -> bool:
+            return not folder.exists() and not list(folder.parent.glob(".trash-t-*"))
+
+        deadline = time.monotonic() + 15
+        while not swept() and time.monotonic() < deadline:
             time.sleep(0.25)
-        assert not checkpoint_dir(srv, expiring).exists()
-        with _db(srv) as db:
+        assert swept()
+        with sqlite3.connect(database(srv.data_dir)) as db:
             assert db.execute("SELECT COUNT(*) FROM checkpoints WHERE model_id=? AND checkpoint_id='weights/t'",
                               (run,)).fetchone()[0] == 0
-        assert {f.name: f.read_bytes() for f in a.iterdir()} == original_a  # the old state of a
-        assert abs(listed["weights/b"].time.timestamp() - b_written) < 1e-3  # the new state of b
-        for gone in ("n", "d", "e"):
-            assert not (weights / gone).exists()
-        assert stranger.is_dir()
 
-        # the hammered checkpoint: the last acknowledged version or the one being written, intact
-        listed_c = {c.checkpoint_id: c for c in rest.list_checkpoints(hammer.model_id).result().checkpoints}
-        assert set(listed_c) == {"weights/c"}
-        c = hammer_weights / "c"
-        with _db(srv) as db:
-            done = db.execute("SELECT COUNT(*) FROM futures WHERE model_id=? AND kind='save_weights' AND "
-                              "status='done'", (hammer.model_id,)).fetchone()[0]
-        step = json.loads((c / "manifest.json").read_text())["step"]
-        assert step in (done, done + 1), (step, done)
-        assert listed_c["weights/c"].size_bytes == sum(f.stat().st_size for f in c.iterdir())
-
-        # nothing half-written anywhere, every listed checkpoint verifies and loads
-        for kind_dir in (weights, hammer_weights):
-            assert not [p.name for p in kind_dir.iterdir() if p.name.startswith(".")]
-        for cp in list(listed.values()) + list(listed_c.values()):
+        # nothing half-written anywhere, every listed checkpoint verifies, sizes agree, they load
+        for kind_dir in (srv.data_dir / "checkpoints").glob("*/*"):
+            assert not [p.name for p in kind_dir.iterdir() if p.name.startswith(".")], kind_dir
+        for cp in listed.values():
             folder = checkpoint_dir(srv, cp.tinker_path)
             read_checkpoint(folder, with_optimizer=True)  # checksums
             assert cp.size_bytes == sum(f.stat().st_size for f in folder.iterdir())
-        sc = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
-        resumed = sc.create_training_client_from_state_with_optimizer(listed_c["weights/c"].tinker_path).result()
-        assert resumed.get_info().lora_rank == 128
-        restored = sc.create_training_client_from_state(listed["weights/a"].tinker_path).result()
-        assert len(logprobs_of(restored.forward(sft_batch(2, seed=3), "cross_entropy").result())) == 2
+        with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY) as sc:
+            for point in ("checkpoint.between_renames", "checkpoint.before_record"):
+                resumed = sc.create_training_client_from_state_with_optimizer(acked[point][0]).result()
+                assert len(logprobs_of(resumed.forward(sft_batch(2, seed=3), "cross_entropy").result())) == 2
     finally:
         srv.stop()

@@ -5,21 +5,24 @@ that leave no temporary directories."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from hosted_tinker.runtime import checkpoints
+from hosted_tinker.checkpoints import format as checkpoints
+from hosted_tinker.checkpoints.paths import InvalidPath, TinkerPath
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
-from hosted_tinker.runtime.checkpoints import (
+from hosted_tinker.checkpoints.format import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MANIFEST,
     OPTIMIZER_STATE,
     PEFT_PREFIX,
     CheckpointError,
+    check_fits,
     read_checkpoint,
     restore_adapter,
     save_adapter,
@@ -268,3 +271,53 @@ def test_randomized_adapter_round_trips_through_save(tmp_path):
     rt2 = tiny_runtime()
     rt2.load("b", rt2.read(tmp_path / "b", with_optimizer=False))
     assert torch.equal(logits(rt2, ids, [("b", 0, 3)]), want)
+
+
+def test_tinker_path_parses_and_prints_every_path_strictly():
+    """TinkerPath is the only reader and writer of tinker:// paths; names are matched whole."""
+    path = TinkerPath.parse("tinker://sess-1a:train:0/sampler_weights/step-10")
+    assert (path.run, path.kind, path.name) == ("sess-1a:train:0", "sampler_weights", "step-10")
+    assert str(path) == "tinker://sess-1a:train:0/sampler_weights/step-10"
+    assert path.checkpoint_id == "sampler_weights/step-10" and path.checkpoint_type == "sampler"
+    assert TinkerPath.of_record("r", "weights/a") == TinkerPath("r", "weights", "a")
+    for bad in ("tinker://r/weights/a\n", "tinker://r\n/weights/a", "tinker://r/weights/a/b", "tinker://r/weights",
+                "tinker://../weights/a", "tinker://r/weights/..", "tinker://r/weights/.a", "tinker://r/bogus/a",
+                "s3://r/weights/a", "tinker://r/weights/" + "a" * 129, "tinker://r/weights/a b"):
+        with pytest.raises(InvalidPath):
+            TinkerPath.parse(bad)
+
+
+def test_read_opens_only_plain_files_of_the_checkpoint(trained, tmp_path):
+    """A checkpoint file that is a link or a FIFO is refused without following or blocking on
+    it, and the message names the file, never a server path."""
+    out = tmp_path / "c"
+    trained.save("a", out, with_optimizer=True)
+    secret = tmp_path / "elsewhere.safetensors"
+    (out / ADAPTER_WEIGHTS).rename(secret)
+    (out / ADAPTER_WEIGHTS).symlink_to(secret)
+    with pytest.raises(CheckpointError, match=f"{ADAPTER_WEIGHTS} cannot be opened") as err:
+        read_checkpoint(out, with_optimizer=False)
+    assert str(tmp_path) not in str(err.value)
+    (out / ADAPTER_WEIGHTS).unlink()
+    secret.rename(out / ADAPTER_WEIGHTS)
+    (out / OPTIMIZER_STATE).unlink()
+    os.mkfifo(out / OPTIMIZER_STATE)  # opening a FIFO for reading would wait for a writer forever
+    with pytest.raises(CheckpointError, match=f"{OPTIMIZER_STATE} is not a regular file"):
+        read_checkpoint(out, with_optimizer=True)
+
+
+def test_fits_refuses_rank_above_the_limit_and_optimizer_state_of_other_shapes(trained, tmp_path):
+    """check_fits (import and every load) holds the rank limit; optimizer moments of another
+    shape are refused up front, since the AdamW step is fused across tenants."""
+    out = tmp_path / "c"
+    trained.save("a", out, with_optimizer=True)
+    ckpt = read_checkpoint(out, with_optimizer=True)
+    check_fits(ckpt, trained.layers, max_rank=4)
+    with pytest.raises(CheckpointError, match="LoRA rank 4, above this server's limit of 3"):
+        check_fits(ckpt, trained.layers, max_rank=3)
+    name = next(k for k in ckpt.optimizer if k.endswith(".exp_avg"))
+    ckpt.optimizer[name] = ckpt.optimizer[name].t().contiguous()
+    with pytest.raises(CheckpointError, match="does not fit its weights"):
+        check_fits(ckpt, trained.layers, max_rank=4)
+    with pytest.raises(CheckpointError, match="does not fit its weights"):
+        trained.load("b", ckpt)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import tinker
 
+from helpers import database
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +30,9 @@ HERE = Path(__file__).parent
 
 
 def run_client(base_url: str, resume: str, start: int, out: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(HERE), "TINKER_TELEMETRY": "0"}
+    # helpers.py imports hosted_tinker: keep the PYTHONPATH that chose which checkout that is
+    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath, "TINKER_TELEMETRY": "0"}
     return subprocess.Popen([sys.executable, str(HERE / "crash_client.py"), base_url, resume, str(start), str(TOTAL),
                              str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -58,7 +61,7 @@ def test_ten_random_kills(tmp_path):
     try:
         while True:
             srv.start()
-            with sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite3") as db:
+            with sqlite3.connect(database(srv.data_dir)) as db:
                 assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
             resume, start = acknowledged[-1] if acknowledged else ("-", 0)
             seen = len(records(out))
@@ -90,10 +93,10 @@ def test_ten_random_kills(tmp_path):
             for loss in seen_losses:
                 assert loss == pytest.approx(reference[step], rel=1e-6), (step, seen_losses, reference[step])
         # every acknowledged checkpoint loads
-        sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-crash")
-        for path, _ in acknowledged:
-            tc = sc.create_training_client_from_state_with_optimizer(path).result()
-            assert tc.get_info().lora_rank == 8
+        with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-crash") as sc:  # closed before the server
+            for path, _ in acknowledged:
+                tc = sc.create_training_client_from_state_with_optimizer(path).result()
+                assert tc.get_info().lora_rank == 8
     finally:
         srv.stop()
     assert kills == KILLS and len(acknowledged) >= TOTAL // 2

@@ -23,10 +23,11 @@ ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
 
 
 def metric(server, name: str) -> float:
+    """Summed over its label sets (a served model's series carry its base_model)."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    assert m, f"{name} missing from /metrics"
-    return float(m.group(1))
+    values = re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    assert values, f"{name} missing from /metrics"
+    return sum(map(float, values))
 
 
 def train(server, key: str, rank: int, seed: int, steps: int, barrier: threading.Barrier | None = None,

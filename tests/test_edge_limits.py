@@ -44,9 +44,14 @@ def post(srv, path: str, key: str = A, **kw) -> httpx.Response:
 
 
 def metrics(srv) -> dict[str, float]:
+    """The sampling series by name, summed over their label sets (each carries its base_model)."""
     text = httpx.get(srv.base_url + "/metrics", timeout=30).text
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line.startswith("hosted_tinker_sampl")}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("hosted_tinker_sampl"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out
 
 
 def until(predicate, what: str, timeout: float = 300.0):

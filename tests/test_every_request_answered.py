@@ -13,7 +13,7 @@ import tinker
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from helpers import BASE_MODEL, sft_batch
+from helpers import BASE_MODEL, database, sft_batch
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -37,5 +37,5 @@ def test_a_fault_after_the_fused_pass_fails_that_request_and_the_server_goes_on(
             assert tc.optim_step(types.AdamParams()).result(timeout=ANSWER_WITHIN).metrics["grad_norm"] > 0
     finally:
         srv.stop()
-    with sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite3") as db:
+    with sqlite3.connect(database(srv.data_dir)) as db:
         assert db.execute("SELECT COUNT(*) FROM futures WHERE status='pending'").fetchone()[0] == 0

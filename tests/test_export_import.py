@@ -9,9 +9,12 @@ the same way, and adapters the server cannot load exactly are refused up front w
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -25,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tinker import types
 
-from helpers import BASE_MODEL, logprobs_of, model_dir, sft_batch
+from helpers import BASE_MODEL, database, logprobs_of, model_dir, sft_batch
 from hosted_tinker.export import ExportError, export_checkpoint, import_adapter
 from server_process import ServerProcess
 
@@ -74,22 +77,30 @@ def source(server):
     return sc, tc, tc.save_state("exported").result().path
 
 
-@pytest.fixture(scope="module")
-def peft_dir(fresh, tmp_path_factory):
-    """A LoRA adapter made with PEFT itself (q_proj + v_proj, r=4, alpha=8), with its own logprobs."""
+def make_peft_adapter(server, out: Path, rank: int = 4):
+    """A LoRA adapter made with PEFT itself on the server's base model (q_proj + v_proj,
+    alpha = 2 * rank, random B), saved to `out`; returns the PEFT model."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir(fresh)), dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir(server)), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0))
     gen = torch.Generator().manual_seed(8)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     model.eval()
-    out = tmp_path_factory.mktemp("peft") / "adapter"
     model.save_pretrained(str(out))
+    return model
+
+
+@pytest.fixture(scope="module")
+def peft_dir(fresh, tmp_path_factory):
+    """A LoRA adapter made with PEFT itself (q_proj + v_proj, r=4, alpha=8), with its own logprobs."""
+    out = tmp_path_factory.mktemp("peft") / "adapter"
+    model = make_peft_adapter(fresh, out)
     batch = sft_batch(3, seed=50)
     return out, batch, token_logprobs(model, batch)
 
@@ -244,3 +255,197 @@ def test_bad_imports_are_refused_and_leave_nothing(fresh, peft_dir):
         assert r.status_code == 404
     assert rest.list_user_checkpoints().result().cursor.total_count == before + 1
     assert not any((fresh.data_dir / "uploads").iterdir())
+
+
+def _manifest(data: dict[str, bytes], **changes) -> bytes:
+    """A manifest.json for the PEFT adapter of `peft_dir` (r=4, q_proj + v_proj), with `changes`."""
+    manifest = {
+        "format": "hosted-tinker-lora/1", "base_model": BASE_MODEL, "step": 3, "has_optimizer": False,
+        "lora_config": {"rank": 4, "seed": 0, "train_mlp": False, "train_attn": True, "train_unembed": False,
+                        "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]},
+        "created_at": 1.7e9,
+        "files": {n: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in data.items()},
+    }
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
+            manifest[key] = {**manifest[key], **value}
+        else:
+            manifest[key] = value
+    return json.dumps(manifest).encode()
+
+
+def test_hostile_manifests_are_refused_without_reading_other_files(fresh, peft_dir):
+    """A manifest may name any file and put any value in any field: the server reads no file but
+    the checkpoint's own, never blocks on one, answers the same whether a named server file
+    exists or not, never shows its own paths, and stores no field it has not checked."""
+    adapter, _, _ = peft_dir
+    files = {n: (adapter / n).read_bytes() for n in ("adapter_config.json", "adapter_model.safetensors")}
+    fake = {"bytes": 10, "sha256": "0" * 64}
+    listed = json.loads(_manifest(files))["files"]
+    cases = [
+        ("created-at-overflow", _manifest(files, created_at=1e300), "created_at"),
+        ("created-at-text", _manifest(files, created_at="yesterday"), "created_at"),
+        ("step-fraction", _manifest(files, step=1.5), "step"),
+        ("rank-huge", _manifest(files, lora_config={"rank": 10 ** 30}), "rank"),
+        ("alpha-negative", _manifest(files, lora_config={"alpha": -1.0}), "alpha"),
+        ("base-model-number", _manifest(files, base_model=7), "base_model"),
+        ("has-optimizer-lie", _manifest(files, has_optimizer=True), "has_optimizer"),
+        ("server-file", _manifest(files, files={**listed, "/etc/passwd": fake}), "not a checkpoint file"),
+        ("missing-server-file", _manifest(files, files={**listed, "/etc/no-such-file": fake}), "not a checkpoint file"),
+        ("parent", _manifest(files, files={**listed, "../adapter_model.safetensors": fake}), "not a checkpoint file"),
+        ("device", _manifest(files, files={**listed, "/dev/zero": fake}), "not a checkpoint file"),
+        ("huge", _manifest(files, padding="x" * (2 << 20)), "at most"),
+        ("nested", _manifest(files).replace(b'"created_at": 1700000000.0', b'"created_at": ' + b"[" * 5000 + b"]" * 5000),
+         "manifest.json"),
+    ]
+    url = f"{fresh.base_url}/api/v1/checkpoints/import"
+    rest = tinker.RestClient(base_url=fresh.base_url, api_key=KEY_B)
+    before = rest.list_user_checkpoints().result().cursor.total_count
+    details = {}
+    with httpx.Client(timeout=60, headers={"X-API-Key": KEY_B}) as http:
+        for case, manifest, needle in cases:
+            r = http.post(url, params={"name": f"hostile-{case}"}, content=_tar({**files, "manifest.json": manifest}))
+            assert r.status_code == 400 and needle in r.json()["detail"], (case, r.status_code, r.text[:300])
+            assert str(fresh.data_dir) not in r.text and "/tmp" not in r.text, (case, r.text[:300])
+            details[case] = r.json()["detail"]
+        assert http.get(f"{fresh.base_url}/api/v1/healthz").status_code == 200
+        # no existence oracle: a server file that exists and one that does not get the same answer
+        assert details["server-file"].replace("/etc/passwd", "X") == \
+            details["missing-server-file"].replace("/etc/no-such-file", "X")
+        # the same files with an honest manifest import, keeping its step but not its created_at
+        r = http.post(url, params={"name": "honest-manifest"}, content=_tar({**files, "manifest.json": _manifest(files)}))
+        assert r.status_code == 200, r.text
+        stored = fresh.data_dir / "checkpoints" / r.json()["tinker_path"][len("tinker://"):] / "manifest.json"
+        assert json.loads(stored.read_text())["step"] == 3
+        assert json.loads(stored.read_text())["created_at"] > 1.7e9
+    assert rest.list_user_checkpoints().result().cursor.total_count == before + 1
+    assert not any((fresh.data_dir / "uploads").iterdir())
+
+
+def _gzip_bomb(name: str, size: int) -> bytes:
+    """A gzip'd tar holding `size` zero bytes as `name`: a few KB that expand to `size`."""
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=9) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = size
+
+        class Zeros(io.RawIOBase):
+            def readable(self):
+                return True
+
+            def readinto(self, b):
+                b[:] = bytes(len(b))
+                return len(b)
+
+        tar.addfile(info, io.BufferedReader(Zeros()))
+    return buf.getvalue()
+
+
+def _sparse_bomb(name: str, size: int) -> bytes:
+    """A plain tar of 1.5 KB whose one GNU sparse member expands to `size` zero bytes."""
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.GNUTYPE_SPARSE
+    block = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+    block[483:495] = b"%011o\0" % size  # the expanded ("real") size
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block[:512])  # the header checksum
+    return bytes(block) + b"\0" * 1024
+
+
+def _member(name: str, kind: bytes, **fields) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    for k, v in fields.items():
+        setattr(info, k, v)
+    return info
+
+
+def test_import_limits_and_hostile_state_left_on_disk(tmp_path):
+    """Uploads are bounded after decompression (and in entries, and by member type) with nothing
+    left behind; --max-lora-rank holds on import and on every later load; a manifest made hostile
+    on disk while the server was down is left out at start-up and never breaks a listing."""
+    limit = 4 << 20
+    srv = ServerProcess(tmp_path / "srv", args=("--max-request-bytes", str(limit), "--max-lora-rank", "64")).start()
+    try:
+        adapters = {}
+        for name, rank in (("wide", 32), ("narrow", 4)):
+            make_peft_adapter(srv, tmp_path / name, rank=rank)
+            adapters[name] = _tar({n: (tmp_path / name / n).read_bytes()
+                                   for n in ("adapter_config.json", "adapter_model.safetensors")})
+        config = (tmp_path / "narrow" / "adapter_config.json").read_bytes()
+        hostile = [
+            ("gzip-bomb", _gzip_bomb("adapter_model.safetensors", 64 << 20), 413, "once decompressed"),
+            ("sparse-bomb", _sparse_bomb("adapter_model.safetensors", 1 << 30), 400, "not a regular file"),
+            ("many-entries", _tar({f"f{i}.txt": b"" for i in range(100)}), 400, "more than 64 entries"),
+            ("hard-link", _tar({"adapter_config.json": config},
+                               [_member("adapter_model.safetensors", tarfile.LNKTYPE, linkname="adapter_config.json")]),
+             400, "not a regular file"),
+            ("device", _tar({"adapter_config.json": config},
+                            [_member("adapter_model.safetensors", tarfile.CHRTYPE, devmajor=1, devminor=5)]),
+             400, "not a regular file"),
+            ("fifo", _tar({"adapter_config.json": config}, [_member("adapter_model.safetensors", tarfile.FIFOTYPE)]),
+             400, "not a regular file"),
+            ("huge-json", _tar({"adapter_config.json": config[:-1] + b', "x": "' + b"y" * (2 << 20) + b'"}',
+                                "adapter_model.safetensors": b"{}"}), 400, "at most"),
+        ]
+        url = f"{srv.base_url}/api/v1/checkpoints/import"
+        with httpx.Client(timeout=60, headers={"X-API-Key": KEY_B}) as http:
+            for case, body, status, needle in hostile:
+                assert len(body) < limit, case  # each one fits the upload limit as sent
+                r = http.post(url, params={"name": case}, content=body)
+                assert r.status_code == status and needle in r.json()["detail"], (case, r.status_code, r.text[:300])
+            assert not list((srv.data_dir / "uploads").iterdir())  # nothing of them left behind
+            assert not (srv.data_dir / "checkpoints").exists()
+            wide = http.post(url, params={"name": "wide"}, content=adapters["wide"]).json()["tinker_path"]
+            victim = http.post(url, params={"name": "victim"}, content=adapters["narrow"]).json()["tinker_path"]
+            run, checkpoint = victim[len("tinker://"):].split("/", 1)
+            r = http.post(f"{srv.base_url}/api/v1/training_runs/{run}/checkpoints/{checkpoint}/publish")
+            assert r.status_code == 200, r.text  # so every tenant's accessible listing shows its run
+        srv.stop()
+
+        # while the server is down, the victim's manifest gets a time no listing can print, and so
+        # does the record of "wide" (as an older version, which copied manifest times, left it)
+        manifest = srv.data_dir / "checkpoints" / victim[len("tinker://"):] / "manifest.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "created_at": 1e300}))
+        with sqlite3.connect(database(srv.data_dir)) as db:
+            db.execute("UPDATE checkpoints SET created_at=1e300, expires_at=1e300 WHERE model_id=?",
+                       (wide.split("/")[2],))
+        srv.args = ("--max-request-bytes", str(limit), "--max-lora-rank", "16")
+        srv.start()
+        assert "its manifest is not used" in srv.log()
+        for key in (KEY_B, "tml-another-tenant"):
+            with httpx.Client(timeout=60, headers={"X-API-Key": key}) as http:
+                r = http.get(f"{srv.base_url}/api/v1/training_runs", params={"access_scope": "accessible"})
+                assert r.status_code == 200, r.text
+                assert victim.split("/")[2] in {run["training_run_id"] for run in r.json()["training_runs"]}
+                r = http.get(f"{srv.base_url}/api/v1/checkpoints")
+                assert r.status_code == 200, r.text
+        with httpx.Client(timeout=60, headers={"X-API-Key": KEY_B}) as http:
+            r = http.post(url, params={"name": "wide-again"}, content=adapters["wide"])
+            assert r.status_code == 400 and "above this server's limit of 16" in r.json()["detail"], r.text
+        with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY_B) as sc:
+            with pytest.raises(tinker.BadRequestError, match="above this server's limit of 16"):
+                sc.create_training_client_from_state(wide).result()
+            with pytest.raises(tinker.BadRequestError, match="above this server's limit of 16"):
+                sc.create_sampling_client(model_path=wide).result()
+            with pytest.raises(tinker.BadRequestError, match="manifest.json is not valid"):
+                sc.create_training_client_from_state(victim).result()
+    finally:
+        srv.stop()
+
+
+def test_import_refuses_optimizer_state_that_does_not_fit(server, fresh, source, tmp_path):
+    """AdamW steps are fused across tenants, so moments of the wrong shape would fail the step
+    of every tenant in that cycle: they are refused at import, whatever the manifest says."""
+    _, _, path = source
+    out = export_checkpoint(path, tmp_path / "state", data_dir=server.data_dir)
+    optim = load_file(str(out / "optimizer.safetensors"))
+    name = next(k for k in optim if k.endswith(".exp_avg"))
+    optim[name] = optim[name].t().contiguous()
+    save_file(optim, str(out / "optimizer.safetensors"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    data = (out / "optimizer.safetensors").read_bytes()
+    manifest["files"]["optimizer.safetensors"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (out / "manifest.json").write_text(json.dumps(manifest))  # checksums that match: only the shape is wrong
+    with pytest.raises(ExportError, match="does not fit its weights"):
+        import_adapter(out, name="bad-moments", base_url=fresh.base_url, api_key=KEY_B)

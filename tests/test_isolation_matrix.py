@@ -17,7 +17,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
-from helpers import BASE_MODEL, logprobs_of, sft_batch
+from helpers import BASE_MODEL, database, logprobs_of, sft_batch
 from hosted_tinker.auth import anonymous_owner
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +34,7 @@ def alice(server):
     sampler_path = tc.save_weights_for_sampler("private-sampler").result().path
     tc.save_weights_and_get_sampling_client().result()
     external = tc.save_weights_external("private-export").result().path
-    with sqlite3.connect(server.data_dir / "hosted_tinker.sqlite3") as db:
+    with sqlite3.connect(database(server.data_dir)) as db:
         owner = anonymous_owner(A)
         (request_id,) = db.execute("SELECT request_id FROM futures WHERE owner=? AND status='done' LIMIT 1",
                                    (owner,)).fetchone()

@@ -29,7 +29,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, sft_batch
+from helpers import BASE_MODEL, database, sft_batch
 from hosted_tinker.auth import anonymous_owner
 from server_process import ServerProcess
 
@@ -131,8 +131,8 @@ def route_stats(text: str, route: str) -> tuple[int, float]:
 
 
 def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    """Summed over its label sets (a served model's series carry its base_model)."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +231,7 @@ def test_32_concurrent_clients(srv):
     model_ids = [out["model_id"] for out in train_outs]
     assert len(set(model_ids)) == N_TRAIN
 
-    db = sqlite3.connect(f"file:{srv.data_dir / 'hosted_tinker.sqlite3'}?mode=ro", uri=True, timeout=30)
+    db = sqlite3.connect(f"file:{database(srv.data_dir)}?mode=ro", uri=True, timeout=30)
     rows = db.execute(
         f"SELECT model_id, seq_id, kind, status, created_at, completed_at, owner FROM futures "
         f"WHERE model_id IN ({','.join('?' * N_TRAIN)})", model_ids).fetchall()

@@ -19,7 +19,7 @@ import tinker
 from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
-from helpers import BASE_MODEL, sft_batch
+from helpers import BASE_MODEL, database, sft_batch
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -149,7 +149,7 @@ def test_sigterm_finishes_work_and_exits_cleanly(tmp_path):
     assert srv.proc.wait(90) in (0, -signal.SIGTERM)
     log = srv.log_path.read_text()
     assert "shutting down: finishing the running cycle" in log and "Application shutdown complete" in log
-    with sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite3") as db:
+    with sqlite3.connect(database(srv.data_dir)) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         assert db.execute("SELECT COUNT(*) FROM futures WHERE status='pending'").fetchone()[0] == 0
     srv.start()

@@ -5,8 +5,6 @@ through signed URLs with a plain GET, and a TTL removes a checkpoint's files and
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import sqlite3
 import time
 from datetime import datetime, timedelta, timezone
@@ -18,8 +16,10 @@ import tinker
 from safetensors.torch import load_file
 from tinker import types
 
-from helpers import BASE_MODEL, checkpoint_dir, logprobs_of, read_adapter, sft_batch
+from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, read_adapter, sft_batch
 from hosted_tinker.auth import anonymous_owner
+from hosted_tinker.checkpoints.paths import TinkerPath
+from hosted_tinker.checkpoints.transfer import DownloadGrant, UrlSigner
 
 pytestmark = pytest.mark.e2e
 ALICE, BOB = "tml-rest-alice", "tml-rest-bob"
@@ -203,7 +203,7 @@ def test_ttl_expiry_removes_files_and_record(server, world):
     while any(f.exists() for f in folders) and time.monotonic() < deadline:
         time.sleep(0.25)
     assert not any(f.exists() for f in folders), "the expiry sweep did not remove the files"
-    with sqlite3.connect(server.data_dir / "hosted_tinker.sqlite3") as db:
+    with sqlite3.connect(database(server.data_dir)) as db:
         assert db.execute("SELECT COUNT(*) FROM checkpoints WHERE model_id=? AND checkpoint_id IN (?, ?)",
                           (tc.model_id, "weights/short-lived", "sampler_weights/later")).fetchone()[0] == 0
     paths = {c.tinker_path for c in alice.list_checkpoints(tc.model_id).result().checkpoints}
@@ -263,11 +263,13 @@ def test_external_weights_and_signed_urls(server, world):
                      url.replace("adapter_model.safetensors?", "manifest.json?")):
         r = httpx.get(tampered, timeout=30)
         assert r.status_code == 403 and "invalid download URL" in r.json()["detail"]
-    # a correctly signed URL past its expiry is 410 Gone
-    key = bytes.fromhex((server.data_dir / "url_signing.key").read_text().strip())
-    target, past = url.split("/api/v1/signed_files/")[1].split("?")[0], int(time.time()) - 10
-    sig = hmac.new(key, f"{target.replace('%3A', ':')}\n{past}".encode(), hashlib.sha256).hexdigest()
-    r = httpx.get(f"{url.split('?')[0]}?expires={past}&signature={sig}", timeout=30)
+    # a correctly signed URL past its expiry is 410 Gone (signed with the server's key file)
+    signer = UrlSigner(server.data_dir / "url_signing.key")
+    query = dict(httpx.URL(url).params)
+    past = int(time.time()) - 10
+    grant = DownloadGrant(TinkerPath.parse(ext), "adapter_model.safetensors", past, query["version"], query["scope"])
+    r = httpx.get(url.split("?")[0], params={**query, "expires": past, "signature": signer.signature(grant)},
+                  timeout=30)
     assert r.status_code == 410 and "expired" in r.json()["detail"]
 
     with pytest.raises(ValueError, match="external weights"):  # the SDK refuses other kinds itself...
@@ -318,3 +320,61 @@ def test_wrong_kind_for_load_is_a_clear_400(world):
     external = world["tc"].save_weights_external("not-loadable").result().path
     with pytest.raises(tinker.BadRequestError, match="cannot load"):
         sc.create_training_client_from_state(external).result()
+
+
+def test_signed_urls_end_with_the_version_and_the_access_they_were_made_for(server, world):
+    """A URL is for one version of a checkpoint under the access its requester had: saving
+    again (or deleting and saving again) ends it; unpublishing ends the URLs others got while it
+    was public, but not the owner's own."""
+    alice, bob, tc = world["alice"], world["bob"], world["tc"]
+
+    def status(url: str) -> int:
+        return httpx.get(url, timeout=30).status_code
+
+    shared = tc.save_weights_external("shared").result().path
+    alice.publish_checkpoint_from_tinker_path(shared).result()
+    mine = alice.get_external_weights_urls(shared).result().urls["adapter_model.safetensors"]
+    theirs = bob.get_external_weights_urls(shared).result().urls["adapter_model.safetensors"]
+    assert status(mine) == status(theirs) == 200
+    alice.unpublish_checkpoint_from_tinker_path(shared).result()
+    assert status(theirs) == 404 and status(mine) == 200
+    alice.publish_checkpoint_from_tinker_path(shared).result()  # public again: anyone may read this version
+    assert status(theirs) == 200
+
+    _step(tc, 11)
+    assert tc.save_weights_external("shared").result().path == shared  # a new version, private again
+    assert status(mine) == 404
+    mine = alice.get_external_weights_urls(shared).result().urls["adapter_model.safetensors"]
+    alice.delete_checkpoint_from_tinker_path(shared).result()
+    assert tc.save_weights_external("shared").result().path == shared  # deleted, then saved again
+    r = httpx.get(mine, timeout=30)
+    assert r.status_code == 404 and "no longer exists" in r.json()["detail"]
+    assert status(alice.get_external_weights_urls(shared).result().urls["adapter_model.safetensors"]) == 200
+
+
+def test_names_ending_in_a_newline_are_refused(server, world):
+    """Names and run ids are matched whole: `$` would match before a trailing newline."""
+    tc, run = world["tc"], world["tc"].model_id
+    with pytest.raises(tinker.BadRequestError, match="invalid checkpoint name"):
+        tc.save_state("s1\n").result()
+    with httpx.Client(base_url=server.base_url, headers={"X-API-Key": ALICE}, timeout=30) as http:
+        for method, route, needle in [
+            ("DELETE", f"/api/v1/training_runs/{run}/checkpoints/weights/s1%0A", "invalid checkpoint name"),
+            ("POST", f"/api/v1/training_runs/{run}/checkpoints/weights/s1%0A/publish", "invalid checkpoint name"),
+            ("GET", f"/api/v1/training_runs/{run}%0A", "invalid training run id"),
+            ("POST", "/api/v1/checkpoints/import?name=x%0A", "invalid checkpoint name"),
+        ]:
+            r = http.request(method, route, content=b"x")
+            assert r.status_code == 400 and needle in r.json()["detail"], (route, r.text)
+        r = http.post("/api/v1/weights_info", json={"tinker_path": world["s1"] + "\n"})
+        assert r.status_code == 400 and "invalid checkpoint name" in r.json()["detail"], r.text
+
+
+def test_save_ttl_is_bounded_like_set_ttl(world):
+    """A save's ttl_seconds has the same 1 s - 10 years bound as set_checkpoint_ttl: a time past
+    what a listing can print would make every listing of the run fail."""
+    tc, alice = world["tc"], world["alice"]
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be between 1 and"):
+        tc.save_state("far-future", ttl_seconds=10 ** 15).result()
+    assert alice.list_checkpoints(tc.model_id).result().checkpoints  # still listable
+    _step(tc, 12)  # and the model goes on after the refused save

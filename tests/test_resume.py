@@ -14,7 +14,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, sft_batch
+from helpers import BASE_MODEL, database, sft_batch
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +40,7 @@ def test_kill9_restart_resume(tmp_path):
         path = save_future.result().path
         uninterrupted = [_step(tc, i) for i in range(k, total)]
         srv.kill9()
-        with sqlite3.connect(srv.data_dir / "hosted_tinker.sqlite3") as db:
+        with sqlite3.connect(database(srv.data_dir)) as db:
             (save_request_id,) = db.execute("SELECT request_id FROM futures WHERE model_id=? AND kind='save_weights'",
                                             (tc.model_id,)).fetchone()
 

@@ -17,7 +17,8 @@ def served(name: str) -> ServedModel:
 def test_registry_routes_by_base_model_and_names_what_it_serves():
     a, b = served("org/model-a"), served("org/model-b")
     registry = ModelRegistry([a, b])
-    assert registry.get("org/model-b") is b and registry.default is a and list(registry) == [a, b]
+    assert registry.get("org/model-b") is b and list(registry) == [a, b] and registry.names == ["org/model-a",
+                                                                                                 "org/model-b"]
     with pytest.raises(UserError, match=r"base model 'other' is not served here; this server serves "
                                         r"'org/model-a', 'org/model-b'"):
         registry.get("other")

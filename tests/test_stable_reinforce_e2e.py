@@ -18,7 +18,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL
+from helpers import BASE_MODEL, database
 from hosted_tinker.wire import tinker_wire_pb2 as pb
 from server_process import ServerProcess
 
@@ -78,7 +78,7 @@ def test_sequence_ids_are_fixed_at_submission_and_unique(server, alice):
     # Once the request's future is pruned (a day after it finished), its recorded ids still live:
     # the seq_id is refused rather than handing the same ids to new samples.
     _wait(server, posts[0]["request_id"])
-    with sqlite3.connect(server.data_dir / "hosted_tinker.sqlite3") as db:
+    with sqlite3.connect(database(server.data_dir)) as db:
         db.execute("DELETE FROM futures WHERE request_id=?", (posts[0]["request_id"],))
     r = httpx.post(f"{server.base_url}/api/v1/asample", json=body, headers={"X-API-Key": KEY}, timeout=30)
     assert r.status_code == 400 and "seq_id 777000" in r.json()["detail"] and "already used" in r.json()["detail"]

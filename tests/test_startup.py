@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import database
 from hosted_tinker.config import ServerConfig, flag
 from hosted_tinker.model_loading import DTYPES
 from hosted_tinker.startup import vllm_child_devices
@@ -79,7 +80,7 @@ def test_help_lists_every_setting_dtype_and_env_var():
     for name in ServerConfig.model_fields:
         assert flag(name) in out.stdout and f"[env: HOSTED_TINKER_{name.upper()}]" in out.stdout, name
     assert "{" + ",".join(["auto", *DTYPES]) + "}" in out.stdout  # every accepted dtype, aliases included
-    assert "--base-model str, --model str" in out.stdout  # vLLM's name for it too
+    assert "--base-model MODEL[@DEVICE], --model MODEL[@DEVICE]" in out.stdout  # vLLM's name for it too
 
 
 def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
@@ -96,7 +97,7 @@ def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
     summary = log[log.index("hosted-tinker 0.1.0 ready"):]
     assert f"ready at http://127.0.0.1:{srv.port}" in summary
     assert re.search(rf"data dir +{re.escape(str(srv.data_dir.resolve()))}\n", summary)
-    assert re.search(rf"database +{re.escape(str(srv.data_dir.resolve() / 'hosted_tinker.sqlite3'))}\n", summary)
+    assert re.search(rf"database +{re.escape(str(database(srv.data_dir).resolve()))}\n", summary)
     assert re.search(r"model +hosted-tinker/tiny-qwen3-embedded on cpu \(float32, ", summary)
     assert "auth       DEV MODE" in summary
     assert "LoRA rank <= 8; per key 4 live models" in summary and "7 samples per request" in summary
@@ -163,6 +164,8 @@ def test_an_unreadable_keys_file_is_one_line(tmp_path):
     (("--vllm", "--device", "cpu", "--vllm-devices", "99"),
      r"--vllm-devices 99: (no CUDA device is available on this machine; leave --vllm-devices unset .*|"
      r"this machine has \d+ CUDA device\(s\), numbered from 0)"),
+    (("--vllm-url", "http://127.0.0.1:9", "--base-model", "hosted-tinker/tiny-qwen3-embedded", "--base-model",
+      "Qwen/Qwen3-8B"), r"--vllm-url: a vLLM sidecar samples one base model and 2 were given; run a server per model .*"),
 ])
 def test_vllm_settings_that_cannot_work_are_one_line_before_the_model_loads(tmp_path, args, pattern):
     # From an empty directory: the default .venv-vllm (relative to where the server starts) is missing.
@@ -175,3 +178,43 @@ def test_vllm_devices_are_numbered_as_the_server_sees_them():
     assert vllm_child_devices(None, "2,3") is None  # vLLM then sees what the server sees
     assert vllm_child_devices("1", "4,5,6") == "5"  # the server's cuda:1 is the machine's device 5
     assert vllm_child_devices("0,2", "GPU-a, GPU-b, GPU-c") == "GPU-a,GPU-c"
+
+
+# -- several base models (issue 16) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, env, pattern", [
+    (("--base-model", "Qwen/Qwen3-8B@gpu"), {},
+     r"--base-model Qwen/Qwen3-8B@gpu: 'gpu' is not a device: use auto, cpu, cuda, cuda:N, mps or xpu after the '@'"),
+    (("--base-model", "Qwen/Qwen3-8B", "--model", "Qwen/Qwen3-8B@cpu"), {},
+     r"--base-model Qwen/Qwen3-8B Qwen/Qwen3-8B@cpu: 'Qwen/Qwen3-8B' given more than once: each base model is "
+     r"served once"),
+    ((), {"HOSTED_TINKER_BASE_MODEL": "Qwen/Qwen3-8B,@cpu"},
+     r"\$HOSTED_TINKER_BASE_MODEL=Qwen/Qwen3-8B,@cpu: a base model needs a name before '@'"),
+])
+def test_a_bad_model_list_is_one_line_before_anything_starts(tmp_path, args, env, pattern):
+    out = serve(tmp_path, *args, env=env)
+    assert_one_line_error(out, pattern)
+    assert not (tmp_path / "data").exists()
+
+
+def test_every_served_model_is_found_before_any_loads_one_line_each(tmp_path):
+    out = serve(tmp_path, env={"HOSTED_TINKER_BASE_MODEL": "Qwen/Qwen3-8B, Qwen/Qwen3-4B", "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "loading base model" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert [re.match(r"hosted-tinker serve: error: --base-model (\S+): not in the Hugging Face cache .* and "
+                     r"HF_HUB_OFFLINE is set: ", line).group(1) for line in lines] == ["Qwen/Qwen3-8B", "Qwen/Qwen3-4B"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_models_own_device_is_checked_and_named_by_its_entry(tmp_path):
+    out = serve(tmp_path, "--base-model", "hosted-tinker/tiny-qwen3-embedded", "--base-model", "Qwen/Qwen3-8B@cuda:1")
+    assert_one_line_error(out, r"--base-model Qwen/Qwen3-8B@cuda:1: no cuda device is available to torch on this "
+                               r"machine; use cpu \(or auto\) after the '@'")
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_config_file_lists_models_each_with_its_device(tmp_path):
+    config = tmp_path / "server.toml"
+    config.write_text('device = "cpu"\nbase_model = ["org/student", "org/teacher@cuda:1"]\n')
+    served = ServerConfig(config=config).served_models
+    assert [(m.name, m.device) for m in served] == [("org/student", "cpu"), ("org/teacher", "cuda:1")]

@@ -9,18 +9,21 @@ import concurrent.futures as cf
 
 import numpy as np
 import pytest
-from vllm_support import WAIT, job, start_stack, stop_stack
+from vllm_support import WAIT, StackConfig, job, stop_stack
 
 from hosted_tinker.sampling.vllm_adapters import latest_ref
 
 PROMPT = [5, 77, 300, 12, 900, 40, 41, 42]
 
 
+VLLM_STACK = StackConfig(lora_lm_head=False)
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = start_stack(tmp_path_factory.mktemp("vllm-nolmhead"), lora_lm_head=False)
+def stack(vllm_stacks):
+    s = vllm_stacks.take(VLLM_STACK)
     yield s
-    stop_stack(s.backend, s.adapters, s.sidecar)
+    stop_stack(s)
 
 
 def _same(ours, theirs, what):

@@ -99,12 +99,13 @@ def clients(srv):
 
 # -- helpers ---------------------------------------------------------------------------------------
 def metric(server, name: str) -> float:
+    """A series of /metrics, summed over its labels (one served model here: its base_model label)."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and not sample.labels:
-                return sample.value
-    raise KeyError(name)
+    values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+              if sample.name == name]
+    if not values:
+        raise KeyError(name)
+    return sum(values)
 
 
 def wait_until(condition, what: str, server, timeout: float = WAIT) -> None:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
+from multiprocessing import shared_memory
 
 import httpx
 import numpy as np
@@ -18,18 +21,22 @@ import pytest
 from hosted_tinker.sampling.engine import SampleJob
 from hosted_tinker.sampling.vllm_adapters import AdapterUnavailable, latest_ref
 from hosted_tinker.sampling.vllm_backend import completion_body
+from hosted_tinker.sampling.vllm_sidecar import SHM_DIR, group_shm_files, remove_shm_files
 
-from vllm_support import WAIT, job, start_stack, stop_stack
+from vllm_support import WAIT, StackConfig, job, stop_stack
 
 PROMPT = [5, 77, 300, 12, 900, 40]
 TARGET = [101, 202, 303, 404, 505, 606]  # what training teaches the adapter to answer to PROMPT
 
 
+VLLM_STACK = StackConfig(lora_lm_head=True, max_cpu_loras=2, max_snapshots=3)
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = start_stack(tmp_path_factory.mktemp("vllm"), lora_lm_head=True, max_cpu_loras=2, max_snapshots=3)
+def stack(vllm_stacks):
+    s = vllm_stacks.take(VLLM_STACK)
     yield s
-    stop_stack(s.backend, s.adapters, s.sidecar)
+    stop_stack(s)
 
 
 def _folders(stack, model_id: str) -> list[str]:
@@ -190,6 +197,50 @@ def test_evicted_and_lost_adapters_reload_on_demand(stack, tmp_path):
     stack.adapters.release(v)
 
 
+# A process group that shares memory the way vLLM's processes do (multiprocessing's SharedMemory and a
+# spawn-context lock, both registered with a resource tracker that runs in the same group).
+SHM_GROUP = """
+import multiprocessing as mp, sys, time
+from multiprocessing import shared_memory
+shm = shared_memory.SharedMemory(create=True, size=1 << 16)
+lock = mp.get_context("spawn").Lock()
+print(shm.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_shared_memory_a_killed_group_left_is_removed_and_nothing_else():
+    # Real processes, no vLLM: the file names and the clean-up the sidecar runs after each stop.
+    ours = shared_memory.SharedMemory(create=True, size=1 << 12)  # this process's, not the group's
+    group = subprocess.Popen([sys.executable, "-c", SHM_GROUP], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    name, found = "", {}
+    try:
+        name = group.stdout.readline().strip()
+        found = group_shm_files(group.pid)
+        assert name in found and any(n.startswith("sem.mp-") for n in found)
+        assert ours.name not in found
+        os.killpg(group.pid, signal.SIGKILL)
+        group.wait()
+        assert all((SHM_DIR / n).exists() for n in found)  # what kill -9 leaves behind
+        # A file that took a removed one's name since is another file (new inode): it stays.
+        (SHM_DIR / name).unlink()
+        (SHM_DIR / name).write_bytes(b"someone else's")
+        assert sorted(remove_shm_files(found)) == sorted(n for n in found if n != name)
+        assert (SHM_DIR / name).exists() and (SHM_DIR / ours.name).exists()
+        assert not any((SHM_DIR / n).exists() for n in found if n != name)
+    finally:
+        if group.poll() is None:
+            os.killpg(group.pid, signal.SIGKILL)
+            group.wait()
+        group.stdout.close()
+        remove_shm_files(found)
+        if name:
+            (SHM_DIR / name).unlink(missing_ok=True)
+        ours.close()
+        ours.unlink()
+
+
 def test_kill9_of_the_process_group_is_recovered_without_user_action(stack, tmp_path):
     stack.create("m-kill")
     step = stack.train_step("m-kill", PROMPT, TARGET)
@@ -211,6 +262,8 @@ def test_kill9_of_the_process_group_is_recovered_without_user_action(stack, tmp_
     stack.backend.submit_job(long_job)
     assert started.wait(WAIT)
     pgid = stack.sidecar.process_group()
+    shm = group_shm_files(pgid)
+    assert shm, "vLLM's processes share memory through /dev/shm"
     os.killpg(pgid, signal.SIGKILL)
     assert finished.wait(WAIT), "the request in flight hung"
     assert "error" in outcome and "vLLM" in outcome["error"]
@@ -225,6 +278,8 @@ def test_kill9_of_the_process_group_is_recovered_without_user_action(stack, tmp_
     assert stack.sidecar.generation > generation and stack.sidecar.stats.restarts >= 1
     with pytest.raises(ProcessLookupError):  # nothing of the killed group is left behind
         os.killpg(pgid, 0)
+    assert not [n for n in shm if (SHM_DIR / n).exists()], "the killed group's shared memory is left in /dev/shm"
+    assert group_shm_files(stack.sidecar.process_group()), "the new vLLM maps shared memory of its own"
     # The latest and the pinned versions were registered again by the restart itself.
     names = {m["id"] for m in httpx.get(f"{stack.sidecar.url}/v1/models").json()["data"]}
     assert {stack.adapters._latest["m-kill"].name, pinned.name} <= names

@@ -15,6 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hosted_tinker.checkpoints.catalog import CheckpointCatalog
+from hosted_tinker.checkpoints.paths import TinkerPath
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.futures import FutureStore
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
@@ -59,7 +61,8 @@ def worker(runtime, tmp_path):
         runtime.remove_adapter(mid)
     store = Store(tmp_path / "db.sqlite3")
     store.create_session("s", "alice", [], {}, None, None)
-    w = TrainingWorker(runtime, FutureStore(store), store, tmp_path / "checkpoints", NewWeightsRecorder())
+    w = TrainingWorker(runtime, FutureStore(store), store, CheckpointCatalog(store, tmp_path / "checkpoints"),
+                       NewWeightsRecorder())
     yield w
     store.close()
 
@@ -164,7 +167,7 @@ def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, 
 
     c = Cycle(worker)
     load_id = c.add("tail", "m", "load_weights", LoadSpec(checkpoint_dir=saved, with_optimizer=False,
-                                                           path="tinker://m/sampler_weights/v1"))
+                                                           path=TinkerPath("m", "sampler_weights", "v1"), max_rank=8))
     c.run()
     assert not answer(worker, load_id)["failed"]
     assert worker.sampling.updates[-1] == ("m", None)

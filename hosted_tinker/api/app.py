@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..access import Access
+from ..checkpoints.paths import InvalidPath
 from ..config import ServerConfig
 from ..server import Server
 from ..services.sampling import SamplingRequests
@@ -34,22 +35,19 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
     async def lifespan(app: FastAPI):
         srv = server or Server(config, observer=app.state.metrics)
         srv.futures.bind_loop(asyncio.get_running_loop())
-        rest.on_startup(app, srv)  # checkpoint crash recovery, before any work runs
         app.state.metrics.bind(srv)
         srv.start()
         app.state.server = srv
-        app.state.access = Access(srv.store, srv.scheduler.has_model)
+        app.state.access = Access(srv.store, srv.models.has_training_model)
         app.state.training = TrainingRequests(srv, app.state.access)
         app.state.sampling = SamplingRequests(srv, app.state.access)
         pruner = asyncio.create_task(_prune_forever(srv))
-        sweeper = asyncio.create_task(rest.sweep_expired_forever(srv))  # checkpoint TTLs
         for line in summary_lines(srv, config, base_url(config.host, config.port)):
             log.info("%s", line)
         try:
             yield
         finally:
             pruner.cancel()
-            sweeper.cancel()
             srv.stop()
 
     app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=lifespan)
@@ -64,6 +62,10 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said precisely
             detail = "the request body's JSON is nested too deeply to parse"
         return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(InvalidPath)
+    async def invalid_path(request: Request, exc: InvalidPath):  # a malformed tinker:// path, name or run id
+        return JSONResponse({"detail": str(exc)}, status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

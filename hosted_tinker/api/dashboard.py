@@ -23,6 +23,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from ..checkpoints.paths import TinkerPath
 from ..server import Server
 from .deps import get_server
 
@@ -56,7 +57,11 @@ def _expires(ts: float | None) -> str:
     return f"in {left / 3600:.1f} h" if left < 48 * 3600 else f"in {left / 86400:.1f} days"
 
 
-templates.env.filters.update(when=_when, size=_size, expires=_expires)
+def _tinker_path(checkpoint) -> str:
+    return str(TinkerPath.of_record(checkpoint["model_id"], checkpoint["checkpoint_id"]))
+
+
+templates.env.filters.update(when=_when, size=_size, expires=_expires, tinker_path=_tinker_path)
 
 
 def _key(request: Request) -> str | None:
@@ -106,7 +111,7 @@ def overview(request: Request):
     session_ids, _ = server.store.list_sessions(owner, ROWS, 0)
     sessions = [server.store.get_session(sid) for sid in session_ids]
     return templates.TemplateResponse(request, "overview.html", {
-        "owner": owner, "base_model": server.config.base_model, "dev_mode": server.keyring.dev_mode,
+        "owner": owner, "base_models": server.models.names, "dev_mode": server.keyring.dev_mode,
         "runs": run_rows, "checkpoints": checkpoints, "sessions": [s for s in sessions if s is not None],
         "session_runs": {sid: len(server.store.session_model_ids(sid)) for sid in session_ids}})
 
@@ -160,7 +165,8 @@ def cycles(request: Request):
     """Recent clock cycles: how full each was. Server-wide totals, no tenant's identity."""
     _require_owner(request)
     server = get_server(request)
-    return {"cycles": request.app.state.metrics.recent_cycles(), "queue_depth": server.scheduler.queue_depth(),
+    queued = sum(served.scheduler.queue_depth() for served in server.models)
+    return {"cycles": request.app.state.metrics.recent_cycles(), "queue_depth": queued,
             "max_tokens_per_cycle": server.config.max_tokens_per_cycle}
 
 

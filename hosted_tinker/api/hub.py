@@ -10,7 +10,7 @@ instead, with the same requests it sends the hub:
 
 and caches the files as usual under HF_HOME. This works for every served model, the embedded
 default (whose name exists on no hub) included, with no hub access, from any machine that can reach
-the server. Only tokenizer and config files are served (no weights), for the served base model
+the server. Only tokenizer and config files are served (no weights), for the served base models
 only, without an API key: they are what anyone using the server needs, not any tenant's data.
 """
 
@@ -55,18 +55,12 @@ def _files(model_dir: Path) -> tuple[str, dict[str, tuple[Path, str]]]:
     return commit, found
 
 
-def _served_files(server: Server, repo_id: str):
-    if repo_id != server.config.base_model:
-        return None
-    return _files(model_directory(server.config.base_model, Path(server.config.data_dir)).resolve())
-
-
 def _lookup(server: Server, repo_id: str, revision: str):
     """(commit, files) of a served repo, or the hub's error answer."""
-    served = _served_files(server, repo_id)
-    if served is None:
-        return _hub_error(404, "RepositoryNotFound",
-                          f"{repo_id!r} is not served here; this server serves {server.config.base_model!r}")
+    if repo_id not in server.models.names:
+        return _hub_error(404, "RepositoryNotFound", f"{repo_id!r} is not served here; this server serves "
+                          + ", ".join(repr(n) for n in server.models.names))
+    served = _files(model_directory(repo_id, Path(server.config.data_dir)).resolve())
     if revision not in ("main", served[0]):
         return _hub_error(404, "RevisionNotFound", f"revision {revision!r} of {repo_id!r} is not served here")
     return served

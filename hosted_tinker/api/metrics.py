@@ -11,6 +11,8 @@ Two kinds of series:
   scrape time by `_ServerCollector`, under the names they always had.
 
 Each app has its own registry, so several servers in one process (tests) never share series.
+What a served base model's own parts do (its cycles, queue, adapters, sampling) carries a
+`base_model` label: each model has its own device loop; sum over the label for the server.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..sampling.vllm_server_backend import VLLMBackend
 
 if TYPE_CHECKING:
     from ..sampling.engine import SampleJob, SampleResult
+    from ..served_models import ServedModel
     from ..scheduler import CyclePlan
     from ..server import Server
 
@@ -56,24 +59,24 @@ class Metrics:
                                          registry=r)
         self.queue_wait = Histogram("hosted_tinker_queue_wait_seconds",
                                     "time a training request waited between arriving and its cycle starting, by kind",
-                                    ["kind"], buckets=_SECONDS, registry=r)
+                                    ["base_model", "kind"], buckets=_SECONDS, registry=r)
         self.cycle_duration = Histogram("hosted_tinker_cycle_duration_seconds", "duration of a clock cycle",
-                                        buckets=_SECONDS, registry=r)
+                                        ["base_model"], buckets=_SECONDS, registry=r)
         self.fused_tokens = Histogram("hosted_tinker_fused_pass_tokens", "tokens in a fused forward/backward pass",
-                                      buckets=_TOKENS, registry=r)
+                                      ["base_model"], buckets=_TOKENS, registry=r)
         self.fused_models = Histogram("hosted_tinker_fused_pass_models",
-                                      "tenants (adapters) in a fused forward/backward pass", buckets=_TENANTS,
-                                      registry=r)
+                                      "tenants (adapters) in a fused forward/backward pass", ["base_model"],
+                                      buckets=_TENANTS, registry=r)
         self.ttft = Histogram("hosted_tinker_sampling_time_to_first_token_seconds",
-                              "time from a sample request's arrival to its first generated token", buckets=_SECONDS,
-                              registry=r)
+                              "time from a sample request's arrival to its first generated token", ["base_model"],
+                              buckets=_SECONDS, registry=r)
         self.tokens_per_second = Histogram("hosted_tinker_sampling_tokens_per_second",
                                            "generated tokens per second of a sample request, after its first token",
-                                           buckets=_RATES, registry=r)
+                                           ["base_model"], buckets=_RATES, registry=r)
         self.vllm_request_latency = Histogram(
             "hosted_tinker_vllm_request_duration_seconds",
             "time from a sample job's hand-over to the vLLM sidecar to its answer (waiting for vLLM included), by "
-            "outcome", ["outcome"], buckets=_SECONDS, registry=r)
+            "outcome", ["base_model", "outcome"], buckets=_SECONDS, registry=r)
         self._server: Server | None = None
         r.register(_ServerCollector(lambda: self._server))
         self._lock = threading.Lock()
@@ -89,39 +92,42 @@ class Metrics:
         self.request_seconds.labels(route).inc(seconds)
         self.request_latency.labels(route).observe(seconds)
 
-    def observe_cycle(self, plan: "CyclePlan", seconds: float) -> None:
-        """Called on the device loop's thread after each training cycle."""
+    def observe_cycle(self, base_model: str, plan: "CyclePlan", seconds: float) -> None:
+        """Called on `base_model`'s device loop thread after each of its training cycles."""
         started = time.monotonic() - seconds
         for req in (*plan.compute, *plan.optim, *plan.tail):
-            self.queue_wait.labels(req.kind).observe(max(0.0, started - req.arrived_at))
-        self.cycle_duration.observe(seconds)
-        tokens = tenants = 0
-        if plan.compute and self._server is not None:
-            stats = self._server.runtime.last_pass
-            tokens, tenants = stats.tokens, stats.models
-            self.fused_tokens.observe(tokens)
-            self.fused_models.observe(tenants)
-        queued = self._server.scheduler.queue_depth() if self._server is not None else 0
+            self.queue_wait.labels(base_model, req.kind).observe(max(0.0, started - req.arrived_at))
+        self.cycle_duration.labels(base_model).observe(seconds)
+        tokens = tenants = queued = 0
+        if self._server is not None:
+            served = self._server.models.get(base_model)
+            queued = served.scheduler.queue_depth()
+            if plan.compute:
+                stats = served.runtime.last_pass
+                tokens, tenants = stats.tokens, stats.models
+                self.fused_tokens.labels(base_model).observe(tokens)
+                self.fused_models.labels(base_model).observe(tenants)
         with self._lock:
-            self._cycles.append({"t": time.time(), "seconds": seconds, "tokens": tokens, "tenants": tenants,
-                                 "requests": len(plan.compute) + len(plan.optim) + len(plan.tail),
+            self._cycles.append({"t": time.time(), "base_model": base_model, "seconds": seconds, "tokens": tokens,
+                                 "tenants": tenants, "requests": len(plan.compute) + len(plan.optim) + len(plan.tail),
                                  "queue_depth": queued})
 
-    def observe_sample(self, job: "SampleJob", generated_tokens: int) -> None:
-        """Called on the device loop's thread when a sample request has all its sequences."""
+    def observe_sample(self, base_model: str, job: "SampleJob", generated_tokens: int) -> None:
+        """Called on `base_model`'s device loop thread when a sample request has all its sequences."""
         if job.first_token_at is None:
             return
         now = time.perf_counter()
-        self.ttft.observe(job.first_token_at - job.submitted_at)
+        self.ttft.labels(base_model).observe(job.first_token_at - job.submitted_at)
         decoding = now - job.first_token_at
         if decoding > 0 and generated_tokens > job.num_samples:
-            self.tokens_per_second.observe((generated_tokens - job.num_samples) / decoding)
+            self.tokens_per_second.labels(base_model).observe((generated_tokens - job.num_samples) / decoding)
 
-    def observe_vllm_request(self, job: "SampleJob", result: "SampleResult | None", seconds: float) -> None:
+    def observe_vllm_request(self, base_model: str, job: "SampleJob", result: "SampleResult | None",
+                             seconds: float) -> None:
         """Called on the vLLM backend's thread when a job it ran ends (result None: it failed or was cancelled)."""
-        self.vllm_request_latency.labels("ok" if result is not None else "failed").observe(seconds)
+        self.vllm_request_latency.labels(base_model, "ok" if result is not None else "failed").observe(seconds)
         if result is not None:
-            self.observe_sample(job, sum(len(s.tokens) for s in result.sequences))
+            self.observe_sample(base_model, job, sum(len(s.tokens) for s in result.sequences))
 
     def recent_cycles(self) -> list[dict]:
         with self._lock:
@@ -129,6 +135,90 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_C, _G = CounterMetricFamily, GaugeMetricFamily
+
+
+def _builtin(m: "ServedModel"):
+    """The model's built-in engine backend (with vLLM on, the one beside it for the jobs vLLM refuses)."""
+    b = m.sampling_backend
+    return b.builtin if isinstance(b, VLLMBackend) else b
+
+
+# (family, name, help, value of one served model), read from its own parts at scrape time; the
+# sampling ones are the built-in engine's counters (`_builtin`).
+_PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
+    (_C, "hosted_tinker_cycles", "clock cycles run", lambda m: m.scheduler.cycles),
+    (_C, "hosted_tinker_cycle_seconds", "time spent in clock cycles", lambda m: m.scheduler.cycle_seconds_total),
+    (_G, "hosted_tinker_last_cycle_seconds", "duration of the last cycle", lambda m: m.scheduler.last_cycle_seconds),
+    (_G, "hosted_tinker_last_cycle_models", "models served by the last cycle",
+     lambda m: m.scheduler.last_cycle_models),
+    (_G, "hosted_tinker_last_cycle_requests", "requests executed by the last cycle",
+     lambda m: m.scheduler.last_cycle_requests),
+    (_G, "hosted_tinker_last_fused_pass_models", "adapters packed into the last fused forward/backward",
+     lambda m: m.worker.last_cycle_models),
+    (_G, "hosted_tinker_last_fused_pass_tokens", "tokens in the last fused forward/backward",
+     lambda m: m.worker.last_cycle_tokens),
+    (_G, "hosted_tinker_last_fused_pass_padded_tokens",
+     "token slots computed by the last fused pass, padding included (vs _tokens: padding waste)",
+     lambda m: m.runtime.last_pass.padded_tokens),
+    (_C, "hosted_tinker_fused_passes", "forward/backward passes that carried several models",
+     lambda m: m.worker.fused_passes),
+    (_C, "hosted_tinker_trained_tokens", "tokens through forward/backward", lambda m: m.worker.tokens_total),
+    (_G, "hosted_tinker_queue_depth", "training requests waiting", lambda m: m.scheduler.queue_depth()),
+    (_G, "hosted_tinker_adapters", "adapters held by the runtime (on the device or paged out)",
+     lambda m: len(m.runtime.adapters)),
+    (_G, "hosted_tinker_live_adapters", "adapters resident on the device", lambda m: len(m.runtime.live)),
+    (_C, "hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", lambda m: m.runtime.page_outs),
+    (_C, "hosted_tinker_sample_requests", "sample requests answered",
+     lambda m: _builtin(m).engine.requests_done),
+    (_C, "hosted_tinker_sampled_tokens", "tokens generated by sampling",
+     lambda m: _builtin(m).engine.tokens_generated),
+    (_G, "hosted_tinker_sampling_active_sequences", "sequences being generated now",
+     lambda m: _builtin(m).engine.active_rows),
+    (_C, "hosted_tinker_sampling_requests_cancelled",
+     "sample requests dropped unfinished because nobody waited for them any more (client gone)",
+     lambda m: _builtin(m).engine.requests_cancelled),
+    (_C, "hosted_tinker_sampler_weight_syncs",
+     "sampler adapter snapshots loaded onto the device (weights synced for sampling)",
+     lambda m: _builtin(m).snapshots.loads),
+    (_G, "hosted_tinker_sampler_snapshots", "sampler adapter snapshots resident on the device",
+     lambda m: len(_builtin(m).snapshots)),
+]
+
+
+# Read from `VLLMBackend.metrics()` of each model sampled on vLLM: (family, name, help, its key there).
+_VLLM_SERIES: list[tuple[type, str, str, str]] = [
+    (_G, "hosted_tinker_vllm_ready", "1 while the vLLM sidecar answers, 0 while it starts or restarts", "ready"),
+    (_C, "hosted_tinker_vllm_restarts", "times vLLM was found dead and restarted (or, attached, waited for)",
+     "restarts_total"),
+    (_G, "hosted_tinker_vllm_last_start_seconds", "how long vLLM's last (re)start took, warm-up included",
+     "last_start_seconds"),
+    (_C, "hosted_tinker_vllm_adapter_syncs", "adapter versions written and registered with vLLM after training "
+     "changed them", "syncs_total"),
+    (_C, "hosted_tinker_vllm_adapter_sync_failures", "adapter versions that could not be written or registered",
+     "sync_failures_total"),
+    (_C, "hosted_tinker_vllm_adapter_on_demand_loads", "adapter versions registered again at use (vLLM evicted or "
+     "lost them, or a snapshot's first use)", "on_demand_loads_total"),
+    (_G, "hosted_tinker_vllm_sync_lag_steps", "optimizer steps the most-behind model's version in vLLM lags its "
+     "training", "sync_lag_steps"),
+    (_G, "hosted_tinker_vllm_sync_lag_seconds", "age of the oldest adapter version not yet synced to vLLM (0: none)",
+     "sync_lag_seconds"),
+    (_G, "hosted_tinker_vllm_last_sync_seconds", "publish-to-registered time of the last adapter sync",
+     "last_sync_seconds"),
+    (_G, "hosted_tinker_vllm_adapter_versions", "adapter versions registered with vLLM (latest versions and "
+     "snapshots)", "registered_versions"),
+    (_C, "hosted_tinker_vllm_requests", "sample jobs the vLLM sidecar ended (answered or failed)", "requests_total"),
+    (_C, "hosted_tinker_vllm_request_failures", "sample jobs on the vLLM sidecar that failed (vLLM down, refused, "
+     "cancelled)", "request_failures_total"),
+    (_C, "hosted_tinker_vllm_requests_cancelled", "sample jobs on the vLLM sidecar stopped because their client left",
+     "requests_cancelled_total"),
+    (_G, "hosted_tinker_vllm_requests_in_flight", "sample jobs waiting for or running on vLLM", "requests_in_flight"),
+    (_C, "hosted_tinker_vllm_sampled_tokens", "tokens generated by vLLM", "tokens_generated_total"),
+    (_C, "hosted_tinker_vllm_jobs_to_builtin", "sample jobs vLLM cannot serve here that went to the built-in engine "
+     "(prompt logprobs with lm_head LoRA, or lm_head adapters without it)", "jobs_to_builtin_total"),
+]
 
 
 class _ServerCollector(Collector):
@@ -141,52 +231,20 @@ class _ServerCollector(Collector):
         server = self._server()
         if server is None:
             return
-        sch, wk, rt = server.scheduler, server.worker, server.runtime
-        backend = server.models.default.sampling_backend
-        builtin = backend.builtin if isinstance(backend, VLLMBackend) else backend
-        engine, snapshots = builtin.engine, builtin.snapshots  # the built-in engine's counters
-
-        def counter(name: str, help: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, help, value=value)
-
-        def gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, help, value=value)
-
-        yield counter("hosted_tinker_cycles", "clock cycles run", sch.cycles)
-        yield counter("hosted_tinker_cycle_seconds", "time spent in clock cycles", sch.cycle_seconds_total)
-        yield gauge("hosted_tinker_last_cycle_seconds", "duration of the last cycle", sch.last_cycle_seconds)
-        yield gauge("hosted_tinker_last_cycle_models", "models served by the last cycle", sch.last_cycle_models)
-        yield gauge("hosted_tinker_last_cycle_requests", "requests executed by the last cycle",
-                    sch.last_cycle_requests)
-        yield gauge("hosted_tinker_last_fused_pass_models", "adapters packed into the last fused forward/backward",
-                    wk.last_cycle_models)
-        yield gauge("hosted_tinker_last_fused_pass_tokens", "tokens in the last fused forward/backward",
-                    wk.last_cycle_tokens)
-        yield gauge("hosted_tinker_last_fused_pass_padded_tokens",
-                    "token slots computed by the last fused pass, padding included (vs _tokens: padding waste)",
-                    rt.last_pass.padded_tokens)
-        yield counter("hosted_tinker_fused_passes", "forward/backward passes that carried several models",
-                      wk.fused_passes)
-        yield counter("hosted_tinker_trained_tokens", "tokens through forward/backward", wk.tokens_total)
-        yield gauge("hosted_tinker_queue_depth", "training requests waiting", sch.queue_depth())
-        yield gauge("hosted_tinker_adapters", "adapters held by the runtime (on the device or paged out)",
-                    len(rt.adapters))
-        yield gauge("hosted_tinker_live_adapters", "adapters resident on the device", len(rt.live))
-        yield counter("hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", rt.page_outs)
-        yield counter("hosted_tinker_futures_resolved", "futures resolved", server.futures.resolved_total)
-        yield counter("hosted_tinker_sample_requests", "sample requests answered", engine.requests_done)
-        yield counter("hosted_tinker_sampled_tokens", "tokens generated by sampling", engine.tokens_generated)
-        yield gauge("hosted_tinker_sampling_active_sequences", "sequences being generated now", engine.active_rows)
-        yield counter("hosted_tinker_sampling_requests_cancelled",
-                      "sample requests dropped unfinished because nobody waited for them any more (client gone)",
-                      engine.requests_cancelled)
-        yield counter("hosted_tinker_sampler_weight_syncs",
-                      "sampler adapter snapshots loaded onto the device (weights synced for sampling)",
-                      snapshots.loads)
-        yield gauge("hosted_tinker_sampler_snapshots", "sampler adapter snapshots resident on the device",
-                    len(snapshots))
-        if isinstance(backend, VLLMBackend):
-            yield from _vllm_series(backend.metrics())
+        for family, name, help, value in _PER_MODEL:
+            metric = family(name, help, labels=["base_model"])
+            for served in server.models:
+                metric.add_metric([served.name], value(served))
+            yield metric
+        yield CounterMetricFamily("hosted_tinker_futures_resolved", "futures resolved",
+                                  value=server.futures.resolved_total)
+        on_vllm = [(m.name, m.sampling_backend.metrics()) for m in server.models
+                   if isinstance(m.sampling_backend, VLLMBackend)]
+        for family, name, help, key in _VLLM_SERIES if on_vllm else ():
+            metric = family(name, help, labels=["base_model"])
+            for model, values in on_vllm:
+                metric.add_metric([model], values[key])
+            yield metric
         if torch.cuda.is_available():
             g = GaugeMetricFamily("hosted_tinker_gpu_memory_allocated_bytes", "GPU memory held by tensors",
                                   labels=["device"])
@@ -197,45 +255,5 @@ class _ServerCollector(Collector):
             import resource
         except ImportError:  # pragma: no cover - not on Linux
             return
-        yield gauge("hosted_tinker_process_max_rss_bytes", "peak resident memory of the server",
-                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
-# (name, help, its key in VLLMBackend.metrics(), counter?)
-_VLLM_SERIES = (
-    ("hosted_tinker_vllm_ready", "1 while the vLLM sidecar answers, 0 while it starts or restarts", "ready", False),
-    ("hosted_tinker_vllm_restarts", "times vLLM was found dead and restarted (or, attached, waited for)",
-     "restarts_total", True),
-    ("hosted_tinker_vllm_last_start_seconds", "how long vLLM's last (re)start took, warm-up included",
-     "last_start_seconds", False),
-    ("hosted_tinker_vllm_adapter_syncs", "adapter versions written and registered with vLLM after training changed "
-     "them", "syncs_total", True),
-    ("hosted_tinker_vllm_adapter_sync_failures", "adapter versions that could not be written or registered",
-     "sync_failures_total", True),
-    ("hosted_tinker_vllm_adapter_on_demand_loads", "adapter versions registered again at use (vLLM evicted or lost "
-     "them, or a snapshot's first use)", "on_demand_loads_total", True),
-    ("hosted_tinker_vllm_sync_lag_steps", "optimizer steps the most-behind model's version in vLLM lags its training",
-     "sync_lag_steps", False),
-    ("hosted_tinker_vllm_sync_lag_seconds", "age of the oldest adapter version not yet synced to vLLM (0: none)",
-     "sync_lag_seconds", False),
-    ("hosted_tinker_vllm_last_sync_seconds", "publish-to-registered time of the last adapter sync", "last_sync_seconds",
-     False),
-    ("hosted_tinker_vllm_adapter_versions", "adapter versions registered with vLLM (latest versions and snapshots)",
-     "registered_versions", False),
-    ("hosted_tinker_vllm_requests", "sample jobs the vLLM sidecar ended (answered or failed)", "requests_total", True),
-    ("hosted_tinker_vllm_request_failures", "sample jobs on the vLLM sidecar that failed (vLLM down, refused, "
-     "cancelled)", "request_failures_total", True),
-    ("hosted_tinker_vllm_requests_cancelled", "sample jobs on the vLLM sidecar stopped because their client left",
-     "requests_cancelled_total", True),
-    ("hosted_tinker_vllm_requests_in_flight", "sample jobs waiting for or running on vLLM", "requests_in_flight",
-     False),
-    ("hosted_tinker_vllm_sampled_tokens", "tokens generated by vLLM", "tokens_generated_total", True),
-    ("hosted_tinker_vllm_jobs_to_builtin", "sample jobs vLLM cannot serve here that went to the built-in engine "
-     "(prompt logprobs with lm_head LoRA, or lm_head adapters without it)", "jobs_to_builtin_total", True),
-)
-
-
-def _vllm_series(values: dict[str, float]):
-    for name, help, key, is_counter in _VLLM_SERIES:
-        family = CounterMetricFamily if is_counter else GaugeMetricFamily
-        yield family(name, help, value=values[key])
+        yield GaugeMetricFamily("hosted_tinker_process_max_rss_bytes", "peak resident memory of the server",
+                                value=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

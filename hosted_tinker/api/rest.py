@@ -16,8 +16,6 @@ Beyond the SDK, two endpoints move files in and out without it:
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
 import tempfile
 import time
@@ -25,66 +23,37 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
+import anyio.to_thread
+from anyio import CapacityLimiter
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..access import Access
-from ..checkpoint_admin import (
-    CHECKPOINT_LOCK, KIND_TYPES, UrlSigner, checkpoint_files, delete_checkpoint, extract_checkpoint_tar,
-    is_expired, open_checkpoint_files, prepare_import, recover, sweep_expired, tar_length, tar_stream, write_import,
+from ..checkpoints.catalog import MAX_TTL_S, CheckpointExists, version_of
+from ..checkpoints.format import ADAPTER_CONFIG, MANIFEST, CheckpointError, read_json_object, read_manifest
+from ..checkpoints.paths import TinkerPath, check_run_id
+from ..checkpoints.transfer import (
+    SIGNED_URL_TTL_S, ArchiveTooLarge, DownloadGrant, extract_checkpoint_tar, prepare_import, tar_length, tar_stream,
+    write_import,
 )
-from ..runtime.checkpoints import ADAPTER_CONFIG, MANIFEST, CheckpointError
 from ..server import Server
+from ..served_models import ServedModel
 from .deps import accessible_scope, get_access, get_server, require_owner
 from .schemas import INT64_MAX, str_dict
-from .training import check_name, parse_tinker_path
 
 router = APIRouter()
 
-SIGNED_URL_TTL_S = 3600          # download URLs from external_weights_urls live this long
-EXPIRY_SWEEP_S = 2.0             # how often expired checkpoints are removed (files and records)
-MAX_TTL_S = 10 * 365 * 24 * 3600
-_RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}")
+# Imports run (extract, verify, copy) at most this many at a time; the others wait without
+# holding a worker thread, so a burst of large imports cannot starve the other routes.
+MAX_CONCURRENT_IMPORTS = 2
+_import_slots = CapacityLimiter(MAX_CONCURRENT_IMPORTS)
 
 
-# -- lifecycle (called from app.py) ----------------------------------------------------------------------
-
-def on_startup(app: FastAPI, server: Server) -> None:
-    """Repair checkpoint records and directories after an unclean stop; load the URL signing key."""
-    recover(server.store, server.worker.checkpoint_root)
-    shutil.rmtree(Path(server.config.data_dir) / "uploads", ignore_errors=True)  # imports cut short
-    app.state.url_signer = UrlSigner(Path(server.config.data_dir) / "url_signing.key")
-
-
-async def sweep_expired_forever(server: Server) -> None:
-    import asyncio
-    import logging
-
-    while True:
-        await asyncio.sleep(EXPIRY_SWEEP_S)
-        try:
-            await asyncio.to_thread(sweep_expired, server.store)
-        except Exception:  # a disk error must not end the sweeping for good
-            logging.getLogger(__name__).exception("expired checkpoint sweep failed")
-
-
-# -- identifiers and access ------------------------------------------------------------------------------
-
-def check_run_id(run_id: str) -> str:
-    if not _RUN_RE.fullmatch(run_id) or ".." in run_id:
-        raise HTTPException(400, f"invalid training run id {run_id!r}")
-    return run_id
-
-
-def checkpoint_ref(run_id: str, kind: str, name: str) -> str:
-    """Validate the parts of a checkpoint address; return its checkpoint_id ('<kind>/<name>')."""
-    check_run_id(run_id)
-    if kind not in KIND_TYPES:
-        raise HTTPException(400, f"invalid checkpoint kind {kind!r}: expected one of {sorted(KIND_TYPES)}")
-    check_name(name)
-    return f"{kind}/{name}"
+def _checkpoint(access: Access, owner: str, path: TinkerPath, *, write: bool = False):
+    """The live record of `path`, if this key may read it (or, with `write`, change it)."""
+    return access.checkpoint(owner, path.run, path.checkpoint_id, write=write)
 
 
 # -- JSON shapes (tinker.types) --------------------------------------------------------------------------
@@ -94,12 +63,11 @@ def iso(ts: float | None) -> str | None:
 
 
 def checkpoint_json(row) -> dict:
-    path = f"tinker://{row['model_id']}/{row['checkpoint_id']}"
     return {
         "checkpoint_id": row["checkpoint_id"],
         "checkpoint_type": row["kind"],
         "time": iso(row["created_at"]),
-        "tinker_path": path,
+        "tinker_path": str(TinkerPath.of_record(row["model_id"], row["checkpoint_id"])),
         "training_run_id": row["model_id"],
         "size_bytes": row["size_bytes"],
         "public": bool(row["public"]),
@@ -170,31 +138,30 @@ _ONE = "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"
 @router.delete(_ONE)
 def delete_one(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
                server: Server = Depends(get_server), access: Access = Depends(get_access)):
-    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name), write=True)
-    delete_checkpoint(server.store, row)
-    return {"deleted": f"tinker://{run_id}/{kind}/{name}"}
+    path = TinkerPath(run_id, kind, name)
+    server.checkpoints.delete(_checkpoint(access, owner, path, write=True))
+    return {"deleted": str(path)}
 
 
 @router.post(_ONE + "/publish")
 def publish(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
             server: Server = Depends(get_server), access: Access = Depends(get_access)):
-    return _set_public(server, access, owner, run_id, kind, name, True)
+    return _set_public(server, access, owner, TinkerPath(run_id, kind, name), True)
 
 
 @router.delete(_ONE + "/publish")
 def unpublish(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
               server: Server = Depends(get_server), access: Access = Depends(get_access)):
-    return _set_public(server, access, owner, run_id, kind, name, False)
+    return _set_public(server, access, owner, TinkerPath(run_id, kind, name), False)
 
 
-def _set_public(server: Server, access: Access, owner: str, run_id: str, kind: str, name: str, public: bool) -> dict:
-    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name), write=True)
+def _set_public(server: Server, access: Access, owner: str, path: TinkerPath, public: bool) -> dict:
+    row = _checkpoint(access, owner, path, write=True)
     if bool(row["public"]) == public:
         # 400, not 409: the SDK retries a 409 for minutes.
-        raise HTTPException(400, f"checkpoint tinker://{run_id}/{kind}/{name} is already "
-                                 f"{'public' if public else 'private'}")
-    server.store.set_checkpoint_public(run_id, row["checkpoint_id"], public)
-    return {"tinker_path": f"tinker://{run_id}/{kind}/{name}", "public": public}
+        raise HTTPException(400, f"checkpoint {path} is already {'public' if public else 'private'}")
+    server.store.set_checkpoint_public(path.run, path.checkpoint_id, public)
+    return {"tinker_path": str(path), "public": public}
 
 
 class TtlBody(BaseModel):
@@ -206,75 +173,83 @@ class TtlBody(BaseModel):
 def set_ttl(run_id: str, kind: str, name: str, body: TtlBody, owner: str = Depends(require_owner),
             server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """ttl_seconds from now (1 s to 10 years; the expiry sweep removes it then), or null for never."""
-    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name), write=True)
+    path = TinkerPath(run_id, kind, name)
+    _checkpoint(access, owner, path, write=True)
     if body.ttl_seconds is not None and not 1 <= body.ttl_seconds <= MAX_TTL_S:
         raise HTTPException(400, f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or null to "
                                  f"never expire; got {body.ttl_seconds}")
     expires = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
-    server.store.set_checkpoint_expiry(run_id, row["checkpoint_id"], expires)
-    return {"tinker_path": f"tinker://{run_id}/{kind}/{name}", "expires_at": iso(expires)}
+    server.store.set_checkpoint_expiry(path.run, path.checkpoint_id, expires)
+    return {"tinker_path": str(path), "expires_at": iso(expires)}
 
+
+# -- downloads -------------------------------------------------------------------------------------------
 
 @router.get(_ONE + "/external_weights_urls")
-def external_weights_urls(run_id: str, kind: str, name: str, request: Request,
-                          owner: str = Depends(require_owner), access: Access = Depends(get_access)):
-    checkpoint_ref(run_id, kind, name)
+def external_weights_urls(run_id: str, kind: str, name: str, request: Request, owner: str = Depends(require_owner),
+                          server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    """One signed URL per file, for this version of the checkpoint and the access the caller has
+    now (its owner's, or anyone's while it is published); both are checked again on each use."""
+    path = TinkerPath(run_id, kind, name)
     if kind != "external_weights":
         raise HTTPException(400, f"download URLs exist for external weights only (tinker://<run>/external_weights/"
-                                 f"<name>, from save_weights_external); got tinker://{run_id}/{kind}/{name}")
-    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name))
+                                 f"<name>, from save_weights_external); got {path}")
+    row = _checkpoint(access, owner, path)
     expires = int(time.time()) + SIGNED_URL_TTL_S
-    signer: UrlSigner = request.app.state.url_signer
+    scope = "owner" if row["owner"] == owner else "public"
     base = str(request.base_url).rstrip("/")
     urls = {}
-    with CHECKPOINT_LOCK:  # not in the middle of an overwrite's two renames
-        files = checkpoint_files(Path(row["dir"]))
-    for f in files:
-        target = f"{run_id}/{kind}/{name}/{f.name}"
-        urls[f.name] = (f"{base}/api/v1/signed_files/{target}?expires={expires}"
-                        f"&signature={signer.signature(target, expires)}")
+    for f in server.checkpoints.files(path):
+        grant = DownloadGrant(path, f.name, expires, version_of(row), scope)
+        urls[f.name] = (f"{base}/api/v1/signed_files/{run_id}/{kind}/{name}/{f.name}?expires={expires}"
+                        f"&version={grant.version}&scope={scope}&signature={server.url_signer.signature(grant)}")
     return {"urls": urls, "expires": iso(expires)}
 
 
 @router.get("/api/v1/signed_files/{run_id}/{kind}/{name}/{filename}")
 def signed_file(run_id: str, kind: str, name: str, filename: str, request: Request,
                 server: Server = Depends(get_server)):
-    """A file of a checkpoint through a signed URL: no API key; the signature is the permission."""
-    checkpoint_id = checkpoint_ref(run_id, kind, name)
+    """A file of a checkpoint through a signed URL: no API key; the signature is the permission,
+    for as long as the version it was signed for exists and (for a published one) is public."""
+    path = TinkerPath(run_id, kind, name)
+    query = request.query_params
     try:
-        expires = int(request.query_params.get("expires", ""))
+        expires = int(query.get("expires", ""))
     except ValueError:
         raise HTTPException(403, "invalid download URL: no valid expiry") from None
-    signer: UrlSigner = request.app.state.url_signer
-    if not signer.valid(f"{run_id}/{kind}/{name}/{filename}", expires, request.query_params.get("signature", "")):
+    scope = query.get("scope", "")
+    if scope not in ("owner", "public"):
+        raise HTTPException(403, "invalid download URL: no valid scope")
+    grant = DownloadGrant(path, filename, expires, query.get("version", ""), scope)
+    if not server.url_signer.valid(grant, query.get("signature", "")):
         raise HTTPException(403, "invalid download URL: the signature does not match")
     if time.time() > expires:
         raise HTTPException(410, f"this download URL expired at {iso(expires)}; ask external_weights_urls for new ones")
-    row = server.store.get_checkpoint(run_id, checkpoint_id)
-    if row is None or is_expired(row):
-        raise HTTPException(404, f"checkpoint tinker://{run_id}/{checkpoint_id} no longer exists")
-    with CHECKPOINT_LOCK:  # open it while no overwrite is between its renames; then it reads to the end
-        found = [f for f in checkpoint_files(Path(row["dir"])) if f.name == filename]
-        if not found:
-            raise HTTPException(404, f"checkpoint tinker://{run_id}/{checkpoint_id} has no file {filename!r}")
-        handle = open(found[0], "rb")
-    size = os.fstat(handle.fileno()).st_size
+    row = server.checkpoints.record(path)
+    if row is None or grant.version != version_of(row) or (scope == "public" and not row["public"]):
+        raise HTTPException(404, f"checkpoint {path} no longer exists as it was when this URL was made "
+                                 "(deleted, saved again, or no longer published)")
+    files = server.checkpoints.open_files(path, {filename})
+    if not files or files[0].name != filename:
+        raise HTTPException(404, f"checkpoint {path} has no file {filename!r}")
+    (f,) = files
 
     def body():
-        with handle:
-            while block := handle.read(1 << 20):
+        with f.handle:
+            while block := f.handle.read(1 << 20):
                 yield block
 
     return StreamingResponse(body(), media_type="application/octet-stream", headers={
-        "Content-Length": str(size), "Content-Disposition": f'attachment; filename="{filename}"'})
+        "Content-Length": str(f.size), "Content-Disposition": f'attachment; filename="{filename}"'})
 
 
 @router.get(_ONE + "/archive")
 def archive(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
-            access: Access = Depends(get_access)):
+            server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """The checkpoint directory as a flat tar: `curl -H "X-API-Key: $KEY" URL | tar -x -C DIR`."""
-    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name))
-    files = open_checkpoint_files(Path(row["dir"]))
+    path = TinkerPath(run_id, kind, name)
+    _checkpoint(access, owner, path)
+    files = server.checkpoints.open_files(path)
     return StreamingResponse(tar_stream(files), media_type="application/x-tar", headers={
         "Content-Length": str(tar_length(files)),
         "Content-Disposition": f'attachment; filename="{run_id}_{kind}_{name}.tar"'.replace(":", "-")})
@@ -288,23 +263,22 @@ class WeightsInfoBody(BaseModel):
 @router.post("/api/v1/weights_info")
 def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), server: Server = Depends(get_server),
                  access: Access = Depends(get_access)):
-    run_id, kind, name = parse_tinker_path(body.tinker_path)
-    row = access.checkpoint(owner, run_id, checkpoint_ref(run_id, kind, name))
-    with CHECKPOINT_LOCK:
+    path = TinkerPath.parse(body.tinker_path)
+    _checkpoint(access, owner, path)
+    with server.checkpoints.lock:  # not in the middle of an overwrite's two renames
         try:
-            manifest = json.loads((Path(row["dir"]) / MANIFEST).read_text())
-            lora, base_model = manifest["lora_config"], manifest["base_model"]
-        except (OSError, ValueError, KeyError):  # a bare PEFT directory: its adapter_config says enough
-            peft_cfg = json.loads((Path(row["dir"]) / ADAPTER_CONFIG).read_text())
-            lora, base_model = {"rank": peft_cfg.get("r")}, server.config.base_model
-    model = server.store.get_model(run_id)
+            manifest = read_manifest(server.checkpoints.folder(path))
+        except CheckpointError as e:
+            raise HTTPException(400, f"checkpoint {path} cannot be read: {e}") from None
+    lora = manifest.lora_config
+    model = server.store.get_model(path.run)
     return {
-        "base_model": base_model,
+        "base_model": manifest.base_model,
         "is_lora": True,
-        "lora_rank": lora.get("rank"),
-        "train_unembed": lora.get("train_unembed"),
-        "train_mlp": lora.get("train_mlp"),
-        "train_attn": lora.get("train_attn"),
+        "lora_rank": lora.rank,
+        "train_unembed": lora.train_unembed,
+        "train_mlp": lora.train_mlp,
+        "train_attn": lora.train_attn,
         "optimizer_config": json.loads(model["optimizer_config"]) if model is not None else {"type": "adamw"},
     }
 
@@ -317,56 +291,75 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
                             server: Server = Depends(get_server)):
     """Body: a tar (or tar.gz) of an adapter directory. Answers with its new tinker:// path.
 
-    The adapter must fit the served base model exactly (every targeted projection, every shape);
-    it becomes a training checkpoint `tinker://<run>/weights/<name>` of a new imported run (or of
-    `training_run_id`, an existing run of the caller's or a new id).
+    The adapter must fit the served base model exactly (every targeted projection, every shape)
+    and its rank limit; it becomes a training checkpoint `tinker://<run>/weights/<name>` of a new
+    imported run (or of `training_run_id`, an existing run of the caller's or a new id).
     """
-    check_name(name)
-    run_id = check_run_id(training_run_id) if training_run_id else f"import-{uuid.uuid4().hex[:12]}"
-    existing_run = await run_in_threadpool(server.store.get_model, run_id)  # SQLite: off the event loop
+    path = TinkerPath(training_run_id or f"import-{uuid.uuid4().hex[:12]}", "weights", name)
+    existing_run = await run_in_threadpool(server.store.get_model, path.run)  # SQLite: off the event loop
     if existing_run is not None and existing_run["owner"] != owner:
-        raise HTTPException(404, f"training run {run_id!r} not found")
-    uploads = Path(server.config.data_dir) / "uploads"
-    uploads.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="import-", dir=uploads))
+        raise HTTPException(404, f"training run {path.run!r} not found")
+    server.uploads.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="import-", dir=server.uploads))
     try:
         archive_path = work / "upload.tar"
         received = 0
         with open(archive_path, "wb") as f:
-            async for chunk in request.stream():  # bounded by max_request_bytes (api/limits.py)
+            async for chunk in request.stream():  # bounded by max_request_bytes as sent (api/limits.py)
                 received += len(chunk)
                 f.write(chunk)
         if received == 0:
             raise HTTPException(400, "empty upload: send the adapter directory as a tar archive in the body")
-        return await run_in_threadpool(_import, server, owner, run_id, name, overwrite, archive_path, work / "files")
+        return await anyio.to_thread.run_sync(_import, server, owner, path, overwrite, archive_path,
+                                              work / "files", limiter=_import_slots)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _import(server: Server, owner: str, run_id: str, name: str, overwrite: bool, archive_path: Path,
-            src: Path) -> dict:
+def _import_target(server: Server, src: Path) -> ServedModel:
+    """The served model an uploaded adapter is for: when one model is served, that one (an adapter made
+    elsewhere names a path or hub id of its own: `prepare_import` checks its shapes instead); else the
+    base model it names (its manifest, or a PEFT adapter_config's base_model_name_or_path)."""
+    if len(server.models) == 1:
+        return next(iter(server.models))
+    ours = (src / MANIFEST).is_file()  # a hosted-tinker checkpoint: its manifest says
+    named = read_manifest(src).base_model if ours else read_json_object(src, ADAPTER_CONFIG).get(
+        "base_model_name_or_path")
+    if named in server.models.names:
+        return server.models.get(named)
+    served = ", ".join(repr(n) for n in server.models.names)
+    fix = "" if ours else f"; set base_model_name_or_path in its {ADAPTER_CONFIG} to the served model it fits"
+    raise CheckpointError(f"it is for base model {str(named)[:200]!r}, which this server does not serve "
+                          f"(it serves {served}){fix}")
+
+
+def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archive_path: Path, src: Path) -> dict:
     src.mkdir()
+    limit = server.config.max_request_bytes
     try:
-        extract_checkpoint_tar(archive_path, src)
-        ckpt, manifest = prepare_import(src, base_model=server.config.base_model, layers=server.runtime.layers)
+        extract_checkpoint_tar(archive_path, src, max_bytes=limit)
+        served = _import_target(server, src)
+        prepared = prepare_import(src, base_model=served.name, layers=served.runtime.layers,
+                                  max_rank=server.config.max_lora_rank)
+    except ArchiveTooLarge as e:
+        raise HTTPException(413, f"cannot import this adapter: {e} (the limit is --max-request-bytes)") from None
     except CheckpointError as e:
         raise HTTPException(400, f"cannot import this adapter: {e}") from None
-    checkpoint_id = f"weights/{name}"
-    out = server.worker.checkpoint_dir(run_id, "weights", name)
-    with CHECKPOINT_LOCK:
-        existing = server.store.get_checkpoint(run_id, checkpoint_id)
-        if existing is not None and not is_expired(existing) and not overwrite:
-            raise HTTPException(400, f"checkpoint tinker://{run_id}/{checkpoint_id} already exists; "
-                                     "import with overwrite=true to replace it")
-        run = server.store.get_model(run_id)
+    config = prepared.checkpoint.config
+    with server.checkpoints.lock:  # the run and the checkpoint appear together
+        run = server.store.get_model(path.run)
         if run is None:
-            server.store.create_model(run_id, "", owner, server.config.base_model, ckpt.config.to_dict(),
+            server.store.create_model(path.run, "", owner, served.name, config.to_dict(),
                                       {"type": "adamw"}, {"source": "import"})
-            server.store.set_model_status(run_id, "imported")
+            server.store.set_model_status(path.run, "imported")
         elif run["owner"] != owner:
-            raise HTTPException(404, f"training run {run_id!r} not found")
-        size = write_import(src, out, manifest)
-        server.store.upsert_checkpoint(run_id, checkpoint_id, "training", owner, str(out), size, None, {})
-    path = f"tinker://{run_id}/{checkpoint_id}"
-    return {"tinker_path": path, "training_run_id": run_id, "checkpoint_id": checkpoint_id, "size_bytes": size,
-            "lora_rank": ckpt.config.rank, "has_optimizer": bool(manifest.get("has_optimizer"))}
+            raise HTTPException(404, f"training run {path.run!r} not found")
+        elif run["base_model"] != served.name:
+            raise HTTPException(400, f"training run {path.run!r} is of base model {run['base_model']!r}; this "
+                                     f"adapter is for {served.name!r}: import it into a run of its own base model")
+        try:
+            size = server.checkpoints.save(path, owner, write_import(src, prepared), overwrite=overwrite)
+        except CheckpointExists as e:
+            raise HTTPException(400, f"{e}; import with overwrite=true to replace it") from None
+    return {"tinker_path": str(path), "training_run_id": path.run, "checkpoint_id": path.checkpoint_id,
+            "size_bytes": size, "lora_rank": config.rank, "has_optimizer": prepared.checkpoint.optimizer is not None}

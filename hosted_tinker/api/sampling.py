@@ -9,13 +9,16 @@ from fastapi import APIRouter, Depends, HTTPException
 from pydantic import Field
 
 from ..access import Access
+from ..checkpoints.paths import TinkerPath
 from ..sampling.engine import SampleJob
 from ..sampling.records import sequence_ids
 from ..server import Server
+from ..served_models import ServedModel
+from ..services import served_model
 from ..services.sampling import SamplingRequests
 from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
-from .training import _checkpoint_for_load, parse_tinker_path
+from .training import _checkpoint_for_load
 
 router = APIRouter()
 
@@ -61,7 +64,8 @@ def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Dep
     access.session(owner, body.session_id)
     sid = sampling_session_id(body.session_id, body.sampling_session_seq_id)
     if body.model_path is not None:
-        spec = _checkpoint_for_load(access, owner, body.model_path, with_optimizer=False)
+        spec = _checkpoint_for_load(access, owner, body.model_path, with_optimizer=False,
+                                    max_rank=sampling.config.max_lora_rank)
         ckpt_dir, path = str(spec.checkpoint_dir), body.model_path
     elif body.base_model is not None:
         ckpt_dir, path = None, None
@@ -90,9 +94,9 @@ def _prompt_tokens(prompt: dict) -> list[int]:
     return tokens
 
 
-def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
-    """Validate a sample request against the model and the server's limits."""
-    cfg, runtime = server.config, server.runtime
+def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
+    """Validate a sample request against the model it samples and the server's limits."""
+    cfg, runtime = server.config, served.runtime
     if body.prompt_alt_tokens_k:
         raise HTTPException(400, "prompt_alt_tokens_k is not supported by this server")
     if body.target_prompt_logprobs is not None:
@@ -124,7 +128,7 @@ def build_job(server: Server, body: AsampleRequest, adapter_dir: str | None) -> 
     stop_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     if sp.stop is None:  # implicit end of sequence
-        stop_ids = frozenset(server.eos_token_ids)
+        stop_ids = frozenset(served.eos_token_ids)
     elif isinstance(sp.stop, str):
         stop_strings = (sp.stop,)
     elif all(isinstance(s, int) for s in sp.stop):
@@ -149,7 +153,8 @@ def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: S
     grant = access.sampler(owner, body.sampling_session_id)  # the checkpoint it samples, checked again now
     existing = server.store.get_future_id(body.sampling_session_id, body.seq_id)
     if existing is None:
-        job = build_job(server, body, grant.adapter_dir)
+        served = served_model(server, grant.row["base_model"])  # the session's model, whatever its prompt says
+        job = build_job(server, served, body, grant.adapter_dir)
         if grant.adapter_dir is not None and not Path(grant.adapter_dir).is_dir():
             raise HTTPException(404, f"the weights of sampling session {body.sampling_session_id!r} were deleted")
         if server.sample_records.request_was_recorded(body.sampling_session_id, body.seq_id):
@@ -157,7 +162,7 @@ def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: S
             raise HTTPException(400, f"seq_id {body.seq_id} of sampling session {body.sampling_session_id!r} was "
                                      "already used; each sample request needs a new seq_id")
         request_id = sampling.submit_for_future(
-            owner, body.sampling_session_id, body.seq_id, job,
+            owner, served, body.sampling_session_id, body.seq_id, job,
             record=lambda request_id: _recorder(server, body, grant.row, request_id, job))
     else:
         request_id = existing
@@ -172,8 +177,8 @@ def _recorder(server: Server, body: AsampleRequest, row, request_id: str, job: S
         return None
     version = None
     if row["model_path"] is not None:
-        run, kind, name = parse_tinker_path(row["model_path"])
-        ckpt = server.store.get_checkpoint(run, f"{kind}/{name}")
+        where = TinkerPath.parse(row["model_path"])
+        ckpt = server.store.get_checkpoint(where.run, where.checkpoint_id)
         version = None if ckpt is None else ckpt["created_at"]
     return server.sample_records.recorder(
         request_id=request_id, owner=row["owner"], session_id=row["session_id"],

@@ -50,12 +50,13 @@ def healthz():
 
 @router.get("/api/v1/get_server_capabilities")
 def capabilities(server: Server = Depends(get_server)):
+    """Every served base model: each is trained and sampled by its own runtime."""
     return {"supported_models": [{
-        "model_name": server.config.base_model,
-        "max_context_length": server.runtime.max_context,
+        "model_name": served.name,
+        "max_context_length": served.runtime.max_context,
         "trainable": True,
         "sampleable": True,
-    }]}
+    } for served in server.models]}
 
 
 @router.post("/api/v1/create_session")

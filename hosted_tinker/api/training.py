@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
@@ -11,6 +10,8 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from ..access import Access
+from ..checkpoints.format import CheckpointError, read_manifest
+from ..checkpoints.paths import TinkerPath, check_name
 from ..server import Server
 from ..services.training import TrainingRequests
 from ..wire.codec import WireError, decode_forward_backward_request
@@ -23,40 +24,23 @@ from .schemas import (
 
 router = APIRouter()
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-TINKER_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-
-
-def check_name(name: str, what: str = "checkpoint name") -> str:
-    if not _NAME_RE.match(name) or ".." in name:
-        raise HTTPException(400, f"invalid {what} {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
-                                 "starting with a letter or digit")
-    return name
-
-
-def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """'tinker://<run>/<kind>/<name>' -> (run, kind, name), strictly."""
-    if not path.startswith("tinker://"):
-        raise HTTPException(400, f"invalid checkpoint path {path!r}: expected tinker://<run>/<kind>/<name>")
-    parts = path[len("tinker://"):].split("/")
-    if len(parts) != 3 or not all(parts):
-        raise HTTPException(400, f"invalid checkpoint path {path!r}: expected tinker://<run>/<kind>/<name>")
-    run, kind, name = parts
-    if kind not in TINKER_KINDS:
-        raise HTTPException(400, f"invalid checkpoint kind {kind!r} in {path!r}: expected one of {sorted(TINKER_KINDS)}")
-    if ".." in run or run.startswith("."):
-        raise HTTPException(400, f"invalid training run id in {path!r}")
-    check_name(name)
-    return run, kind, name
-
-
-def _checkpoint_for_load(access: Access, owner: str, path: str, with_optimizer: bool) -> LoadSpec:
-    run, kind, name = parse_tinker_path(path)
-    if kind == "external_weights" or (with_optimizer and kind != "weights"):
+def _checkpoint_for_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int) -> LoadSpec:
+    """The checkpoint at `path`, if this key may load it and this server can: its kind, its owner
+    or publication, and its manifest's rank against `max_rank` (--max-lora-rank; the worker checks
+    the files themselves again when it loads them)."""
+    where = TinkerPath.parse(path)
+    if where.kind == "external_weights" or (with_optimizer and where.kind != "weights"):
         need = "a training state saved with save_state (tinker://.../weights/...)"
         raise HTTPException(400, f"cannot load {path!r} {'with optimizer' if with_optimizer else ''}: needs {need}")
-    row = access.checkpoint(owner, run, f"{kind}/{name}")
-    return LoadSpec(checkpoint_dir=Path(row["dir"]), with_optimizer=with_optimizer, path=path)
+    folder = Path(access.checkpoint(owner, where.run, where.checkpoint_id)["dir"])
+    try:
+        lora = read_manifest(folder).lora_config
+    except CheckpointError as e:
+        raise HTTPException(400, f"checkpoint {path!r} cannot be loaded: {e}") from None
+    if lora.rank > max_rank:
+        raise HTTPException(400, f"checkpoint {path!r} has LoRA rank {lora.rank}, above this server's limit of "
+                                 f"{max_rank}")
+    return LoadSpec(checkpoint_dir=folder, with_optimizer=with_optimizer, path=where, max_rank=max_rank)
 
 
 # -- models -----------------------------------------------------------------------------------------
@@ -159,12 +143,13 @@ def save_weights_external(body: SaveWeightsExternalRequest, owner: str = Depends
 def load_weights(body: LoadWeightsRequest, owner: str = Depends(require_owner),
                  training: TrainingRequests = Depends(get_training), access: Access = Depends(get_access)):
     if body.model_id is not None:  # mode A: into an existing model, in its seq_id order
-        return training.load(owner, body.model_id, body.seq_id,
-                             lambda: _checkpoint_for_load(access, owner, body.path, body.optimizer))
+        return training.load(owner, body.model_id, body.seq_id, lambda: _checkpoint_for_load(
+            access, owner, body.path, body.optimizer, max_rank=training.config.max_lora_rank))
     if body.session_id is None or body.model_seq_id is None:
         raise HTTPException(400, "load_weights needs either model_id and seq_id, or session_id and model_seq_id")
     return training.create_from_checkpoint(owner, body.session_id, body.model_seq_id, body.base_model,
-                                           lambda: _checkpoint_for_load(access, owner, body.path, body.optimizer),
+                                           lambda: _checkpoint_for_load(access, owner, body.path, body.optimizer,
+                                                                        max_rank=training.config.max_lora_rank),
                                            body.optimizer_config or {"type": "adamw"}, body.user_metadata or {})
 
 

@@ -1,18 +1,25 @@
 """One tenant's LoRA adapter: its config, its weights in every adapted projection, its optimizer.
 
-An adapter owns plain float32 leaf tensors; the `MultiLoRALinear` layers only hold references
-to them while the adapter is live. Paging an idle adapter out to CPU memory moves its weights,
-gradients and AdamW moments together and detaches it from the layers.
+An adapter's tensors (`LoRAWeights.A/B` per projection) keep their identity for its whole life.
+While it is live they are views of its slot in the layers' `SlotStack`s, and their gradients are
+views of the slot's gradient rows (where the fused backward accumulates); paged out, they are
+tensors of its own in CPU memory, gradients and AdamW moments included.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .multi_lora import LoRAWeights, MultiLoRALinear, module_kind
+from .multi_lora import LoRAWeights, MultiLoRALinear, SlotStack, attach_adapter, detach_adapter, module_kind
+from .invariance import squared_norms
+from .torch_compat import adamw_update_, scale_
+
+if TYPE_CHECKING:
+    from .invariance import FusionPolicy
 
 # Tinker does not document its LoRA alpha; we use a fixed alpha of 32 (scaling = 32 / rank),
 # the value used in Thinking Machines' "LoRA Without Regret" write-up, and we write it into
@@ -82,14 +89,12 @@ class LoRAAdapter:
             bound = 1.0 / math.sqrt(layer.in_features)
             A = (torch.rand(config.rank, layer.in_features, generator=gen) * 2 - 1) * bound
             B = torch.zeros(layer.out_features, config.rank)
-            self.weights[path] = LoRAWeights(
-                A=A.to(device).requires_grad_(True), B=B.to(device).requires_grad_(True),
-                scaling=config.scaling,
-            )
+            self.weights[path] = LoRAWeights(A=A.to(device), B=B.to(device), scaling=config.scaling)
         if not self.weights:
             raise ValueError("the LoRA config adapts no projection of this model")
         self.optimizer = AdamWState()
         self.step = 0
+        self._layers: dict[str, MultiLoRALinear] | None = None  # set while live (in the layers' slots)
 
     # -- tensors ---------------------------------------------------------------------------
     def parameters(self) -> list[torch.Tensor]:
@@ -104,62 +109,138 @@ class LoRAAdapter:
             out[f"{path}.lora_B.weight"] = self.weights[path].B
         return out
 
-    def attach(self, layers: dict[str, MultiLoRALinear]) -> None:
-        for path, w in self.weights.items():
-            layers[path].adapters[self.adapter_id] = w
+    @property
+    def attached(self) -> bool:
+        return self._layers is not None
 
-    def detach(self, layers: dict[str, MultiLoRALinear]) -> None:
-        for path in self.weights:
-            layers[path].adapters.pop(self.adapter_id, None)
+    def attach(self, layers: dict[str, MultiLoRALinear]) -> None:
+        """Take a slot in the layers (on their device) and move the weights and gradients into it."""
+        if self._layers is not None:
+            return
+        attach_adapter(layers, self.adapter_id, self.weights)
+        self._layers = layers
+        self._move_optimizer(next(iter(self.weights.values())).A.device)
+
+    def detach(self, layers: dict[str, MultiLoRALinear], device: torch.device | None = None) -> None:
+        """Leave the slot: weights and gradients become tensors of the adapter's own on `device`."""
+        if self._layers is None:
+            return
+        detach_adapter(layers, self.adapter_id, self.weights, device or self.device)
+        self._layers = None
+        self._move_optimizer(device or self.device)
 
     def move_to(self, device: torch.device) -> None:
-        """Move weights, gradients and optimizer moments (paging to/from CPU memory)."""
-        if device == self.device:
-            return
+        """Put weights, gradients and optimizer moments on `device` (paging to/from CPU memory).
+        A live adapter on another device than its slots leaves them (the runtime re-attaches it)."""
+        if self._layers is not None and device != self.device:
+            self.detach(self._layers, device)
         with torch.no_grad():
             for w in self.weights.values():
-                for name in ("A", "B"):
-                    t = getattr(w, name)
-                    # .data swap keeps tensor identity, so the optimizer's state keys stay valid.
-                    t.data = t.data.to(device)
-                    if t.grad is not None:
-                        t.grad = t.grad.to(device)
-            for state in self.optimizer.state.values():
-                for k, v in state.items():  # "step" too: the fused kernel wants it beside its tensor
-                    state[k] = v.to(device)
+                for t in (w.A, w.B):
+                    if t.device == device:
+                        continue
+                    grad = t.grad
+                    t.grad = None
+                    t.data = t.data.to(device)  # .data swap keeps identity: optimizer keys stay valid
+                    if grad is not None:
+                        t.grad = grad.to(device)
+        self._move_optimizer(device)
+
+    def _move_optimizer(self, device: torch.device) -> None:
+        moved: dict[int, torch.Tensor] = {}  # a step counter shared by several tensors stays shared
+        for state in self.optimizer.state.values():
+            for k, v in state.items():  # "step" too: the fused kernel wants it beside its tensor
+                if v.device != device:
+                    state[k] = moved.setdefault(id(v), v.to(device))
         self.device = device
 
-    # -- optimisation ------------------------------------------------------------------------
-    def prepare_grads(self) -> None:
-        """Give every tensor without a gradient a zero one, all in one buffer, before a backward.
+    def grad_tensors(self):
+        """(tensor, its gradient stack or None) for every tensor with a gradient, in `parameters()`
+        order; the stack (the layer's gradient rows, the tensor's at row `slot`) while live."""
+        for path in sorted(self.weights):
+            w = self.weights[path]
+            if w.A.grad is None:
+                continue
+            live = w.stack is not None
+            yield w.A, (w.stack.grad_A if live else None), w.slot
+            yield w.B, (w.stack.grad_B if live else None), w.slot
 
-        Why: gradients that the backward allocates land between the activations of the pass, and
-        on CPU (glibc) the next micro-batch of the same fused call then page-faults in fresh
-        memory: measured at hidden 512, 4 micro-batches in one call ran 10-25% slower than the
-        same 4 in separate calls. One buffer per adapter, made before the pass, keeps the heap
-        reusable. Accumulating onto zeros changes no bit (0 + g == g). With a single micro-batch
-        there is nothing to protect, and letting the backward hand over its own tensors saves an
-        add per tensor (measurable with many tiny tenants), so the runtime skips it then.
-        """
-        missing = [p for p in self.parameters() if p.grad is None]
-        if not missing:
-            return
-        flat = torch.zeros(sum(p.numel() for p in missing), dtype=missing[0].dtype, device=missing[0].device)
-        offset = 0
-        for p in missing:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-
+    # -- gradients ---------------------------------------------------------------------------
     def has_gradients(self) -> bool:
         return any(p.grad is not None for p in self.parameters())
 
-    def optim_step(self, params: AdamParams) -> dict[str, float]:
-        """One AdamW step of this adapter alone (see `adamw_step`)."""
-        return adamw_step([(self, params)])[0]
-
     def zero_grad(self) -> None:
-        for p in self.parameters():
-            p.grad = None
+        zero_grads([self])
+
+
+def zero_grads(adapters: list[LoRAAdapter]) -> None:
+    """Drop the adapters' gradients: live ones' gradient rows are zeroed with one op per stack
+    (not per adapter and tensor), so stepping many tenants costs what stepping one does."""
+    by_stack: dict[int, tuple[SlotStack, list[int]]] = {}
+    for adapter in adapters:
+        for w in adapter.weights.values():
+            if w.A.grad is None:
+                continue
+            if w.stack is not None:
+                by_stack.setdefault(id(w.stack), (w.stack, []))[1].append(w.slot)
+            w.A.grad = w.B.grad = None
+    _fill_slots([(stack, slots) for stack, slots in by_stack.values()], 0.0)
+
+
+def _fill_slots(rows: list[tuple[SlotStack, list[int]]], value: float) -> None:
+    """Set the gradient rows `slots` of each stack to `value`; one index tensor per distinct slot
+    list (an adapter's slot index is the same in every layer)."""
+    index: dict[tuple, torch.Tensor] = {}
+    with torch.no_grad():
+        for stack, slots in rows:
+            key = (tuple(slots), stack.device)
+            idx = index.get(key)
+            if idx is None:
+                idx = index[key] = torch.tensor(slots, dtype=torch.long, device=stack.device)
+            stack.grad_A.index_fill_(0, idx, value)
+            stack.grad_B.index_fill_(0, idx, value)
+
+
+class GradientPass:
+    """Makes a forward/backward pass all-or-nothing for the adapters' gradients.
+
+    The backward adds straight into the live adapters' gradient rows. If the pass fails part
+    way, `rollback` puts back what the rows held before it (the gradients of earlier,
+    acknowledged forward_backward calls), so a later optim_step applies neither a partial
+    gradient nor less than was acknowledged. `commit` exposes the new gradients as `.grad`.
+    """
+
+    def __init__(self, adapters: list[LoRAAdapter]):
+        self.adapters = adapters
+        self._saved: list[tuple[SlotStack, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._fresh: list[tuple[SlotStack, list[int]]] = []
+        held: dict[int, tuple[SlotStack, list[int], list[int]]] = {}  # stack -> (slots with, without grads)
+        for adapter in adapters:
+            for w in adapter.weights.values():
+                if w.stack is not None:
+                    entry = held.setdefault(id(w.stack), (w.stack, [], []))
+                    entry[1 if w.A.grad is not None else 2].append(w.slot)
+        with torch.no_grad():
+            for stack, with_grad, without in held.values():
+                if with_grad:
+                    idx = torch.tensor(with_grad, dtype=torch.long, device=stack.device)
+                    self._saved.append((stack, idx, stack.grad_A.index_select(0, idx),
+                                        stack.grad_B.index_select(0, idx)))
+                if without:
+                    self._fresh.append((stack, without))
+
+    def commit(self) -> None:
+        for adapter in self.adapters:
+            for w in adapter.weights.values():
+                if w.grad_views is not None and w.A.grad is None:
+                    w.A.grad, w.B.grad = w.grad_views
+
+    def rollback(self) -> None:
+        with torch.no_grad():
+            for stack, idx, grad_A, grad_B in self._saved:
+                stack.grad_A.index_copy_(0, idx, grad_A)
+                stack.grad_B.index_copy_(0, idx, grad_B)
+        _fill_slots(self._fresh, 0.0)
 
 
 class AdamWState:
@@ -172,72 +253,101 @@ class AdamWState:
     def __init__(self) -> None:
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
-    def state_for(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    def state_for(self, p: torch.Tensor, new_step: torch.Tensor) -> dict[str, torch.Tensor]:
+        """p's state; a new one counts its steps in `new_step`, which the caller shares among the
+        tensors that start together (one increment per adapter and step, not one per tensor)."""
         st = self.state.get(p)
         if st is None:
             st = self.state[p] = {
-                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "step": new_step,
                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
             }
         return st
 
 
-def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]]) -> list[dict[str, float]]:
+def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[float]:
+    """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' sums of squares.
+
+    A tensor's sum of squares is `squared_norms` of its canonical pair; where the policy has
+    proven it for the shape, every live tensor's comes from one reduction over its layer's
+    gradient stack (a few ops per stack, not per tenant and tensor). All values reach the host
+    in one sync, and each adapter adds its own in its own order.
+    """
+    sources: dict[int, torch.Tensor] = {}  # id -> [rows] squared norms, computed below
+    inputs: dict[int, torch.Tensor] = {}
+    refs: list[list[tuple[int, int]]] = []  # per adapter: (source id, row)
+    for adapter in items:
+        mine = []
+        for p, stack, slot in adapter.grad_tensors():
+            if stack is not None and policy is not None and policy.stacked_norms(
+                    stack.shape[0], tuple(stack.shape[1:]), stack.dtype):
+                inputs[id(stack)] = stack
+                mine.append((id(stack), slot))
+            else:
+                inputs[id(p)] = torch.stack([p.grad, p.grad])
+                mine.append((id(p), 0))
+        refs.append(mine)
+    if not inputs:
+        return [0.0] * len(items)
+    keys = list(inputs)
+    lengths = [inputs[k].shape[0] for k in keys]
+    flat = torch.cat([squared_norms(inputs[k]) for k in keys]).tolist()  # the one host sync
+    offset = dict(zip(keys, [sum(lengths[:i]) for i in range(len(keys))]))
+    return [math.sqrt(math.fsum(flat[offset[k] + row] for k, row in mine)) for mine in refs]
+
+
+def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None
+               ) -> list[dict[str, float]]:
     """One AdamW step (decoupled weight decay) for each (adapter, its hyper-parameters).
 
-    The step of many adapters costs about what one costs: one multi-tensor norm over every
-    gradient, one host sync for all the norms, and one fused AdamW kernel per distinct set of
-    hyper-parameters (torch's own `fused=True` AdamW kernel, CPU and CUDA). Every tensor's update
-    depends only on its own gradient, moments and step, so an adapter gets the same bits whether
-    it steps alone or with others.
+    The step of many adapters costs about what one costs: the gradient norms of all of them
+    (`grad_norms`), one multi-tensor scale for every clipped gradient, one fused AdamW kernel
+    per distinct set of hyper-parameters (torch's own `fused=True` kernel, CPU and CUDA; see
+    torch_compat) and one zeroing op per gradient stack. Every tensor's update depends only on
+    its own gradient, moments and step, so an adapter gets the same bits whether it steps alone
+    or with others.
 
     Clipping (grad_clip_norm > 0) scales an adapter's gradients by min(1, max_norm / (norm +
     1e-6)), as torch.nn.utils.clip_grad_norm_; the returned `grad_norm` is the norm before
     clipping. Tensors without a gradient are left alone (as torch.optim does).
     """
     with torch.no_grad():
-        per_adapter: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        for adapter, _ in items:
-            params = [p for p in adapter.parameters() if p.grad is not None]
-            per_adapter.append((params, [p.grad for p in params]))
-        all_grads = [g for _, grads in per_adapter for g in grads]
-        norms: list[float] = [0.0] * len(items)
-        if all_grads:
-            tensor_norms = torch._foreach_norm(all_grads, 2.0)
-            totals, i = [], 0
-            for _, grads in per_adapter:
-                totals.append(torch.linalg.vector_norm(torch.stack(tensor_norms[i:i + len(grads)]), 2.0)
-                              if grads else tensor_norms[0].new_zeros(()))
-                i += len(grads)
-            norms = torch.stack(totals).tolist()  # the one host sync
+        norms = grad_norms([adapter for adapter, _ in items], policy)
+        per_adapter = [[p for p in adapter.parameters() if p.grad is not None] for adapter, _ in items]
+        clipped: list[torch.Tensor] = []
+        factors: list[float] = []
         groups: dict[tuple, list[int]] = {}
-        for k, ((adapter, hp), (params, grads)) in enumerate(zip(items, per_adapter)):
-            if hp.grad_clip_norm > 0 and grads:
+        for k, ((adapter, hp), params) in enumerate(zip(items, per_adapter)):
+            if not params:
+                continue
+            if hp.grad_clip_norm > 0:
                 coef = min(1.0, hp.grad_clip_norm / (norms[k] + 1e-6))
                 if coef < 1.0:
-                    torch._foreach_mul_(grads, coef)
-            if params:
-                key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, params[0].device)
-                groups.setdefault(key, []).append(k)
-        for (lr, beta1, beta2, eps, wd, _), members in groups.items():
+                    clipped += [p.grad for p in params]
+                    factors += [coef] * len(params)
+            key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, params[0].device)
+            groups.setdefault(key, []).append(k)
+        scale_(clipped, factors)
+        for (lr, beta1, beta2, eps, wd, device), members in groups.items():
             ps, gs, m1, m2, steps = [], [], [], [], []
+            counters: dict[int, torch.Tensor] = {}  # each step counter once, however many tensors share it
             for k in members:
                 adapter = items[k][0]
-                params, grads = per_adapter[k]
-                for p, g in zip(params, grads):
-                    st = adapter.optimizer.state_for(p)
+                new_step = torch.zeros((), dtype=torch.float32, device=device)
+                for p in per_adapter[k]:
+                    st = adapter.optimizer.state_for(p, new_step)
                     ps.append(p)
-                    gs.append(g)
+                    gs.append(p.grad)
                     m1.append(st["exp_avg"])
                     m2.append(st["exp_avg_sq"])
                     steps.append(st["step"])
-            torch._foreach_add_(steps, 1)
-            torch._fused_adamw_(ps, gs, m1, m2, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                                weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+                    counters.setdefault(id(st["step"]), st["step"])
+            adamw_update_(ps, gs, m1, m2, steps, list(counters.values()), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                          weight_decay=wd)
+        zero_grads([adapter for adapter, _ in items])
         results = []
         for k, (adapter, hp) in enumerate(items):
-            adapter.zero_grad()
             adapter.step += 1
             results.append({"grad_norm": norms[k], "learning_rate": hp.learning_rate})
         return results

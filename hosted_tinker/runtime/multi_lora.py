@@ -3,59 +3,348 @@
 Why not PEFT's layer: PEFT's mixed-adapter batching (`adapter_names=`) refuses to run in train
 mode and loops per adapter anyway, and PEFT keeps one *active* adapter per model. A shared
 training server needs every row of a batch to go through its own tenant's adapter, forward and
-backward, in one call. So each wrapped projection holds the adapters of all live models, and a
-shared `LoRARouting` says which rows of the current batch belong to which adapter.
+backward, in one call.
 
-The rows of a batch are laid out in contiguous segments, one per (adapter, run of rows); the
-layer computes the base projection once for the whole batch and adds each segment's low-rank
-delta. Consecutive segments of the same rank and row count are computed together by two batched
-matmuls, so the number of ops does not grow with the number of tenants. A segment with no
-adapter (base-model sampling, or a model that does not adapt this projection) adds nothing. Adapter weights are plain float32 leaf tensors owned by their adapter,
-so gradients and optimizer state can never leak from one tenant to another.
+Storage (as vLLM's LoRA layers keep it): each wrapped projection holds, per LoRA rank, one
+preallocated stack of adapter slots -- A [slots, rank, in], B [slots, out, rank], and their
+gradients [slots, ...] -- and every live adapter occupies one slot (the same index in every
+layer). An adapter's own tensors (`LoRAWeights.A/B`, what the optimizer, checkpoints and tests
+see) are views of its slot while it is live, and plain tensors while it is paged out.
 
-The delta is PEFT's (`lora_B(lora_A(x)) * scaling`, same operand order), so a checkpoint
-exported in PEFT's format reproduces our logprobs in PEFT (to float rounding: a batched matmul
-and PEFT's F.linear may round differently).
+The plan (as vLLM's punica wrapper computes it in `update_metadata`): the runtime sets the row
+layout of a batch once (`LoRARouting.batch(segments)`), and the first layer of each kind that
+runs turns it into a `LayerPlan` -- which row blocks go through which slots, with the slot
+indices already on the device -- that every other layer of that kind reuses. Consecutive
+segments of the same rank, scaling and row count form one group: two batched matmuls for the
+group (`GroupedLoRA`) instead of ops per tenant, and the backward adds the group's weight
+gradients straight into the layer's gradient stack (one `index_add_`, no per-tenant
+AccumulateGrad), as Megatron's fused gradient accumulation writes `main_grad` in its backward.
+
+Exactness: a tenant's bits may not depend on who shares a call with it. Measured on CPU (torch
+2.13, MKL): a `bmm` gives entry 0 different bits when it holds 1 entry than when it holds 2 or
+more (14-18 of 72 LoRA shapes), while batches of 2, 3, 4, 8 and 16 entries all agree. So the
+canonical computation of one tenant's delta is a batch of two -- the tenant and a copy of
+itself -- and a batch of n tenants (n = 1 included) runs only where `FusionPolicy.group_lora`
+has checked, for that shape on this machine, that it gives every entry its canonical bits;
+otherwise each tenant runs its own canonical pair.
+
+The delta is PEFT's (`lora_B(lora_A(x)) * scaling`), so a checkpoint exported in PEFT's format
+reproduces our logprobs in PEFT (to float rounding).
 """
 
 from __future__ import annotations
 
+import heapq
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from .invariance import FusionPolicy
 
-@dataclass
+
+@dataclass(eq=False)
 class LoRAWeights:
-    """One adapter's low-rank factors for one projection: delta(x) = (x @ A.T @ B.T) * scaling."""
+    """One adapter's low-rank factors for one projection: delta(x) = (x @ A.T @ B.T) * scaling.
 
-    A: torch.Tensor  # [rank, in_features], float32 leaf
-    B: torch.Tensor  # [out_features, rank], float32 leaf
+    `A` and `B` keep their identity for the adapter's whole life (the optimizer's state is keyed
+    by them); while the adapter is live they alias its slot of the layer's `SlotStack`.
+    """
+
+    A: torch.Tensor  # [rank, in_features], float32
+    B: torch.Tensor  # [out_features, rank], float32
+    scaling: float
+    slot: int | None = None  # while live: the slot, its stack, and views of the slot's gradient rows
+    stack: "SlotStack | None" = None
+    grad_views: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.A.shape[0]
+
+
+class SlotStack:
+    """One layer's adapters of one rank: weights and gradients, one row (slot) per adapter.
+
+    Grows by doubling when a slot past its end is needed (re-pointing the live adapters' views);
+    never shrinks (the slot count is bounded by the live adapters plus sampler snapshots).
+    """
+
+    def __init__(self, rank: int, in_features: int, out_features: int, device: torch.device):
+        self.rank = rank
+        self.in_features = in_features
+        self.out_features = out_features
+        self.device = device
+        self.capacity = 0
+        self.A = self.B = self.grad_A = self.grad_B = torch.empty(0)
+        self.owners: dict[int, LoRAWeights] = {}
+        self._grow(4)
+
+    def _grow(self, capacity: int) -> None:
+        def bigger(old: torch.Tensor, *shape: int) -> torch.Tensor:
+            t = torch.zeros(capacity, *shape, device=self.device)
+            if self.capacity:
+                t[:self.capacity] = old
+            return t
+
+        r, i, o = self.rank, self.in_features, self.out_features
+        with torch.no_grad():
+            self.A, self.B = bigger(self.A, r, i), bigger(self.B, o, r)
+            self.grad_A, self.grad_B = bigger(self.grad_A, r, i), bigger(self.grad_B, o, r)
+        self.capacity = capacity
+        for slot, w in self.owners.items():
+            self._alias(slot, w)
+
+    def _alias(self, slot: int, w: LoRAWeights) -> None:
+        pending = w.A.grad is not None
+        w.A.grad = w.B.grad = None  # a tensor's gradient must stay on its device while it moves
+        w.A.data, w.B.data = self.A[slot], self.B[slot]
+        w.grad_views = (self.grad_A[slot], self.grad_B[slot])
+        if pending:
+            w.A.grad, w.B.grad = w.grad_views
+
+    def put(self, slot: int, w: LoRAWeights) -> None:
+        """Copy an adapter's tensors (and pending gradients) into `slot`; alias them to it."""
+        if slot >= self.capacity:
+            self._grow(max(2 * self.capacity, slot + 1))
+        with torch.no_grad():
+            self.A[slot].copy_(w.A)
+            self.B[slot].copy_(w.B)
+            if w.A.grad is not None:
+                self.grad_A[slot].copy_(w.A.grad)
+                self.grad_B[slot].copy_(w.B.grad)
+            else:
+                self.grad_A[slot].zero_()
+                self.grad_B[slot].zero_()
+        self.owners[slot] = w
+        w.slot, w.stack = slot, self
+        self._alias(slot, w)
+
+    def take(self, slot: int, w: LoRAWeights, device: torch.device) -> None:
+        """Copy `slot` out into tensors of the adapter's own on `device`; free the slot."""
+        pending = w.A.grad is not None
+        w.A.grad = w.B.grad = None
+        with torch.no_grad():
+            w.A.data = self.A[slot].to(device, copy=True)
+            w.B.data = self.B[slot].to(device, copy=True)
+            if pending:
+                w.A.grad = self.grad_A[slot].to(device, copy=True)
+                w.B.grad = self.grad_B[slot].to(device, copy=True)
+        del self.owners[slot]
+        w.slot = w.stack = w.grad_views = None
+
+    def accumulate(self, slots: torch.Tensor, grad_A: torch.Tensor, grad_B: torch.Tensor) -> None:
+        """Add one group's weight gradients to its slots' gradient rows."""
+        self.grad_A.index_add_(0, slots, grad_A.to(self.grad_A.dtype))
+        self.grad_B.index_add_(0, slots, grad_B.to(self.grad_B.dtype))
+
+
+def segments_of(row_keys: list) -> list[tuple[object, int, int]]:
+    """Runs of equal consecutive keys as (key, start, end): the one segment builder of the
+    trainer (rows -> adapter, rows -> request) and the sampler (rows -> adapter)."""
+    segs: list[tuple[object, int, int]] = []
+    for r, key in enumerate(row_keys):
+        if segs and segs[-1][0] == key:
+            segs[-1] = (key, segs[-1][1], r + 1)
+        else:
+            segs.append((key, r, r + 1))
+    return segs
+
+
+# ---- the grouped LoRA kernel -----------------------------------------------------------------
+def lora_forward(xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float):
+    """n adapters' deltas in two batched matmuls: xs [n, M, in], A [n, r, in], B [n, out, r]."""
+    h = torch.bmm(xs, A.transpose(1, 2))  # [n, M, r]
+    return h, torch.bmm(h, B.transpose(1, 2)) * scaling  # [n, M, out]
+
+
+def lora_backward(gd: torch.Tensor, xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, h: torch.Tensor,
+                  scaling: float, need_x: bool):
+    """Gradients of `lora_forward` w.r.t. xs (if need_x), A and B, as autograd would take them."""
+    g = gd * scaling
+    grad_B = torch.bmm(h.transpose(1, 2), g).transpose(1, 2)  # [n, out, r]
+    gh = torch.bmm(g, B)  # [n, M, r]
+    grad_A = torch.bmm(xs.transpose(1, 2), gh).transpose(1, 2)  # [n, r, in]
+    grad_x = torch.bmm(gh, A) if need_x else None
+    return grad_x, grad_A, grad_B
+
+
+def _canonical_batch(t: torch.Tensor, entries: int) -> torch.Tensor:
+    """A one-entry batch as the two-entry batch it is computed in, where `entries` says so (see
+    the module docstring)."""
+    return torch.cat([t, t]) if entries > t.shape[0] else t
+
+
+class GroupedLoRA(torch.autograd.Function):
+    """Deltas of `x.shape[0]` tenants (equal row blocks) through their slots of one `SlotStack`.
+
+    forward(x [n, M, in], anchor, stack, slots, scaling) -> [n, M, out]: `slots` has n entries,
+    or two (the same slot twice) where one tenant runs as its canonical pair. The weight
+    gradients go straight into the stack's gradient rows (nothing is returned for them);
+    `anchor` is a leaf that requires grad, so the backward runs even where x needs no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, anchor, stack: SlotStack, slots: torch.Tensor, scaling: float):
+        A = stack.A.index_select(0, slots)
+        B = stack.B.index_select(0, slots)
+        if A.dtype != x.dtype:  # bf16 base on GPU: fp32 master weights, cast per call
+            A, B = A.to(x.dtype), B.to(x.dtype)
+        h, d = lora_forward(_canonical_batch(x, slots.shape[0]), A, B, scaling)
+        ctx.save_for_backward(x, A, B, h)
+        ctx.stack, ctx.slots, ctx.scaling = stack, slots, scaling
+        return d[:x.shape[0]]
+
+    @staticmethod
+    def backward(ctx, gd):
+        x, A, B, h = ctx.saved_tensors
+        n = x.shape[0]
+        entries = ctx.slots.shape[0]
+        grad_x, grad_A, grad_B = lora_backward(_canonical_batch(gd.contiguous(), entries), _canonical_batch(x, entries),
+                                               A, B, h, ctx.scaling, ctx.needs_input_grad[0])
+        ctx.stack.accumulate(ctx.slots[:n], grad_A[:n], grad_B[:n])
+        return (None if grad_x is None else grad_x[:n]), None, None, None, None
+
+
+# ---- the batch plan ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoRACall:
+    """One `GroupedLoRA` call: `n` tenants of one rank, `rows` rows each, through `slots`."""
+
+    rank: int
+    n: int
+    rows: int
+    slots: torch.Tensor  # [n] on the device, or [2] (one slot twice) for a canonical pair
     scaling: float
 
 
-@dataclass
-class LoRARouting:
-    """Row layout of the batch being run: a list of (adapter_id or None, row_start, row_end).
+@dataclass(frozen=True)
+class LayerPlan:
+    """How one kind of layer runs the current batch: consecutive row blocks, each with its call
+    (None = rows without an adapter in this layer). Shared by every layer of that kind."""
 
-    Set by the runtime before each forward; read by every `MultiLoRALinear`. Rows are dim 0
-    of the projection input ([rows, seq, features] or [rows, features]).
+    sizes: list[int]
+    calls: list[LoRACall | None]
+
+
+class LoRARouting:
+    """Shared by every `MultiLoRALinear` of a model: slot allocation and the current batch's plan.
+
+    Slots are allocated per rank and an adapter holds the same slot index in every layer, so one
+    plan (slot indices on the device) serves every layer with the same adapters.
     """
 
-    segments: list[tuple[str | None, int, int]] = field(default_factory=list)
+    def __init__(self, policy: "FusionPolicy | None" = None):
+        self.policy = policy  # None: never group tenants (always each tenant's canonical pair)
+        self.segments: list[tuple[str | None, int, int]] = []
+        self._plans: dict[tuple, LayerPlan | None] = {}
+        self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
+        self._free: dict[int, list[int]] = {}  # rank -> freed slots (a heap: lowest first)
+        self._next: dict[int, int] = {}
+        # Interned sets of adapter ids (one object per distinct set, kept while a layer has it):
+        # layers with the same adapters share plans, and a plan lookup compares by identity.
+        self._sets: dict[frozenset[str], frozenset[str]] = {}
+        self._set_users: dict[frozenset[str], int] = {}
+        self._anchors: dict[torch.device, torch.Tensor] = {}
 
-    def set_single(self, adapter_id: str | None, rows: int) -> None:
-        self.segments = [(adapter_id, 0, rows)]
+    # -- slots -------------------------------------------------------------------------------
+    def allocate(self, rank: int) -> int:
+        free = self._free.setdefault(rank, [])
+        if free:
+            return heapq.heappop(free)
+        slot = self._next.get(rank, 0)
+        self._next[rank] = slot + 1
+        return slot
 
+    def release(self, rank: int, slot: int) -> None:
+        heapq.heappush(self._free.setdefault(rank, []), slot)
 
-# Adapters of rank >= this go through batched matmuls, alone or with others. Every adapter takes
-# the same path whether it runs alone or co-batched (the path depends on its own rank only), which
-# is what keeps co-batching bit-exact: on CPU a `bmm` gives each batch entry the same bits for
-# any batch size, except (measured, torch 2.13) when the rank is 1, where bmm of one and of many
-# entries take different kernels. Rank-1 adapters therefore keep one F.linear pair per segment.
-BATCHED_MIN_RANK = 2
+    def grad_anchor(self, device: torch.device) -> torch.Tensor:
+        """A leaf that requires grad, one per device: the input that makes autograd run
+        `GroupedLoRA.backward` even where the projection input needs no gradient."""
+        t = self._anchors.get(device)
+        if t is None:
+            t = self._anchors[device] = torch.zeros((), device=device, requires_grad=True)
+        return t
+
+    def member_set(self, adapter_ids, previous: frozenset[str] | None) -> frozenset[str]:
+        """The interned set of `adapter_ids`, for a layer whose set was `previous`."""
+        key = frozenset(adapter_ids)
+        key = self._sets.setdefault(key, key)
+        self._set_users[key] = self._set_users.get(key, 0) + 1
+        if previous is not None:
+            self._set_users[previous] -= 1
+            if not self._set_users[previous]:
+                del self._set_users[previous], self._sets[previous]
+        return key
+
+    # -- the batch -----------------------------------------------------------------------------
+    @contextmanager
+    def batch(self, segments: list[tuple[str | None, int, int]]):
+        """Route rows to adapters while the body runs: segments are (adapter id or None, start, end)
+        over dim 0 of every projection input ([rows, seq, features] or [rows, features])."""
+        self.segments = segments
+        try:
+            yield
+        finally:
+            self.segments = []
+            self._plans.clear()
+            self._slot_tensors.clear()
+
+    def plan_for(self, layer: "MultiLoRALinear", x: torch.Tensor) -> LayerPlan | None:
+        if not self.segments or not layer.adapters:
+            return None
+        tokens_per_row = x.numel() // max(1, x.shape[0] * x.shape[-1])
+        key = (layer.members, layer.in_features, layer.out_features, tokens_per_row, x.dtype)
+        if key not in self._plans:
+            self._plans[key] = self._build(layer, tokens_per_row, x.dtype, x.device)
+        return self._plans[key]
+
+    def _build(self, layer: "MultiLoRALinear", tokens_per_row: int, dtype: torch.dtype,
+               device: torch.device) -> LayerPlan | None:
+        # (rows, group key, adapters): consecutive segments of one key form one group.
+        parts: list[tuple[int, tuple | None, list[LoRAWeights]]] = []
+        for adapter_id, start, end in self.segments:
+            w = layer.adapters.get(adapter_id) if adapter_id is not None else None
+            key = None if w is None else (w.rank, w.scaling, end - start)
+            if parts and parts[-1][1] == key:
+                rows, _, ws = parts[-1]
+                parts[-1] = (rows + end - start, key, ws + ([w] if w is not None else []))
+            else:
+                parts.append((end - start, key, [w] if w is not None else []))
+        if all(key is None for _, key, _ in parts):
+            return None
+        sizes: list[int] = []
+        calls: list[LoRACall | None] = []
+        for rows, key, ws in parts:
+            if key is None:
+                sizes.append(rows)
+                calls.append(None)
+                continue
+            rank, scaling, per = key
+            tokens = per * tokens_per_row
+
+            def proven(n: int) -> bool:  # n entries in one batch give each its canonical pair's bits
+                return self.policy is not None and self.policy.group_lora(
+                    tokens, layer.in_features, layer.out_features, rank, n, dtype)
+
+            for group in ([ws] if len(ws) >= 2 and proven(len(ws)) else [[w] for w in ws]):
+                slots = [w.slot for w in group]
+                sizes.append(per * len(group))
+                if len(slots) == 1 and not proven(1):
+                    slots = slots * 2  # the canonical pair (see GroupedLoRA)
+                calls.append(LoRACall(rank, len(group), per, self._slot_tensor(slots, device), scaling))
+        return LayerPlan(sizes, calls)
+
+    def _slot_tensor(self, slots: list[int], device: torch.device) -> torch.Tensor:
+        key = tuple(slots)
+        t = self._slot_tensors.get(key)
+        if t is None:
+            t = self._slot_tensors[key] = torch.tensor(slots, dtype=torch.long, device=device)
+        return t
 
 
 class MultiLoRALinear(nn.Module):
@@ -65,9 +354,10 @@ class MultiLoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.routing = routing
-        # Not registered as parameters: `model.parameters()` stays the frozen base only, and
-        # each adapter's tensors are owned (and optimised) by that adapter alone.
+        # Not registered as parameters or buffers: `model.parameters()` stays the frozen base.
         self.adapters: dict[str, LoRAWeights] = {}
+        self.stacks: dict[int, SlotStack] = {}
+        self.members = routing.member_set((), None)  # ids of the adapters attached here
 
     @property
     def in_features(self) -> int:
@@ -81,81 +371,60 @@ class MultiLoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:  # some HF code (tied embeddings, dtype probes) reads .weight
         return self.base.weight
 
-    @staticmethod
-    def _delta(x: torch.Tensor, w: LoRAWeights) -> torch.Tensor:
-        """One adapter's delta over its rows (the path of rank < BATCHED_MIN_RANK adapters)."""
-        A, B = w.A, w.B
-        if A.dtype != x.dtype:  # bf16 base on GPU: fp32 master weights, cast in the graph
-            A, B = A.to(x.dtype), B.to(x.dtype)
-        return F.linear(F.linear(x, A), B) * w.scaling
+    def attach(self, adapter_id: str, w: LoRAWeights, slot: int) -> None:
+        stack = self.stacks.get(w.rank)
+        if stack is None:
+            stack = self.stacks[w.rank] = SlotStack(w.rank, self.in_features, self.out_features,
+                                                    self.base.weight.device)
+        stack.put(slot, w)
+        self.adapters[adapter_id] = w
+        self.members = self.routing.member_set(self.adapters, self.members)
 
-    @staticmethod
-    def _batched_delta(x: torch.Tensor, ws: list[LoRAWeights]) -> torch.Tensor:
-        """The deltas of n same-shape segments in two batched matmuls: x is n equal row blocks.
-
-        Two `bmm`s per group instead of three ops per tenant: with many small tenants the
-        per-segment ops (and their backward) cost more than the tenants' actual compute.
-        """
-        n = len(ws)
-        xs = x.reshape(n, -1, x.shape[-1])  # [n, rows*seq, in]; a view (segments are contiguous)
-        A = ws[0].A.unsqueeze(0) if n == 1 else torch.stack([w.A for w in ws])  # [n, r, in]
-        B = ws[0].B.unsqueeze(0) if n == 1 else torch.stack([w.B for w in ws])  # [n, out, r]
-        if A.dtype != x.dtype:
-            A, B = A.to(x.dtype), B.to(x.dtype)
-        d = torch.bmm(torch.bmm(xs, A.transpose(1, 2)), B.transpose(1, 2)) * ws[0].scaling
-        return d.reshape(x.shape[:-1] + (B.shape[1],))
-
-    def _plan(self, segments) -> list[tuple[int, int, list[LoRAWeights]]]:
-        """Cut the batch into (start, end, adapters): consecutive segments of the same rank,
-        scaling and row count become one batched group; rows without an adapter here get []."""
-        plan: list[tuple[int, int, list[LoRAWeights]]] = []
-        last_key = None
-        for adapter_id, start, end in segments:
-            w = self.adapters.get(adapter_id) if adapter_id is not None else None
-            if w is None:
-                key = "no adapter"  # consecutive gaps merge into one
-            elif w.A.shape[0] < BATCHED_MIN_RANK:
-                key = None  # never grouped with anything
-            else:
-                key = (w.A.shape[0], w.scaling, w.A.dtype, end - start)
-            if plan and key is not None and key == last_key:
-                s0, _, ws = plan[-1]
-                plan[-1] = (s0, end, ws + [w] if w is not None else ws)
-            else:
-                plan.append((start, end, [w] if w is not None else []))
-            last_key = key
-        return plan
+    def detach(self, adapter_id: str, device: torch.device) -> None:
+        w = self.adapters.pop(adapter_id)
+        self.stacks[w.rank].take(w.slot, w, device)
+        self.members = self.routing.member_set(self.adapters, self.members)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
-        segments = self.routing.segments
-        if not self.adapters or not segments:
+        plan = self.routing.plan_for(self, x)
+        if plan is None:
             return result
-        plan = self._plan(segments)
-        if len(plan) == 1 and plan[0][1] - plan[0][0] == x.shape[0]:
-            ws = plan[0][2]
-            if not ws:
-                return result
-            return result + self._delta_of(x, ws)
-        parts: list[torch.Tensor] = []
-        any_adapter = False
-        # One split, not a slice per segment: the backward of N slices would zero-fill and add
-        # N batch-sized gradients; a split stitches the pieces' gradients together once.
-        pieces = torch.split(x, [end - start for start, end, _ in plan], dim=0)
-        for (start, end, ws), piece in zip(plan, pieces):
-            if not ws:
-                parts.append(result.new_zeros((end - start,) + result.shape[1:]))
-            else:
-                parts.append(self._delta_of(piece, ws))
-                any_adapter = True
-        if not any_adapter:
-            return result
-        return result + torch.cat(parts, dim=0)
+        if len(plan.calls) == 1:
+            return result + self._delta(x, plan.calls[0])
+        # One split of the input, not a slice per block: the backward of N slices would zero-fill
+        # and add N batch-sized gradients; a split stitches the pieces' gradients together once.
+        # Rows without an adapter keep `result` untouched (no +0 that could flip a -0).
+        xs = torch.split(x, plan.sizes)
+        rs = torch.split(result, plan.sizes)
+        out = [r if call is None else r + self._delta(xp, call) for xp, r, call in zip(xs, rs, plan.calls)]
+        return torch.cat(out)
 
-    def _delta_of(self, x: torch.Tensor, ws: list[LoRAWeights]) -> torch.Tensor:
-        if ws[0].A.shape[0] < BATCHED_MIN_RANK:
-            return self._delta(x, ws[0])
-        return self._batched_delta(x, ws)
+    def _delta(self, x: torch.Tensor, call: LoRACall) -> torch.Tensor:
+        xs = x.reshape(call.n, -1, x.shape[-1])  # a view: the call's row blocks are contiguous
+        d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), self.stacks[call.rank], call.slots, call.scaling)
+        return d.reshape(x.shape[:-1] + (self.out_features,))
+
+
+def attach_adapter(layers: dict[str, MultiLoRALinear], adapter_id: str, weights: dict[str, LoRAWeights]) -> None:
+    """Give an adapter (training or sampler snapshot) a slot per rank it uses -- the same slot
+    index in every layer it adapts -- and copy its weights into them."""
+    routing = layers[next(iter(weights))].routing
+    slots = {rank: routing.allocate(rank) for rank in sorted({w.rank for w in weights.values()})}
+    for path, w in weights.items():
+        layers[path].attach(adapter_id, w, slots[w.rank])
+
+
+def detach_adapter(layers: dict[str, MultiLoRALinear], adapter_id: str, weights: dict[str, LoRAWeights],
+                   device: torch.device) -> None:
+    """Copy an adapter out of its slots into tensors of its own on `device`; free the slots."""
+    freed = {(w.rank, w.slot) for w in weights.values() if w.slot is not None}
+    for path, w in weights.items():
+        if w.slot is not None:
+            layers[path].detach(adapter_id, device)
+    routing = layers[next(iter(weights))].routing
+    for rank, slot in sorted(freed):
+        routing.release(rank, slot)
 
 
 # Leaf module names of the projections each `train_*` flag adapts. These are the names used by

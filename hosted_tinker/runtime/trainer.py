@@ -4,8 +4,15 @@ One call of `forward_backward` takes the work of many models (each item one requ
 own loss function) and runs it as one batch: rows are laid out adapter by adapter, the
 `MultiLoRALinear` layers apply each row's own adapter, every datum's loss is computed with its
 request's loss function, and one backward of the *sum* of all losses leaves each adapter with
-exactly its own gradient (the losses share no parameters). Gradients accumulate on the
-adapters' tensors until that adapter's `optim_step`.
+exactly its own gradient (the losses share no parameters). Gradients accumulate in the
+adapters' gradient slots until that adapter's `optim_step`; a pass that fails leaves them as
+they were before it (`GradientPass`).
+
+Exactness: a tenant gets the same bits alone or co-batched. Its rows go through the same
+micro-batch shapes either way (`_micro_batches`); several tenants share a micro-batch only where
+the `FusionPolicy` has proven on this machine that the base model treats rows independently
+(otherwise each tenant's pieces run as micro-batches of their own), and each tenant's loss is
+computed on its own rows.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .adapters import AdamParams, LoRAAdapter, LoRAConfig, adamw_step
-from .checkpoints import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
-from .losses import LOSS_INPUT_KEYS, merge_metrics, run_losses
-from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora
+from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, adamw_step
+from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
+from .invariance import FusionPolicy, RowIndependenceProbe
+from .losses import LOSS_INPUT_KEYS, LOSSES, merge_metrics, run_losses
+from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, segments_of
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,13 @@ def bucket_width(n: int) -> int:
     return width
 
 
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position, in float32: [rows, width, vocab] logits -> [rows, width]."""
+    rows, width, vocab = logits.shape
+    return -F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1),
+                            reduction="none").reshape(rows, width)
+
+
 def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> int:
     """Padded tokens per micro-batch when not configured.
 
@@ -89,7 +105,7 @@ def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> 
 
 class TrainingRuntime:
     def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
-                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64):
+                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64, check_fusion: bool = True):
         self.model = model
         self.base_model_name = base_model_name
         self.device = device
@@ -98,7 +114,8 @@ class TrainingRuntime:
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()  # no dropout: training through LoRA must be deterministic
-        self.routing = LoRARouting()
+        self.policy = self._fusion_policy()
+        self.routing = LoRARouting(self.policy)
         self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing)
         self.adapters: dict[str, LoRAAdapter] = {}
         # Adapters attached to the layers and resident on `device`, least recently used first.
@@ -109,6 +126,21 @@ class TrainingRuntime:
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         self.last_pass = PassStats()
+        if check_fusion:  # a rank of a pool checks once its model is sharded (runtime/distributed.py)
+            self.check_fusion()
+
+    def _fusion_policy(self) -> FusionPolicy:
+        return FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
+
+    def check_fusion(self) -> None:
+        """Whether tenants may share micro-batches, decided on this machine before any request, on
+        64 rows of the shortest bucket (0.1-0.4 s on the embedded model, 1 CPU thread); if that
+        fails, they never do; each other shape is probed when first used."""
+        width = bucket_width(1)
+        self.policy.check_at_startup(width, max(2, min(64, self.max_tokens_per_micro_batch // width)))
+
+    def close(self) -> None:
+        """Nothing to release: everything lives in this process."""
 
     # -- adapters ------------------------------------------------------------------------------
     def create_adapter(self, model_id: str, config: LoRAConfig) -> LoRAAdapter:
@@ -122,7 +154,7 @@ class TrainingRuntime:
     def remove_adapter(self, model_id: str) -> None:
         adapter = self.adapters.pop(model_id, None)
         if adapter is not None:
-            adapter.detach(self.layers)
+            adapter.detach(self.layers)  # keeps its tensors: a failed `load` puts it back
             self.live.pop(model_id, None)
 
     def ensure_live(self, model_ids) -> None:
@@ -133,10 +165,7 @@ class TrainingRuntime:
         """
         needed = [m for m in dict.fromkeys(model_ids) if m in self.adapters]
         for mid in needed:
-            if mid not in self.live:
-                adapter = self.adapters[mid]
-                adapter.move_to(self.device)
-                adapter.attach(self.layers)
+            self.adapters[mid].attach(self.layers)  # no-op when already in its slot
             self.live[mid] = None
             self.live.move_to_end(mid)
         for mid in list(self.live):
@@ -144,9 +173,7 @@ class TrainingRuntime:
                 break
             if mid in needed:
                 continue
-            adapter = self.adapters[mid]
-            adapter.detach(self.layers)
-            adapter.move_to(torch.device("cpu"))
+            self.adapters[mid].detach(self.layers, torch.device("cpu"))
             del self.live[mid]
             self.page_outs += 1
 
@@ -157,23 +184,38 @@ class TrainingRuntime:
             raise KeyError(f"model {model_id!r} is not loaded") from None
 
     # -- forward / backward --------------------------------------------------------------------
-    def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
-        """Run all `works` fused, in as few micro-batches as the token budget allows."""
+    def forward_backward(self, works: list[FBWork], *, after_phase: Callable[[bool, int], None] | None = None,
+                         before_commit: Callable[[], None] | None = None) -> list[FBOutcome]:
+        """Run all `works` fused, in as few micro-batches as the token budget allows.
+
+        All or nothing for gradients: if the pass raises, every adapter's gradients are what
+        they were before the call. For a rank of a pool (runtime/distributed.py):
+        `after_phase(grad, micro_batches_run)` follows the gradient and the forward-only
+        micro-batches, and `before_commit()` runs once they are all done, its failure rolling
+        the pass back like any other.
+        """
         start = time.perf_counter()
         self.ensure_live([w.model_id for w in works])
         stats = PassStats(models=len({w.model_id for w in works}))
         per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         # Per request: "loss:sum" (float64 over its datums) plus any metrics its loss reports.
         metric_sums: list[dict[str, float]] = [{"loss:sum": 0.0} for _ in works]
-        for grad in (True, False):
-            rows = [(wi, di) for wi, w in enumerate(works) if w.forward_only != grad for di in range(len(w.data))]
-            batches = list(self._micro_batches(rows, works))
-            if grad and len(batches) > 1:
-                # Only when micro-batches follow each other (see LoRAAdapter.prepare_grads).
-                for model_id in dict.fromkeys(w.model_id for w in works if not w.forward_only):
-                    self.adapters[model_id].prepare_grads()
-            for batch in batches:
-                self._run_micro_batch(batch, works, grad, per_datum, metric_sums, stats)
+        grad_pass = GradientPass([self.adapters[m] for m in dict.fromkeys(w.model_id for w in works
+                                                                         if not w.forward_only)])
+        try:
+            for grad in (True, False):
+                run = 0
+                for batch in self._micro_batches(self._phase_rows(works, grad), works):
+                    self._run_micro_batch(batch, works, grad, per_datum, metric_sums, stats)
+                    run += 1
+                if after_phase is not None:
+                    after_phase(grad, run)
+            if before_commit is not None:
+                before_commit()
+        except BaseException:
+            grad_pass.rollback()
+            raise
+        grad_pass.commit()
         outcomes = []
         for wi, work in enumerate(works):
             outputs = [per_datum[(wi, di)] for di in range(len(work.data))]
@@ -183,15 +225,40 @@ class TrainingRuntime:
         self.last_pass = stats
         return outcomes
 
+    @staticmethod
+    def _phase_rows(works: list[FBWork], grad: bool) -> list[tuple[int, int]]:
+        """(work, datum) of the rows of the gradient phase (grad) or of the forward-only one."""
+        return [(wi, di) for wi, w in enumerate(works) if w.forward_only != grad for di in range(len(w.data))]
+
+    def mixing_shapes(self, works: list[FBWork]) -> set[tuple[int, int]]:
+        """(width, rows) of every micro-batch of `works` that could hold several tenants: the shapes
+        `FusionPolicy.mix_tenants` will be asked about, without asking."""
+        return {(width, size) for grad in (True, False)
+                for width, pieces, size in self._packs(self._phase_rows(works, grad), works) if len(pieces) > 1}
+
+    def micro_batch_counts(self, works: list[FBWork]) -> tuple[int, int]:
+        """How many gradient and forward-only micro-batches `forward_backward(works)` runs."""
+        return tuple(sum(1 for _ in self._micro_batches(self._phase_rows(works, grad), works))  # type: ignore[return-value]
+                     for grad in (True, False))
+
     def _micro_batches(self, rows: list[tuple[int, int]], works: list[FBWork]):
-        """Bucket rows by padded width, then pack whole per-model groups into micro-batches.
+        """Bucket rows by padded width, then pack whole per-model pieces into micro-batches.
 
         Every row is padded to a width that depends on its own length only (`bucket_width`), and
-        a model's rows in a bucket are cut into pieces that depend on its own rows only. So a
-        model's rows go through exactly the same shapes and the same gradient-accumulation order
-        whether it trains alone or fused with other tenants: co-batching changes nothing in its
-        results, bit for bit (the base projections treat rows independently). Bucketing also
-        keeps padding waste low when long and short sequences share a cycle.
+        a model's rows in a bucket are cut into pieces that depend on its own rows only: the
+        pieces a model runs alone. Pieces of several models share a micro-batch only where the
+        policy has proven that the base model treats rows independently for that shape;
+        otherwise each piece is a micro-batch of its own. Either way a model's rows go through
+        exactly its solo computation, in its solo gradient-accumulation order: co-batching
+        changes nothing in its results, bit for bit. Bucketing also keeps padding waste low when
+        long and short sequences share a cycle.
+        """
+        for width, pieces, size in self._packs(rows, works):
+            yield from self._release(width, pieces, size, works)
+
+    def _packs(self, rows: list[tuple[int, int]], works: list[FBWork]):
+        """(width, per-model pieces, rows) of each micro-batch before the policy is asked whether
+        its pieces may run together (`_release`).
         """
         buckets: dict[int, dict[str, list[tuple[int, int]]]] = {}
         for wi, di in rows:
@@ -206,19 +273,26 @@ class TrainingRuntime:
                 for i in range(0, len(group), cap):
                     piece = group[i:i + cap]
                     if batch and size + len(piece) > cap:
-                        yield width, self._order_pieces(batch, works)
+                        yield width, batch, size
                         batch, size = [], 0
                     batch.append(piece)
                     size += len(piece)
             if batch:
-                yield width, self._order_pieces(batch, works)
+                yield width, batch, size
+
+    def _release(self, width: int, pieces: list[list[tuple[int, int]]], rows: int, works: list[FBWork]):
+        if len(pieces) > 1 and not self.policy.mix_tenants(width, rows):
+            for piece in pieces:
+                yield width, piece
+        else:
+            yield width, self._order_pieces(pieces, works)
 
     def _order_pieces(self, pieces: list[list[tuple[int, int]]], works: list[FBWork]) -> list[tuple[int, int]]:
         """Lay a micro-batch's per-model pieces out so that same-shape adapters sit side by side.
 
-        `MultiLoRALinear` batches consecutive segments of equal rank and row count into one
-        matmul; the order of pieces within a micro-batch changes no model's results (rows are
-        independent), only how many groups the layers run.
+        The layers batch consecutive segments of equal rank and row count into one matmul where
+        the policy allows it; the order of pieces within a micro-batch changes no model's results
+        (rows are independent there), only how many groups the layers run.
         """
         def key(piece):
             cfg = self.adapters[works[piece[0][0]].model_id].config
@@ -231,65 +305,89 @@ class TrainingRuntime:
         width, batch = width_and_batch
         lengths = [len(works[wi].data[di].tokens) for wi, di in batch]
         rows = len(batch)
-        ids = torch.zeros(rows, width, dtype=torch.long)
-        targets = torch.zeros(rows, width, dtype=torch.long)
-        mask = torch.zeros(rows, width)
-        inputs = {k: torch.zeros(rows, width) for k in LOSS_INPUT_KEYS}
+        # Padded inputs built in numpy and handed over once: no tensor op per datum.
+        ids = np.zeros((rows, width), dtype=np.int64)
+        targets = np.zeros((rows, width), dtype=np.int64)
+        mask = np.zeros((rows, width), dtype=np.float32)
+        inputs = {k: np.zeros((rows, width), dtype=np.float32) for k in LOSS_INPUT_KEYS}
         for r, (wi, di) in enumerate(batch):
             d = works[wi].data[di]
             n = lengths[r]
-            ids[r, :n] = torch.from_numpy(d.tokens)
-            targets[r, :n] = torch.from_numpy(np.asarray(d.inputs["target_tokens"], dtype=np.int64))
+            ids[r, :n] = d.tokens
+            targets[r, :n] = d.inputs["target_tokens"]
             mask[r, :n] = 1.0
             for k in LOSS_INPUT_KEYS:
                 if k in d.inputs:
-                    inputs[k][r, :n] = torch.from_numpy(np.asarray(d.inputs[k], dtype=np.float32))
-        ids, targets, mask = ids.to(self.device), targets.to(self.device), mask.to(self.device)
-        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+                    inputs[k][r, :n] = d.inputs[k]
+        dev = self.device
+        ids_t, targets_t, mask_t = (torch.from_numpy(a).to(dev) for a in (ids, targets, mask))
+        inputs_t = {k: torch.from_numpy(v).to(dev) for k, v in inputs.items()}
 
-        # Contiguous runs of rows that share a request: one adapter segment / one loss each.
-        runs: list[tuple[int, int, int]] = []  # (work index, start, end)
-        for r, (wi, _) in enumerate(batch):
-            if runs and runs[-1][0] == wi:
-                runs[-1] = (wi, runs[-1][1], r + 1)
-            else:
-                runs.append((wi, r, r + 1))
-        segments: list[tuple[str | None, int, int]] = []
-        for wi, s, e in runs:
-            mid = works[wi].model_id
-            if segments and segments[-1][0] == mid:
-                segments[-1] = (mid, segments[-1][1], e)
-            else:
-                segments.append((mid, s, e))
-        self.routing.segments = segments
-        try:
-            with torch.set_grad_enabled(grad):
-                # Right padding and a causal mask: real tokens never see the pads after them.
-                logits = self.model(input_ids=ids, use_cache=False).logits
-                vocab = logits.shape[-1]
-                logprobs = -F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1),
-                                            reduction="none").reshape(rows, width)
-                del logits
-                tok_loss, run_metrics = run_losses(
-                    [(works[wi].loss_fn, works[wi].loss_config, s, e) for wi, s, e in runs], logprobs, inputs, mask)
-                for (wi, _, _), m in zip(runs, run_metrics):
-                    merge_metrics(metric_sums[wi], m)
-                lp_cpu = logprobs.detach().cpu().numpy()
-                el_cpu = tok_loss.detach().cpu().numpy()
-                for r, (wi, di) in enumerate(batch):
-                    n = lengths[r]
-                    per_datum[(wi, di)] = {
-                        "logprobs": lp_cpu[r, :n].astype(np.float32, copy=True),
-                        "elementwise_loss": el_cpu[r, :n].astype(np.float32, copy=True),
-                    }
-                    metric_sums[wi]["loss:sum"] += float(el_cpu[r, :n].astype(np.float64).sum())
-                if grad and tok_loss.requires_grad:
-                    tok_loss.sum().backward()
-        finally:
-            self.routing.segments = []
+        # Contiguous runs of rows that share a request (one loss each), and of rows that share a
+        # model (one adapter segment each).
+        runs = segments_of([wi for wi, _ in batch])
+        segments = segments_of([works[wi].model_id for wi, _ in batch])
+        with self.routing.batch(segments), torch.set_grad_enabled(grad):
+            # Right padding and a causal mask: real tokens never see the pads after them.
+            logits = self.model(input_ids=ids_t, use_cache=False).logits
+            logprobs = token_logprobs(logits, targets_t)
+            del logits
+            tok_loss = self._losses(works, runs, segments, logprobs, inputs_t, mask_t, metric_sums)
+            lp_cpu = logprobs.detach().cpu().numpy()
+            el_cpu = tok_loss.detach().cpu().numpy()
+            for r, (wi, di) in enumerate(batch):
+                n = lengths[r]
+                per_datum[(wi, di)] = {
+                    "logprobs": lp_cpu[r, :n].astype(np.float32, copy=True),
+                    "elementwise_loss": el_cpu[r, :n].astype(np.float32, copy=True),
+                }
+                metric_sums[wi]["loss:sum"] += float(el_cpu[r, :n].astype(np.float64).sum())
+            if grad and tok_loss.requires_grad:
+                tok_loss.sum().backward()
         stats.micro_batches += 1
         stats.tokens += sum(lengths)
         stats.padded_tokens += rows * width
+
+    @staticmethod
+    def _losses(works, runs, segments, logprobs, inputs, mask, metric_sums) -> torch.Tensor:
+        """Per-token losses, one `run_losses` call per model with its own runs only: the loss ops
+        then see the model's rows exactly as when it trains alone (row slices of the same shape),
+        and never a block merged with another model's rows (elementwise kernels may round a value
+        differently at another position in a bigger tensor, see invariance.py)."""
+        parts = []
+        for _, s, e in segments:
+            mine = [(wi, rs, re) for wi, rs, re in runs if s <= rs < e]
+            # Only the inputs its losses take (their specs name them): run_losses slices every
+            # input it is given, per block, and there is a block per model.
+            specs = [LOSSES[works[wi].loss_fn] for wi, _, _ in mine]
+            used = {k: v for k, v in inputs.items() if any(k in sp.required_inputs or k in sp.inputs for sp in specs)}
+            tok_loss, run_metrics = run_losses(
+                [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in mine], logprobs, used, mask)
+            parts.append(tok_loss)
+            for (wi, _, _), metrics in zip(mine, run_metrics):
+                merge_metrics(metric_sums[wi], metrics)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    # -- the fusion probe (see invariance.py) -----------------------------------------------------
+    def _probe_sample(self, width: int, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+        """Random probe rows: token embeddings of the model, target ids, loss weights."""
+        gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + width)
+        ids = torch.randint(0, self.vocab_size, (rows, width), generator=gen).to(self.device)
+        targets = torch.randint(0, self.vocab_size, (rows, width), generator=gen).to(self.device)
+        weights = torch.randn(rows, width, generator=gen).to(self.device)
+        with torch.no_grad():
+            return self.model.get_input_embeddings()(ids), targets, weights
+
+    def _probe_run(self, embeds: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+        """What a micro-batch computes from the embeddings on: logprobs and input gradients with
+        grad enabled, and logprobs of a forward-only pass."""
+        x = embeds.detach().requires_grad_(True)
+        with torch.enable_grad():
+            lp = token_logprobs(self.model(inputs_embeds=x, use_cache=False).logits, targets)
+            (lp * weights).sum().backward()
+        with torch.no_grad():
+            lp_forward_only = token_logprobs(self.model(inputs_embeds=embeds, use_cache=False).logits, targets)
+        return lp.detach(), x.grad, lp_forward_only
 
     # -- optimizer -----------------------------------------------------------------------------
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
@@ -298,7 +396,7 @@ class TrainingRuntime:
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]:
         """Every ready model's AdamW step of a cycle, together (one fused kernel per distinct
         set of hyper-parameters; see `adamw_step`). Each model's result is as if stepped alone."""
-        return adamw_step([(self.adapter(mid), params) for mid, params in steps])
+        return adamw_step([(self.adapter(mid), params) for mid, params in steps], self.policy)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..runtime.multi_lora import LoRARouting
+from ..runtime.multi_lora import LoRARouting, segments_of
 
 log = logging.getLogger(__name__)
 
@@ -223,12 +223,9 @@ class SamplingEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         need_prompt = any(st.job.prompt_logprobs or st.job.topk_prompt_logprobs for st, _ in states)
         cache = DynamicCache()
-        self.routing.segments = _segments([aid for _, aid in states])
-        try:
+        with self.routing.batch(segments_of([aid for _, aid in states])):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                              use_cache=True, logits_to_keep=0 if need_prompt else 1)
-        finally:
-            self.routing.segments = []
         logits = out.logits.float()
         for r, (st, _) in enumerate(states):
             if st.job.prompt_logprobs or st.job.topk_prompt_logprobs:
@@ -276,12 +273,9 @@ class SamplingEngine:
             last = torch.tensor([row.tokens[-1] for row in group.rows], device=self.device)[:, None]
             group.mask = torch.cat([group.mask, group.mask.new_ones(len(group.rows), 1)], dim=1)
             group.positions = group.positions + 1
-            self.routing.segments = _segments([row.adapter_id for row in group.rows])
-            try:
+            with self.routing.batch(segments_of([row.adapter_id for row in group.rows])):
                 out = self.model(input_ids=last, attention_mask=group.mask, position_ids=group.positions[:, None],
                                  past_key_values=group.cache, use_cache=True)
-            finally:
-                self.routing.segments = []
             group.next_logits = out.logits[:, -1].float()
             self._choose(group)
         except Exception as e:
@@ -364,16 +358,6 @@ def _report_token(job: SampleJob, row: _Row) -> None:
                      row.topk_lps[-1] if top else None, row.stop_reason)
     except Exception:
         log.exception("a streaming on_token callback failed")
-
-
-def _segments(adapter_ids: list[str | None]) -> list[tuple[str | None, int, int]]:
-    segs: list[tuple[str | None, int, int]] = []
-    for r, aid in enumerate(adapter_ids):
-        if segs and segs[-1][0] == aid:
-            segs[-1] = (aid, segs[-1][1], r + 1)
-        else:
-            segs.append((aid, r, r + 1))
-    return segs
 
 
 def _row_seed(seed: int | None, index: int) -> int:

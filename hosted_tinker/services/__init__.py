@@ -3,15 +3,31 @@
 Routes (`api/`) parse and answer HTTP; these modules check access, validate against the model and
 the server's limits, record futures and hand work to the scheduler or the sampler. Nothing in here
 knows about HTTP beyond raising `HTTPException` with the message a user should read.
+
+Each request goes to one served base model (`served_model`): the one it names, or the one its
+training model, sampling session or checkpoint was made on.
 """
+
+from pathlib import Path
 
 from fastapi import HTTPException
 
-from ..config import ServerConfig
+from ..checkpoints.format import CheckpointError, read_manifest
+from ..errors import UserError
+from ..served_models import ServedModel
 
 
-def check_base_model(config: ServerConfig, base_model: str | None) -> None:
-    """A request naming a base model (None: it names none) must name the one served here."""
-    if base_model is not None and base_model != config.base_model:
-        raise HTTPException(400, f"base model {base_model!r} is not served here; this server serves "
-                                 f"{config.base_model!r}")
+def served_model(server, base_model: str) -> ServedModel:
+    """The served model named `base_model`, or a 400 naming the ones this server serves."""
+    try:
+        return server.models.get(base_model)
+    except UserError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+def checkpoint_base_model(folder: Path, path: str) -> str:
+    """The base model a stored checkpoint was trained on (its manifest says), or a 400."""
+    try:
+        return read_manifest(folder).base_model
+    except CheckpointError as e:
+        raise HTTPException(400, f"checkpoint {path} cannot be loaded: {e}") from None

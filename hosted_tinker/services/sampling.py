@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from pathlib import Path
 from typing import Callable
 
 from fastapi import HTTPException
@@ -19,7 +20,8 @@ from fastapi import HTTPException
 from ..access import Access
 from ..sampling.engine import SampleJob, SampleResult
 from ..server import Server
-from . import check_base_model
+from ..served_models import ServedModel
+from . import checkpoint_base_model, served_model
 
 
 def requested_tokens(job: SampleJob) -> int:
@@ -119,16 +121,25 @@ class SamplingRequests:
 
     def open_session(self, owner: str, session_id: str, sampling_session_id: str, base_model: str | None,
                      model_path: str | None, checkpoint_dir: str | None) -> None:
-        """A sampling session of the base model, or of the checkpoint at model_path (access checked)."""
-        check_base_model(self.config, base_model)
-        self.server.store.create_sampling_session(sampling_session_id, session_id, owner, self.config.base_model,
+        """A sampling session of a served base model, or of the checkpoint at model_path (access checked) on
+        the base model it was trained on (`base_model`, if given too, must be that one)."""
+        if checkpoint_dir is not None:
+            trained_on = checkpoint_base_model(Path(checkpoint_dir), model_path)
+            if base_model is not None and base_model != trained_on:
+                raise HTTPException(400, f"checkpoint {model_path} was trained on base model {trained_on!r}, not "
+                                         f"{base_model!r}: it samples only on its own base model")
+            base_model = trained_on
+        served = served_model(self.server, base_model)
+        self.server.store.create_sampling_session(sampling_session_id, session_id, owner, served.name,
                                                   model_path, checkpoint_dir)
         if checkpoint_dir is not None:
-            self.server.sampler.session_opened(checkpoint_dir)
+            served.sampler.session_opened(checkpoint_dir)
 
-    def submit_for_future(self, owner: str, sampling_session_id: str, seq_id: int, job: SampleJob,
+    def submit_for_future(self, owner: str, served: ServedModel, sampling_session_id: str, seq_id: int,
+                          job: SampleJob,
                           record: Callable[[str], Callable[[SampleResult], None] | None] | None = None) -> str:
-        """asample: queue `job` under a new future (or find the one a retry already made); its request id.
+        """asample: queue `job` on `served`'s sampler under a new future (or find the one a retry already
+        made); its request id.
 
         `record(request_id)` gives what stores the request's samples (records.py), or None."""
         self.check_size([job])
@@ -138,13 +149,14 @@ class SamplingRequests:
             lease.release()
             return request_id
         lease.release_when_done([job])
-        self.server.sampler.submit(request_id, job, record=None if record is None else record(request_id))
+        served.sampler.submit(request_id, job, record=None if record is None else record(request_id))
         return request_id
 
-    def submit_jobs(self, owner: str, jobs: list[SampleJob]) -> None:
-        """OpenAI: queue jobs whose callbacks (on_done, on_error, on_token) the caller has set."""
+    def submit_jobs(self, owner: str, served: ServedModel, jobs: list[SampleJob]) -> None:
+        """OpenAI: queue jobs on `served`'s sampler, their callbacks (on_done, on_error, on_token) set by the
+        caller."""
         self.check_size(jobs)
         lease = self.allowance.take(owner, jobs)
         lease.release_when_done(jobs)
         for job in jobs:
-            self.server.sampler.submit_job(job)
+            served.sampler.submit_job(job)

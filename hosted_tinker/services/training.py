@@ -14,16 +14,17 @@ from typing import Callable
 from fastapi import HTTPException
 
 from ..access import Access
+from ..checkpoints.format import CheckpointError, read_manifest
 from ..runtime.adapters import AdamParams, LoRAConfig
-from ..runtime.checkpoints import MANIFEST
 from ..runtime.losses import LossInputError, resolve_loss_config, validate_datum
 from ..runtime.provenance import RecordNotFound, loss_inputs, named_sequences
 from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request
 from ..server import Server
+from ..served_models import ServedModel
 from ..wire.codec import ForwardBackwardCall, WireError
 from ..worker import LoadSpec, SaveSpec
-from . import check_base_model
+from . import checkpoint_base_model, served_model
 
 
 def future_ref(request_id: str, model_id: str | None = None) -> dict:
@@ -40,7 +41,6 @@ class TrainingRequests:
         self.config = server.config
         self.store = server.store
         self.futures = server.futures
-        self.scheduler = server.scheduler
         self.access = access
 
     # -- models ---------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ class TrainingRequests:
                      seed: int | None, train_mlp: bool, train_attn: bool, train_unembed: bool, optimizer: dict,
                      user_metadata: dict) -> dict:
         self.access.session(owner, session_id)
-        check_base_model(self.config, base_model)
+        served = served_model(self.server, base_model)
         lora = LoRAConfig(rank=rank, seed=seed or 0, train_mlp=train_mlp, train_attn=train_attn,
                           train_unembed=train_unembed)
         if lora.rank > self.config.max_lora_rank:
@@ -57,22 +57,28 @@ class TrainingRequests:
             raise HTTPException(400, "at least one of train_mlp, train_attn, train_unembed must be true")
         if optimizer.get("type", "adamw") != "adamw":
             raise HTTPException(400, f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
-        return self._create(owner, f"{session_id}:train:{model_seq_id}", session_id, "create_model", lora.to_dict(),
-                            optimizer, user_metadata, lora)
+        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, "create_model",
+                            lora.to_dict(), optimizer, user_metadata, lora)
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, base_model: str | None,
                                find_checkpoint: Callable[[], LoadSpec], optimizer: dict, user_metadata: dict) -> dict:
-        """create_training_client_from_state: a new model whose first request loads the checkpoint."""
+        """create_training_client_from_state: a new model whose first request loads the checkpoint.
+        It is a model of the checkpoint's base model (`base_model`, if given, must be that one)."""
         self.access.session(owner, session_id)
-        check_base_model(self.config, base_model)
         spec = find_checkpoint()
-        manifest = spec.checkpoint_dir / MANIFEST
-        lora = json.loads(manifest.read_text())["lora_config"] if manifest.is_file() else {}
-        return self._create(owner, f"{session_id}:train:{model_seq_id}", session_id, "load_weights", lora,
-                            optimizer, user_metadata, spec)
+        try:  # the model's record holds the manifest's LoRA config, checked, until the load replaces it
+            manifest = read_manifest(spec.checkpoint_dir)
+        except CheckpointError as e:
+            raise HTTPException(400, f"checkpoint {spec.path} cannot be loaded: {e}") from None
+        if base_model is not None and base_model != manifest.base_model:
+            raise HTTPException(400, f"checkpoint {spec.path} was trained on base model {manifest.base_model!r}, "
+                                     f"not {base_model!r}: a checkpoint loads only into its own base model")
+        served = served_model(self.server, manifest.base_model)
+        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, "load_weights",
+                            manifest.lora_config.config().to_dict(), optimizer, user_metadata, spec)
 
-    def _create(self, owner: str, model_id: str, session_id: str, kind: str, lora: dict, optimizer: dict,
-                user_metadata: dict, payload) -> dict:
+    def _create(self, served: ServedModel, owner: str, model_id: str, session_id: str, kind: str, lora: dict,
+                optimizer: dict, user_metadata: dict, payload) -> dict:
         row = self.store.get_model(model_id)
         if row is not None:
             if row["owner"] != owner:
@@ -84,17 +90,17 @@ class TrainingRequests:
         if live >= self.config.max_models_per_key:
             raise HTTPException(400, f"this API key already has {live} live models (limit "
                                      f"{self.config.max_models_per_key}); unload one before creating another")
-        self.store.create_model(model_id, session_id, owner, self.config.base_model, lora, optimizer, user_metadata)
-        self.scheduler.open_model(model_id, 0)
+        self.store.create_model(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
+        served.scheduler.open_model(model_id, 0)
         request_id, is_new = self.futures.create(owner, kind, model_id, 0)
         if is_new:
-            self.scheduler.submit(Request(request_id, kind, model_id, 0, payload))
+            served.scheduler.submit(Request(request_id, kind, model_id, 0, payload))
         return future_ref(request_id, model_id)
 
     def info(self, owner: str, model_id: str) -> dict:
         row = self.access.model(owner, model_id)
         lora = json.loads(row["lora_config"])
-        model = self.server.runtime.model
+        model = served_model(self.server, row["base_model"]).runtime.model
         archs = getattr(model.config, "architectures", None) or [type(model).__name__]
         return {
             "type": "get_info",
@@ -107,9 +113,9 @@ class TrainingRequests:
         }
 
     def unload(self, owner: str, model_id: str) -> dict:
-        self.access.loaded_model(owner, model_id)
+        served = self._owner_model(self.access.loaded_model(owner, model_id))
         request_id, _ = self.futures.create(owner, "unload_model", model_id, None)
-        self.scheduler.submit_after_queue(Request(request_id, "unload_model", model_id, -1, None))
+        served.scheduler.submit_after_queue(Request(request_id, "unload_model", model_id, -1, None))
         return future_ref(request_id, model_id)
 
     # -- work in a model's seq_id order ---------------------------------------------------------
@@ -117,7 +123,8 @@ class TrainingRequests:
         model = self.access.loaded_model(owner, call.model_id)
         if call.seq_id < 1:
             raise HTTPException(400, f"seq_id must be >= 1, got {call.seq_id}")
-        runtime, limit = self.server.runtime, self.config.max_datums_per_request
+        served = self._owner_model(model)
+        runtime, limit = served.runtime, self.config.max_datums_per_request
 
         def validate() -> FBWork:
             if not call.data:
@@ -141,11 +148,11 @@ class TrainingRequests:
                           forward_only=call.forward_only)
 
         kind = "forward" if call.forward_only else "forward_backward"
-        return self._submit(owner, call.model_id, call.seq_id, kind, validate)
+        return self._submit(owner, served, call.model_id, call.seq_id, kind, validate)
 
     def optim_step(self, owner: str, model_id: str, seq_id: int, adam: dict | None, other_type: str | None) -> dict:
         """adam: AdamW's parameters; None when the client sent another optimizer (`other_type`)."""
-        self.access.loaded_model(owner, model_id)
+        served = self._owner_model(self.access.loaded_model(owner, model_id))
 
         def params() -> AdamParams:
             if adam is None:
@@ -153,12 +160,12 @@ class TrainingRequests:
                                          "send adam_params")
             return AdamParams(**adam)
 
-        return self._submit(owner, model_id, seq_id, "optim_step", params)
+        return self._submit(owner, served, model_id, seq_id, "optim_step", params)
 
     def save(self, owner: str, model_id: str, seq_id: int, kind: str, make_spec: Callable[[], SaveSpec]) -> dict:
         """kind: save_weights | save_weights_for_sampler | save_weights_external."""
-        self.access.loaded_model(owner, model_id)
-        return self._submit(owner, model_id, seq_id, kind, make_spec)
+        served = self._owner_model(self.access.loaded_model(owner, model_id))
+        return self._submit(owner, served, model_id, seq_id, kind, make_spec)
 
     def ephemeral_sampler_spec(self, owner: str, model_id: str, seq_id: int, sampling_session_seq_id: int,
                                ttl_seconds: int | None) -> SaveSpec:
@@ -170,37 +177,53 @@ class TrainingRequests:
                         sampling_session_id=f"{session_id}:sample:{sampling_session_seq_id}")
 
     def load(self, owner: str, model_id: str, seq_id: int | None, make_spec: Callable[[], LoadSpec]) -> dict:
-        """load_weights into an existing model, in its seq_id order."""
-        self.access.loaded_model(owner, model_id)
+        """load_weights into an existing model, in its seq_id order: a checkpoint of its own base model."""
+        served = self._owner_model(self.access.loaded_model(owner, model_id))
         if seq_id is None:
             raise HTTPException(400, "load_weights into an existing model needs seq_id")
-        return self._submit(owner, model_id, seq_id, "load_weights", make_spec)
 
-    def _submit(self, owner: str, model_id: str, seq_id: int, kind: str, make_payload: Callable[[], object]) -> dict:
-        """Idempotent, validated submission of one request of an existing model."""
+        def checked_spec() -> LoadSpec:
+            spec = make_spec()
+            trained_on = checkpoint_base_model(spec.checkpoint_dir, spec.path)
+            if trained_on != served.name:
+                raise HTTPException(400, f"checkpoint {spec.path} was trained on base model {trained_on!r}; model "
+                                         f"{model_id!r} is of {served.name!r}: a checkpoint loads only into its own "
+                                         "base model")
+            return spec
+
+        return self._submit(owner, served, model_id, seq_id, "load_weights", checked_spec)
+
+    def _owner_model(self, row) -> ServedModel:
+        """The served model a training model was made on: every request about it goes there."""
+        return served_model(self.server, row["base_model"])
+
+    def _submit(self, owner: str, served: ServedModel, model_id: str, seq_id: int, kind: str,
+                make_payload: Callable[[], object]) -> dict:
+        """Idempotent, validated submission of one request of an existing model of `served`."""
+        scheduler = served.scheduler
         existing = self.store.get_future_id(model_id, seq_id)
         if existing is not None:
             return future_ref(existing, model_id)
         try:
             payload = make_payload()
         except HTTPException:
-            self.scheduler.skip(model_id, seq_id)
+            scheduler.skip(model_id, seq_id)
             raise
         except (LossInputError, WireError, ValueError) as e:
-            self.scheduler.skip(model_id, seq_id)
+            scheduler.skip(model_id, seq_id)
             raise HTTPException(400, str(e)) from None
         limit = self.config.max_pending_per_key
         if self.futures.pending(owner) >= limit:
-            self.scheduler.skip(model_id, seq_id)
+            scheduler.skip(model_id, seq_id)
             raise HTTPException(429, f"this API key has {limit} unfinished requests (max_pending_per_key); wait "
                                      "for some to finish", headers={"Retry-After": "1"})
-        expected = self.scheduler.expected_seq(model_id)
+        expected = scheduler.expected_seq(model_id)
         if expected is not None and seq_id < expected:
             raise HTTPException(400, f"seq_id {seq_id} of model {model_id!r} is below the next expected seq_id "
                                      f"{expected}; each request needs a new seq_id")
         request_id, is_new = self.futures.create(owner, kind, model_id, seq_id)
         if is_new:  # else a concurrent retry of the same seq_id got there first
             tokens = sum(len(d.tokens) for d in payload.data) if isinstance(payload, FBWork) else 0
-            self.scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens))
+            scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens))
             self.store.touch_model(model_id)
         return future_ref(request_id, model_id)

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from ...sampling.engine import SampleResult
-from ...server import Server
 from .plan import Plan
 from .text import ChoiceText, TokenText, chat_logprobs, completion_logprobs
 
 
 class Answer:
-    def __init__(self, server: Server, plan: Plan):
+    def __init__(self, plan: Plan):
         self.plan = plan
-        self.choices = [ChoiceText(server.tokenizer, job.prompt, job.stop_strings, job.stop_token_ids)
+        tokenizer = plan.served.tokenizer
+        self.choices = [ChoiceText(tokenizer, job.prompt, job.stop_strings, job.stop_token_ids)
                         for job in plan.jobs for _ in range(plan.n)]
-        self.text = TokenText(server.tokenizer, plan.token_ids)
+        self.text = TokenText(tokenizer, plan.token_ids)
         self.jobs_left = len(plan.jobs)
 
     def usage(self) -> dict:

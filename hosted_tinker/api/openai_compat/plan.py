@@ -12,8 +12,11 @@ from typing import Any, Literal
 from fastapi import HTTPException
 
 from ...access import Access, NotFound
+from ...checkpoints.paths import SCHEME
 from ...sampling.engine import SampleJob
 from ...server import Server
+from ...served_models import ServedModel
+from ...services import checkpoint_base_model, served_model
 from ..training import _checkpoint_for_load
 from .schemas import ChatBody, CompletionBody, SamplingBody
 
@@ -27,6 +30,7 @@ _ROLES = {"system", "developer", "user", "assistant", "tool"}
 class Plan:
     kind: Literal["chat", "completion"]
     model: str
+    served: ServedModel  # the base model whose sampler runs the jobs (and whose tokenizer reads them)
     prompts: list[list[int]]
     jobs: list[SampleJob]
     n: int
@@ -38,33 +42,38 @@ class Plan:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def resolve_model(server: Server, access: Access, owner: str, model: str) -> str | None:
-    """`model` -> the job's `adapter_id` (None = the base model): a checkpoint directory, or for a
-    training model the sampler's reference to its current weights where the sampler keeps them
-    (vLLM: synced after every optim_step), else its latest sampler checkpoint."""
+def resolve_model(server: Server, access: Access, owner: str, model: str) -> tuple[ServedModel, str | None]:
+    """`model` -> (the served base model that samples it, the job's `adapter_id`: None = the base
+    model itself). A checkpoint or training model samples on its own base model: a checkpoint
+    directory, or for a training model its sampler's reference to its current weights where the
+    sampler keeps them (vLLM: synced after every optim_step), else its latest sampler checkpoint."""
     if not model:
         raise HTTPException(400, "model is required")
-    if model == server.config.base_model:
-        return None
-    if model.startswith("tinker://"):
-        ckpt_dir = _checkpoint_for_load(access, owner, model, with_optimizer=False).checkpoint_dir
+    if model in server.models.names:
+        return server.models.get(model), None
+    if model.startswith(SCHEME):
+        ckpt_dir = _checkpoint_for_load(access, owner, model, with_optimizer=False,
+                                        max_rank=server.config.max_lora_rank).checkpoint_dir
+        base_model = None  # the checkpoint's own, read once its folder is known to exist
     else:
         try:
-            access.model(owner, model)
+            row = access.model(owner, model)
         except NotFound:
-            raise NotFound(f"model {model!r} not found: use {server.config.base_model!r}, a tinker:// sampler path, "
-                           "or the id of a training model you own (GET /v1/models lists them)") from None
-        current = server.sampler.current_weights_ref(model)
+            served = ", ".join(repr(n) for n in server.models.names)
+            raise NotFound(f"model {model!r} not found: use a served base model ({served}), a tinker:// sampler "
+                           "path, or the id of a training model you own (GET /v1/models lists them)") from None
+        own = served_model(server, row["base_model"])
+        current = own.sampler.current_weights_ref(model)
         if current is not None:
-            return current
+            return own, current
         saved = [c for c in server.store.live_checkpoints(model) if c["kind"] == "sampler"]  # oldest first
         if not saved:
             raise HTTPException(404, f"model {model!r} has no sampler weights yet: call "
                                      "save_weights_for_sampler(name) on its training client first")
-        ckpt_dir = Path(saved[-1]["dir"])
+        ckpt_dir, base_model = Path(saved[-1]["dir"]), row["base_model"]
     if not ckpt_dir.is_dir():
         raise HTTPException(404, f"the weights of {model!r} were deleted")
-    return str(ckpt_dir)
+    return served_model(server, base_model or checkpoint_base_model(ckpt_dir, model)), str(ckpt_dir)
 
 
 def _check_params(server: Server, body: SamplingBody) -> None:
@@ -102,9 +111,9 @@ def _stops(body: SamplingBody) -> tuple[str, ...]:
     return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
 
 
-def _make_jobs(server: Server, body: SamplingBody, prompts: list[list[int]], adapter: str | None,
+def _make_jobs(served: ServedModel, body: SamplingBody, prompts: list[list[int]], adapter: str | None,
                max_tokens: int | None, topk: int) -> list[SampleJob]:
-    runtime = server.runtime
+    runtime = served.runtime
     jobs = []
     for prompt in prompts:
         if not prompt:
@@ -123,12 +132,12 @@ def _make_jobs(server: Server, body: SamplingBody, prompts: list[list[int]], ada
             prompt=prompt, num_samples=body.n, max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, room),
             adapter_id=adapter, temperature=_temperature(body.temperature),
             top_k=body.top_k if body.top_k is not None else -1, top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed, stop_token_ids=frozenset() if body.ignore_eos else frozenset(server.eos_token_ids),
+            seed=body.seed, stop_token_ids=frozenset() if body.ignore_eos else frozenset(served.eos_token_ids),
             stop_strings=_stops(body), topk_sample_logprobs=topk))
     return jobs
 
 
-def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
+def _completion_prompts(server: Server, served: ServedModel, prompt: Any) -> list[list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> token id lists."""
     def is_ids(x):
         return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -146,7 +155,7 @@ def _completion_prompts(server: Server, prompt: Any) -> list[list[int]]:
     if len(items) > limit:
         raise HTTPException(400, f"{len(items)} prompts in one request; the limit is {limit} "
                                  "(max_prompts_per_request): send them in several requests")
-    return [server.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in items]
+    return [served.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p) for p in items]
 
 
 def plan_completion(server: Server, access: Access, owner: str, body: CompletionBody) -> Plan:
@@ -159,10 +168,10 @@ def plan_completion(server: Server, access: Access, owner: str, body: Completion
         raise HTTPException(400, "best_of is not supported by this server (other than best_of = n)")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
         raise HTTPException(400, f"logprobs must be between 0 and {MAX_LOGPROBS}, got {body.logprobs}")
-    adapter = resolve_model(server, access, owner, body.model)
-    prompts = _completion_prompts(server, body.prompt)
-    jobs = _make_jobs(server, body, prompts, adapter, body.max_tokens, body.logprobs or 0)
-    return Plan("completion", body.model, prompts, jobs, body.n, body.logprobs, body.return_tokens_as_token_ids,
+    served, adapter = resolve_model(server, access, owner, body.model)
+    prompts = _completion_prompts(server, served, body.prompt)
+    jobs = _make_jobs(served, body, prompts, adapter, body.max_tokens, body.logprobs or 0)
+    return Plan("completion", body.model, served, prompts, jobs, body.n, body.logprobs, body.return_tokens_as_token_ids,
                 body.stream, bool(body.stream_options and body.stream_options.include_usage),
                 id=f"cmpl-{uuid.uuid4().hex}")
 
@@ -214,20 +223,20 @@ def plan_chat(server: Server, access: Access, owner: str, body: ChatBody) -> Pla
     if max_tokens is not None and max_tokens < 1:
         raise HTTPException(400, f"max_completion_tokens must be at least 1, got {max_tokens}")
     messages = _chat_messages(body.messages)
-    adapter = resolve_model(server, access, owner, body.model)
-    tok = server.tokenizer
+    served, adapter = resolve_model(server, access, owner, body.model)
+    tok = served.tokenizer
     if not getattr(tok, "chat_template", None):
-        raise HTTPException(400, f"the tokenizer of {server.config.base_model!r} has no chat template; "
+        raise HTTPException(400, f"the tokenizer of {served.name!r} has no chat template; "
                                  "use /v1/completions")
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                        **(body.chat_template_kwargs or {}))
     except Exception as e:  # the template refused the conversation (roles out of order, ...)
-        raise HTTPException(400, f"the chat template of {server.config.base_model!r} refused these messages: "
+        raise HTTPException(400, f"the chat template of {served.name!r} refused these messages: "
                                  f"{type(e).__name__}: {e}") from None
     prompt = tok.encode(text, add_special_tokens=False)
-    jobs = _make_jobs(server, body, [prompt], adapter, max_tokens, top or 0)
-    return Plan("chat", body.model, [prompt], jobs, body.n, (top or 0) if body.logprobs else None,
+    jobs = _make_jobs(served, body, [prompt], adapter, max_tokens, top or 0)
+    return Plan("chat", body.model, served, [prompt], jobs, body.n, (top or 0) if body.logprobs else None,
                 body.return_tokens_as_token_ids, body.stream,
                 bool(body.stream_options and body.stream_options.include_usage),
                 id=f"chatcmpl-{uuid.uuid4().hex}")

@@ -18,6 +18,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...access import Access
+from ...checkpoints.paths import TinkerPath
 from ...server import Server
 from ...services.sampling import SamplingRequests
 from ..deps import get_access, get_sampling, get_server, require_owner
@@ -64,25 +65,33 @@ def _model_card(model_id: str, created: float, owned_by: str, base: str | None) 
 
 @router.get("/v1/models")
 def list_models(owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    """The base model, then the caller's unexpired sampler checkpoints, newest first."""
-    base = server.config.base_model
-    data = [_model_card(base, server.started_at, "hosted-tinker", None)]
+    """The served base models, then the caller's unexpired sampler checkpoints of them, newest first."""
+    served = server.models.names
+    data = [_model_card(name, server.started_at, "hosted-tinker", None) for name in served]
     rows, _ = server.store.owner_checkpoints(owner, limit=1 << 30, offset=0)
+    base_of_run: dict[str, str | None] = {}  # a run's checkpoints are all of its base model
     for c in rows:
-        if c["kind"] == "sampler" and Path(c["dir"]).is_dir():
-            data.append(_model_card(f"tinker://{c['model_id']}/{c['checkpoint_id']}", c["created_at"], owner, base))
+        if c["kind"] != "sampler" or not Path(c["dir"]).is_dir():
+            continue
+        if c["model_id"] not in base_of_run:
+            run = server.store.get_model(c["model_id"])
+            base_of_run[c["model_id"]] = None if run is None else run["base_model"]
+        base = base_of_run[c["model_id"]]
+        if base in served:  # others cannot be sampled here
+            path = TinkerPath.of_record(c["model_id"], c["checkpoint_id"])
+            data.append(_model_card(str(path), c["created_at"], owner, base))
     return {"object": "list", "data": data}
 
 
 @router.get("/v1/models/{model:path}")
 def get_model(model: str, owner: str = Depends(require_owner), server: Server = Depends(get_server),
               access: Access = Depends(get_access)):
-    base = server.config.base_model
-    if model == base:
-        return _model_card(base, server.started_at, "hosted-tinker", None)
-    adapter = Path(resolve_model(server, access, owner, model))
-    # A training model's current weights (no directory): they are as new as now.
-    return _model_card(model, adapter.stat().st_mtime if adapter.is_dir() else time.time(), owner, base)
+    served, adapter = resolve_model(server, access, owner, model)
+    if adapter is None:
+        return _model_card(served.name, server.started_at, "hosted-tinker", None)
+    # A training model's current weights have no directory: they are as new as now.
+    created = Path(adapter).stat().st_mtime if Path(adapter).is_dir() else time.time()
+    return _model_card(model, created, owner, served.name)
 
 
 @router.post("/v1/completions")
@@ -90,7 +99,7 @@ async def completions(request: Request, owner: str = Depends(require_owner), ser
                       access: Access = Depends(get_access), sampling: SamplingRequests = Depends(get_sampling)):
     body = await parse_body(request, CompletionBody)
     plan = await run_in_threadpool(plan_completion, server, access, owner, body)
-    return await _answer(request, server, sampling, owner, plan)
+    return await _answer(request, sampling, owner, plan)
 
 
 @router.post("/v1/chat/completions")
@@ -99,7 +108,7 @@ async def chat_completions(request: Request, owner: str = Depends(require_owner)
                            sampling: SamplingRequests = Depends(get_sampling)):
     body = await parse_body(request, ChatBody)
     plan = await run_in_threadpool(plan_chat, server, access, owner, body)
-    return await _answer(request, server, sampling, owner, plan)
+    return await _answer(request, sampling, owner, plan)
 
 
 # -- running a plan ---------------------------------------------------------------------------------
@@ -113,14 +122,14 @@ def _submit(sampling: SamplingRequests, owner: str, plan: Plan, channel: Channel
         if plan.stream:
             job.on_token = (lambda i, t, lp, ti, tl, reason, base=base:
                             channel.put(("tok", base + i, t, lp, ti, tl, reason)))
-    sampling.submit_jobs(owner, plan.jobs)
+    sampling.submit_jobs(owner, plan.served, plan.jobs)
 
 
-def _stop(server: Server, plan: Plan, channel: Channel) -> None:
+def _stop(plan: Plan, channel: Channel) -> None:
     """Nobody reads this plan's events any more: unfinished jobs are cancelled (finished ones ignore it)."""
     channel.close()
     for job in plan.jobs:
-        server.sampler.cancel(job)
+        plan.served.sampler.cancel(job)
 
 
 async def _unless_client_leaves(request: Request, work: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
@@ -146,9 +155,9 @@ def _event(body: dict | str) -> ServerSentEvent:
     return ServerSentEvent(data=body if isinstance(body, str) else json.dumps(body, separators=(",", ":")))
 
 
-async def _answer(request: Request, server: Server, sampling: SamplingRequests, owner: str, plan: Plan):
+async def _answer(request: Request, sampling: SamplingRequests, owner: str, plan: Plan):
     channel = Channel(asyncio.get_running_loop())
-    answer = Answer(server, plan)
+    answer = Answer(plan)
     _submit(sampling, owner, plan, channel)
 
     if not plan.stream:
@@ -167,7 +176,7 @@ async def _answer(request: Request, server: Server, sampling: SamplingRequests, 
         try:
             stayed, error = await _unless_client_leaves(request, collect)
         finally:
-            _stop(server, plan, channel)
+            _stop(plan, channel)
         if not stayed:
             return Response(status_code=499)  # "client closed request": nobody reads it
         if error is not None:
@@ -179,14 +188,14 @@ async def _answer(request: Request, server: Server, sampling: SamplingRequests, 
     try:
         stayed, first = await _unless_client_leaves(request, channel.get)
     except BaseException:
-        _stop(server, plan, channel)
+        _stop(plan, channel)
         raise
     if not stayed:
-        _stop(server, plan, channel)
+        _stop(plan, channel)
         return Response(status_code=499)
     chunks, error = await run_in_threadpool(answer.events, first)
     if error is not None:
-        _stop(server, plan, channel)
+        _stop(plan, channel)
         raise HTTPException(500, error)
 
     async def stream():
@@ -207,6 +216,6 @@ async def _answer(request: Request, server: Server, sampling: SamplingRequests, 
                 yield _event(answer.chunk([], answer.usage()))
             yield _event("[DONE]")
         finally:  # also when the client disconnects (sse-starlette cancels this generator)
-            _stop(server, plan, channel)
+            _stop(plan, channel)
 
     return EventSourceResponse(stream(), sep="\n")

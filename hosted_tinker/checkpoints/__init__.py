@@ -1,0 +1,9 @@
+"""Checkpoints: everything about a saved adapter, from its files to its address.
+
+- `paths`: `TinkerPath`, the `tinker://<run>/<kind>/<name>` address, and the kinds it may name;
+- `format`: the files of one checkpoint (PEFT adapter, optimizer state, manifest), written
+  atomically and read as untrusted input;
+- `catalog`: a checkpoint's record and folder, created, found and deleted together; TTL expiry;
+- `recovery`: the start-up repair after a kill -9 at any point of a write;
+- `transfer`: archives out and in, signed download URLs, imports of adapters made elsewhere.
+"""

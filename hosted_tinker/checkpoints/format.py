@@ -1,0 +1,458 @@
+"""Checkpoint files: a standard PEFT adapter, plus optimizer state and a manifest for training state.
+
+Layout of one checkpoint folder:
+
+    adapter_config.json          PEFT LoraConfig (r, lora_alpha, target_modules, ...)
+    adapter_model.safetensors    PEFT key names: base_model.model.<path>.lora_{A,B}.weight
+    optimizer.safetensors        AdamW moments + step per tensor (training state only)
+    manifest.json                base model, LoRA config, step, creation time, sizes, sha256
+
+PEFT and vLLM load the first two as they are. Every folder is written under a temporary name
+and renamed into place, so a reader (or a restart after kill -9) never sees half of one.
+
+A folder may come from someone else (an import), so reading one trusts nothing in it: only the
+four file names above are ever opened, each only if it is a plain regular file (no link, no
+device, no FIFO), reads stop at the file's size, and every manifest field is checked for type
+and range before use. Error messages name files, never the server's paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from safetensors.torch import load_file, save_file
+
+from .. import faults
+from ..runtime.adapters import LoRAAdapter, LoRAConfig
+from ..runtime.multi_lora import MultiLoRALinear, module_kind
+
+PEFT_PREFIX = "base_model.model."
+MANIFEST = "manifest.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+OPTIMIZER_STATE = "optimizer.safetensors"
+CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, OPTIMIZER_STATE)  # nothing else is ever read
+MANIFEST_FORMAT = "hosted-tinker-lora/1"
+# adapter_config.json and manifest.json are about 1 KB; anything near this bound is not one.
+MAX_JSON_BYTES = 1 << 20
+# The last moment `datetime` can print (9999-12-31T23:59:59Z): a time past it breaks every listing.
+LATEST_TIME = 253402300799.0
+_MODULE_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (missing, corrupt, hostile, or for another base model)."""
+
+
+# -- the manifest ---------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    # strict: a JSON 1 is not a bool, "4" is not an int; unknown fields are dropped, never stored.
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class FileEntry(_Strict):
+    bytes: int = Field(ge=0, le=1 << 50)
+    sha256: str
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, v: str) -> str:
+        if not _SHA256_RE.fullmatch(v):
+            raise ValueError("not a sha256 hex digest")
+        return v
+
+
+class ManifestLoRA(_Strict):
+    """`LoRAConfig`, as a manifest stores it."""
+    rank: int = Field(ge=1, le=1 << 16)  # a sanity bound; the server's --max-lora-rank applies on load
+    seed: int = Field(ge=-(1 << 63), le=(1 << 64) - 1)  # what torch.Generator.manual_seed takes
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    alpha: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    target_modules: tuple[str, ...] | None = Field(None, max_length=64)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, v):
+        if v is not None and not all(_MODULE_NAME_RE.fullmatch(m) for m in v):
+            raise ValueError("target_modules must be projection names such as 'q_proj'")
+        return v
+
+    def config(self) -> LoRAConfig:
+        return LoRAConfig(**self.model_dump())
+
+
+class ImportedFrom(_Strict):
+    base_model_name_or_path: str | None = Field(None, max_length=1000)
+
+
+class Manifest(_Strict):
+    format: Literal["hosted-tinker-lora/1"]
+    base_model: str = Field(max_length=1000)
+    lora_config: ManifestLoRA
+    step: int = Field(ge=0, le=1 << 53)
+    has_optimizer: bool
+    created_at: float = Field(ge=0, le=LATEST_TIME, allow_inf_nan=False)
+    files: dict[str, FileEntry]
+    imported_from: ImportedFrom | None = None
+
+    @model_validator(mode="after")
+    def _files(self) -> "Manifest":
+        unknown = sorted(set(self.files) - {ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE})
+        if unknown:
+            raise ValueError(f"lists {unknown[0][:64]!r}, which is not a checkpoint file")
+        if ADAPTER_CONFIG not in self.files or ADAPTER_WEIGHTS not in self.files:
+            raise ValueError(f"must list {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
+        if self.has_optimizer != (OPTIMIZER_STATE in self.files):
+            raise ValueError(f"has_optimizer must say whether {OPTIMIZER_STATE} is listed")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json", exclude_none=True), indent=2)
+
+
+def parse_manifest(raw: bytes | str) -> Manifest:
+    try:
+        return Manifest.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "the file"
+        raise CheckpointError(f"{MANIFEST} is not valid ({where}: {err['msg']})") from None
+
+
+# -- reading files that may be hostile --------------------------------------------------------------
+
+def _present(folder: Path, name: str) -> bool:
+    return os.path.lexists(folder / name)
+
+
+def _open_plain(folder: Path, name: str):
+    """(file, size) of checkpoint file `name`: a plain regular file directly in `folder`."""
+    if name not in CHECKPOINT_FILES:
+        raise CheckpointError(f"{name[:64]!r} is not a checkpoint file")
+    try:
+        # O_NOFOLLOW: a link is refused, not followed. O_NONBLOCK: opening a FIFO does not wait.
+        fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointError(f"{name} is missing") from None
+    except OSError as e:  # ELOOP for a link; the message must not carry the server's path
+        raise CheckpointError(f"{name} cannot be opened ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{name} is not a regular file")
+    return os.fdopen(fd, "rb"), st.st_size
+
+
+def file_digest(folder: Path, name: str) -> FileEntry:
+    """Size and sha256 of one checkpoint file, reading no more than its size."""
+    f, size = _open_plain(folder, name)
+    h = hashlib.sha256()
+    with f:
+        left = size
+        while left > 0:
+            block = f.read(min(1 << 20, left))
+            if not block:
+                raise CheckpointError(f"{name} shrank while being read")
+            h.update(block)
+            left -= len(block)
+    return FileEntry(bytes=size, sha256=h.hexdigest())
+
+
+def _read_small(folder: Path, name: str) -> bytes:
+    f, size = _open_plain(folder, name)
+    with f:
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{name} is {size} bytes; a checkpoint's JSON files are at most {MAX_JSON_BYTES}")
+        return f.read(size)
+
+
+def read_json_object(folder: Path, name: str) -> dict:
+    raw = _read_small(folder, name)
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError / UnicodeDecodeError / nesting
+        raise CheckpointError(f"{name}: not valid JSON, the checkpoint is corrupt ({type(e).__name__})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{name}: not a JSON object")
+    return value
+
+
+def read_manifest(folder: Path) -> Manifest:
+    return parse_manifest(_read_small(folder, MANIFEST))
+
+
+def _load_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    f, _ = _open_plain(folder, name)  # a regular file, not a link: safe to hand to safetensors by path
+    f.close()
+    try:
+        return load_file(str(folder / name))
+    except OSError as e:
+        raise CheckpointError(f"{name} cannot be read ({e.strerror})") from None
+    except Exception as e:  # safetensors' own error: a header that does not parse, offsets past the end
+        raise CheckpointError(f"{name} is not a valid safetensors file ({e})") from None
+
+
+# -- writing ----------------------------------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(final_dir: Path, write, *, overwrite: bool = False) -> None:
+    """Run `write(tmp_dir)` then rename tmp_dir to final_dir (replacing it if `overwrite`)."""
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final_dir.parent / f".tmp-{final_dir.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+        faults.crash_point("checkpoint.before_rename")
+        if final_dir.exists():
+            if not overwrite:
+                raise CheckpointError(f"checkpoint {final_dir.name!r} already exists")
+            old = final_dir.parent / f".old-{final_dir.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final_dir, old)
+            faults.crash_point("checkpoint.between_renames")
+            os.rename(tmp, final_dir)
+            faults.crash_point("checkpoint.before_old_removed")
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final_dir)
+        _fsync_dir(final_dir.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def peft_adapter_config(config: LoRAConfig, base_model: str, module_paths: list[str]) -> dict:
+    leaves = sorted({p.rsplit(".", 1)[-1] for p in module_paths})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": leaves,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+
+
+def describe(folder: Path, names: list[str], *, base_model: str, config: LoRAConfig, step: int,
+             imported_from: ImportedFrom | None = None) -> Manifest:
+    """The manifest of the files `names` in `folder`, written now."""
+    return Manifest(format=MANIFEST_FORMAT, base_model=base_model, lora_config=ManifestLoRA(**config.to_dict()),
+                    step=step, has_optimizer=OPTIMIZER_STATE in names, created_at=time.time(),
+                    files={n: file_digest(folder, n) for n in names}, imported_from=imported_from)
+
+
+def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_optimizer: bool,
+                 overwrite: bool = False) -> int:
+    """Write the adapter (and optionally its optimizer state) atomically; return total bytes."""
+    tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous()
+               for k, v in adapter.named_tensors().items()}
+    optim: dict[str, torch.Tensor] = {}
+    if with_optimizer:
+        names = list(adapter.named_tensors())
+        for name, p in zip(names, adapter.parameters()):
+            state = adapter.optimizer.state.get(p)
+            if not state:
+                continue
+            optim[f"{name}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous()
+            optim[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
+            # A copy: an adapter's tensors share one step counter (adapters.adamw_step).
+            optim[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu().clone()
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        faults.crash_point("checkpoint.after_tensors")
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(
+            peft_adapter_config(adapter.config, base_model, list(adapter.weights)), indent=2))
+        files = [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
+        if with_optimizer:
+            save_file(optim, str(tmp / OPTIMIZER_STATE))
+            files.append(OPTIMIZER_STATE)
+        manifest = describe(tmp, files, base_model=base_model, config=adapter.config, step=adapter.step)
+        (tmp / MANIFEST).write_text(manifest.to_json())
+
+    write_atomically(out_dir, write, overwrite=overwrite)
+    return sum(f.stat().st_size for f in out_dir.iterdir())
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+@dataclass
+class LoadedCheckpoint:
+    config: LoRAConfig
+    base_model: str
+    step: int
+    tensors: dict[str, torch.Tensor]  # '<path>.lora_A.weight' -> tensor (no PEFT prefix)
+    optimizer: dict[str, torch.Tensor] | None
+
+
+def _verify(folder: Path, manifest: Manifest) -> None:
+    """Every listed file matches its size and checksum; no data file goes unlisted."""
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE):
+        if name not in manifest.files and _present(folder, name):
+            raise CheckpointError(f"{name} is not listed in {MANIFEST}, the checkpoint is corrupt")
+    for name, want in manifest.files.items():
+        if file_digest(folder, name) != want:
+            raise CheckpointError(f"{name}: checksum mismatch, the checkpoint is corrupt")
+
+
+def _config_of_peft(peft_cfg: dict, paths: list[str]) -> tuple[LoRAConfig, str]:
+    """The LoRA config of an adapter made elsewhere (PEFT), from its adapter_config.json and files."""
+    rank, alpha = peft_cfg.get("r"), peft_cfg.get("lora_alpha", peft_cfg.get("r"))
+    if type(rank) is not int or not 1 <= rank <= 1 << 16:
+        raise CheckpointError(f"{ADAPTER_CONFIG}: r must be a positive integer")
+    if type(alpha) not in (int, float) or not (math.isfinite(alpha) and 0 < alpha <= 1e6):
+        raise CheckpointError(f"{ADAPTER_CONFIG}: lora_alpha must be a positive number")
+    base_model = peft_cfg.get("base_model_name_or_path") or ""
+    if not isinstance(base_model, str) or len(base_model) > 1000:
+        raise CheckpointError(f"{ADAPTER_CONFIG}: base_model_name_or_path must be a string")
+    if peft_cfg.get("use_dora") or peft_cfg.get("use_rslora"):
+        raise CheckpointError("DoRA and rsLoRA adapters are not supported")
+    kinds = {module_kind(p) for p in paths}
+    leaves = tuple(sorted({p.rsplit(".", 1)[-1] for p in paths}))
+    if not all(_MODULE_NAME_RE.fullmatch(m) for m in leaves):
+        raise CheckpointError(f"{ADAPTER_WEIGHTS}: tensor names are not LoRA projection names")
+    return LoRAConfig(rank=rank, seed=0, train_attn="attn" in kinds, train_mlp="mlp" in kinds,
+                      train_unembed="unembed" in kinds, alpha=float(alpha), target_modules=leaves), base_model
+
+
+def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint:
+    """Read a checkpoint written by `save_adapter`, or a plain PEFT adapter folder."""
+    if not (_present(ckpt_dir, ADAPTER_WEIGHTS) and _present(ckpt_dir, ADAPTER_CONFIG)):
+        raise CheckpointError(f"not a LoRA adapter (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    # Verify checksums before parsing anything they cover (adapter_config.json included).
+    manifest = read_manifest(ckpt_dir) if _present(ckpt_dir, MANIFEST) else None
+    if manifest is not None:
+        _verify(ckpt_dir, manifest)
+    peft_cfg = read_json_object(ckpt_dir, ADAPTER_CONFIG)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in _load_tensors(ckpt_dir, ADAPTER_WEIGHTS).items():
+        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        # PEFT writes adapter-named keys ("lora_A.default.weight") in some versions' in-memory
+        # state dicts; the saved form drops the adapter name, but accept both.
+        name = name.replace(".lora_A.default.weight", ".lora_A.weight").replace(
+            ".lora_B.default.weight", ".lora_B.weight")
+        tensors[name] = value.to(torch.float32)
+    if manifest is not None:
+        config, base_model, step = manifest.lora_config.config(), manifest.base_model, manifest.step
+    else:  # an adapter made elsewhere (PEFT): derive the config from its files
+        config, base_model = _config_of_peft(peft_cfg, sorted({k.rsplit(".lora_", 1)[0] for k in tensors}))
+        step = 0
+    optimizer = None
+    if with_optimizer:
+        if not _present(ckpt_dir, OPTIMIZER_STATE):
+            raise CheckpointError("the checkpoint has no optimizer state (saved for sampling, not with "
+                                  "save_state); load it without the optimizer")
+        optimizer = _load_tensors(ckpt_dir, OPTIMIZER_STATE)
+    return LoadedCheckpoint(config=config, base_model=base_model, step=step, tensors=tensors,
+                            optimizer=optimizer)
+
+
+def check_fits(ckpt: LoadedCheckpoint, layers: dict[str, MultiLoRALinear], *, max_rank: int) -> None:
+    """Refuse an adapter the served model cannot load exactly, or above the server's rank limit."""
+    if ckpt.config.rank > max_rank:
+        raise CheckpointError(f"the adapter has LoRA rank {ckpt.config.rank}, above this server's limit of {max_rank}")
+    present = sorted({k.rsplit(".lora_", 1)[0] for k in ckpt.tensors})
+    unknown = [p for p in present if p not in layers]
+    if unknown:
+        raise CheckpointError(f"the adapter does not fit the served base model: it adapts {unknown[0][:200]!r}, "
+                              "which is not a linear projection of this model")
+    expected = [p for p in sorted(layers) if ckpt.config.adapts(p)]
+    missing = [p for p in expected if p not in present]
+    if missing:
+        raise CheckpointError(f"the adapter leaves out {missing[0]!r} among the projections it targets; adapters "
+                              "restricted to some layers (layers_to_transform) are not supported")
+    r = ckpt.config.rank
+    for p in present:
+        a, b = ckpt.tensors.get(f"{p}.lora_A.weight"), ckpt.tensors.get(f"{p}.lora_B.weight")
+        if a is None or b is None or len(ckpt.tensors) != 2 * len(present):
+            raise CheckpointError(f"the adapter has tensors other than lora_A/lora_B weights (at {p!r}); "
+                                  "only plain LoRA (no bias, no modules_to_save, no embedding LoRA) is supported")
+        layer = layers[p]
+        if tuple(a.shape) != (r, layer.in_features) or tuple(b.shape) != (layer.out_features, r):
+            raise CheckpointError(f"{p}: LoRA shapes {list(a.shape)} / {list(b.shape)} do not fit this model "
+                                  f"(rank {r} needs [{r}, {layer.in_features}] / [{layer.out_features}, {r}])")
+    if ckpt.optimizer is not None:
+        for name, t in ckpt.tensors.items():
+            if f"{name}.exp_avg" in ckpt.optimizer:
+                _checked_moments(ckpt.optimizer, name, t.shape)
+
+
+def restore_adapter(adapter: LoRAAdapter, ckpt: LoadedCheckpoint) -> None:
+    """Copy checkpoint tensors (and optimizer moments, if loaded) into a fresh adapter."""
+    own = adapter.named_tensors()
+    missing = sorted(set(own) - set(ckpt.tensors))
+    extra = sorted(set(ckpt.tensors) - set(own))
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint does not fit this model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    with torch.no_grad():
+        for name, t in own.items():
+            src = ckpt.tensors[name]
+            if src.shape != t.shape:
+                raise CheckpointError(f"{name}: shape {list(src.shape)} in checkpoint, model needs {list(t.shape)}")
+            t.copy_(src.to(t.device))
+    adapter.zero_grad()
+    adapter.optimizer.state.clear()
+    adapter.step = ckpt.step
+    if ckpt.optimizer is not None:
+        for name, p in zip(own, adapter.parameters()):
+            if f"{name}.exp_avg" not in ckpt.optimizer:
+                continue
+            adapter.optimizer.state[p] = _moments(ckpt.optimizer, name, p)
+
+
+def _checked_moments(optimizer: dict[str, torch.Tensor], name: str, shape: torch.Size):
+    """(exp_avg, exp_avg_sq, step) of one parameter, checked: the optimizer step is fused across
+    tenants, so a moment of another shape would fail every tenant's step in that cycle."""
+    exp_avg, exp_avg_sq, step = (optimizer.get(f"{name}.{k}") for k in ("exp_avg", "exp_avg_sq", "step"))
+    if exp_avg is None or exp_avg_sq is None or step is None:
+        raise CheckpointError(f"{OPTIMIZER_STATE}: the state of {name} is incomplete")
+    if exp_avg.shape != shape or exp_avg_sq.shape != shape or step.numel() != 1:
+        raise CheckpointError(f"{OPTIMIZER_STATE}: the state of {name} does not fit its weights")
+    steps = float(step.item())
+    if not (math.isfinite(steps) and 0 <= steps <= 1 << 53):
+        raise CheckpointError(f"{OPTIMIZER_STATE}: the step count of {name} is not a count")
+    return exp_avg, exp_avg_sq, steps
+
+
+def _moments(optimizer: dict[str, torch.Tensor], name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One parameter's AdamW state on its device and in its dtype, as the fused step needs it."""
+    exp_avg, exp_avg_sq, steps = _checked_moments(optimizer, name, p.shape)
+    return {"step": torch.tensor(steps, device=p.device),
+            "exp_avg": exp_avg.to(device=p.device, dtype=p.dtype).clone(),
+            "exp_avg_sq": exp_avg_sq.to(device=p.device, dtype=p.dtype).clone()}

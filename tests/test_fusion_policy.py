@@ -1,0 +1,178 @@
+"""The multi-LoRA runtime's machinery for exact co-batching (issues 10, 12, 14), in process:
+the probes behind `FusionPolicy`, slots and the once-per-batch plan, all-or-nothing gradients,
+and the optimizer's fallback when torch's private fused kernels are gone."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+from hosted_tinker.runtime import torch_compat
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
+from hosted_tinker.runtime.invariance import FusionPolicy, RowIndependenceProbe, probe_blocks, same_bits
+from hosted_tinker.runtime.multi_lora import LoRARouting
+from test_multi_lora import ce_work, grads, random_seqs, randomize_b, tiny_runtime
+
+
+def test_row_probe_refuses_a_batch_dependent_computation_and_proves_a_row_wise_one():
+    """The mixing probe compares planted row blocks with the same rows run alone: a computation
+    that mixes rows (centring over the batch) is refused, a row-wise one is proven."""
+    def sample(width, rows, seed):
+        return (torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)),)
+
+    assert RowIndependenceProbe(sample, lambda x: (x * 3 + 1,))(16, 9)
+    assert not RowIndependenceProbe(sample, lambda x: (x - x.mean(0),))(16, 9)
+    assert probe_blocks(9) == [(0, 1), (3, 2), (6, 3)] and probe_blocks(2) == [(0, 1), (1, 1)]
+    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))  # torch.equal would say equal
+
+
+def test_a_refusal_at_startup_turns_mixing_off_and_decisions_are_kept_per_thread_count():
+    """If the start-up probe fails, tenants never share micro-batches (no further probing);
+    otherwise each shape is probed once per CPU thread count and remembered."""
+    asked = []
+    policy = FusionPolicy(torch.device("cpu"), mixing_probe=lambda w, r: asked.append((w, r)) or r != 64)
+    assert not policy.check_at_startup(16, 64)
+    assert not policy.mix_tenants(16, 8) and asked == [(16, 64)]
+    assert policy.describe()["mix_tenants"] is False
+
+    asked.clear()
+    policy = FusionPolicy(torch.device("cpu"), mixing_probe=lambda w, r: asked.append((w, r)) or True)
+    threads = torch.get_num_threads()
+    try:
+        assert policy.check_at_startup(16, 8) and policy.mix_tenants(16, 8) and policy.mix_tenants(24, 3)
+        torch.set_num_threads(1 if threads != 1 else 2)
+        assert policy.mix_tenants(16, 8)
+    finally:
+        torch.set_num_threads(threads)
+    assert asked == [(16, 8), (24, 3), (16, 8)]
+
+
+def test_adapters_live_in_preallocated_slots_and_the_plan_is_built_once_per_batch():
+    """Adapter tensors are views of their layer's slot stack (no stacking per forward), and one
+    forward builds one plan per distinct kind of layer, not one per layer."""
+    rt = tiny_runtime()
+    for i in range(3):
+        rt.create_adapter(f"t{i}", LoRAConfig(rank=4, seed=i))
+    layer = rt.layers["model.layers.0.self_attn.q_proj"]
+    stack = layer.stacks[4]
+    for i in range(3):
+        w = rt.adapter(f"t{i}").weights["model.layers.0.self_attn.q_proj"]
+        assert w.A.data_ptr() == stack.A[w.slot].data_ptr()
+    builds = collections.Counter()
+    build = LoRARouting._build
+
+    def counting(self, layer, *args):
+        builds[(layer.in_features, layer.out_features)] += 1
+        return build(self, layer, *args)
+
+    LoRARouting._build = counting
+    try:
+        rt.forward_backward([ce_work(f"t{i}", random_seqs(2, i)) for i in range(3)])
+    finally:
+        LoRARouting._build = build
+    # q/o (32x32), k/v (32x16), gate/up (32x64), down (64x32), lm_head (32x128): once each per
+    # micro-batch, for 2 layers x 7 projections + lm_head.
+    assert set(builds.values()) == {rt.last_pass.micro_batches} and len(builds) == 5
+
+
+def test_lora_kernel_calls_do_not_grow_with_same_shape_tenants():
+    """Where this machine's policy proves sharing, 1 and 8 same-shape tenants cost the same LoRA
+    kernel calls: one grouped matmul pair and one gradient add per layer (no AccumulateGrad)."""
+    rt = tiny_runtime()
+    for i in range(8):
+        randomize_b(rt.create_adapter(f"t{i}", LoRAConfig(rank=4, seed=i)), seed=i)
+    seqs = [random_seqs(2, 50 + i, lo=9, hi=10) for i in range(8)]  # 2 rows x 8 tokens each
+
+    def kernel_calls(n: int) -> collections.Counter:
+        works = [ce_work(f"t{i}", seqs[i]) for i in range(n)]
+        rt.forward_backward(works)  # probes (first sight of a shape) run outside the profile
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            rt.forward_backward(works)
+        return collections.Counter(e.name for e in prof.events()
+                                   if e.name in ("aten::bmm", "aten::index_add_", "AccumulateGrad"))
+
+    one, eight = kernel_calls(1), kernel_calls(8)
+    layer = rt.layers["model.layers.0.self_attn.q_proj"]
+    if not (rt.policy.mix_tenants(16, 16) and rt.policy.group_lora(16, 32, 32, 4, 8, torch.float32)):
+        pytest.skip(f"this machine's policy does not share these calls: {rt.policy.describe()}")
+    assert eight == one and one["AccumulateGrad"] == 0
+    assert one["aten::index_add_"] == 2 * len(rt.layers)  # A and B of each layer, once
+    assert layer.stacks[4].capacity >= 8
+
+
+def test_a_failed_pass_leaves_earlier_gradients_as_they_were():
+    """A forward_backward that raises part way (here: in its second micro-batch, after the first
+    one's backward has added to the gradients) leaves every adapter's gradients as the earlier,
+    acknowledged calls left them; training then goes on exactly as if it had never run."""
+    def runtime_with_history():
+        rt = tiny_runtime()
+        for mid in ("a", "b"):
+            randomize_b(rt.create_adapter(mid, LoRAConfig(rank=4, seed=len(mid))), seed=3)
+        rt.forward_backward([ce_work("a", random_seqs(2, 1))])  # acknowledged: a has gradients
+        return rt
+
+    failing, clean = runtime_with_history(), runtime_with_history()
+    before = grads(failing.adapter("a"))
+    # Two lengths -> two padding buckets -> two micro-batches; the fault hits the second.
+    doomed = [ce_work("a", random_seqs(2, 2, lo=4, hi=8) + random_seqs(2, 3, lo=30, hi=40)),
+              ce_work("b", random_seqs(2, 4))]
+    forwards = []
+
+    def fault(module, args):
+        forwards.append(args[0].shape)
+        if len(forwards) == 2:
+            raise RuntimeError("injected device fault")
+
+    hook = failing.layers["model.layers.1.mlp.down_proj"].register_forward_pre_hook(fault)
+    with pytest.raises(RuntimeError, match="injected"):
+        failing.forward_backward(doomed)
+    hook.remove()
+    assert len(forwards) == 2  # the first micro-batch did run its backward
+    after = grads(failing.adapter("a"))
+    assert all(same_bits(after[k], before[k]) for k in before)
+    assert not failing.adapter("b").has_gradients()
+
+    for rt in (failing, clean):
+        rt.forward_backward([ce_work("a", random_seqs(2, 5)), ce_work("b", random_seqs(2, 6))])
+        rt.optim_steps([("a", AdamParams(learning_rate=1e-2)), ("b", AdamParams(learning_rate=1e-2))])
+    for mid in ("a", "b"):
+        got, want = failing.adapter(mid).named_tensors(), clean.adapter(mid).named_tensors()
+        assert all(same_bits(got[k], want[k]) for k in want), mid
+
+
+def test_optimizer_without_torchs_private_kernels_matches_and_stays_exact(monkeypatch):
+    """If a torch upgrade removes `_fused_adamw_` / `_foreach_*` (simulated by hiding them from
+    the wrappers), AdamW runs through torch's public per-tensor code: the same update as
+    torch.optim.AdamW, and an adapter's bits do not depend on who steps with it."""
+    for name in ("_FUSED_ADAMW", "_FOREACH_MUL", "_FOREACH_ADD"):
+        monkeypatch.setattr(torch_compat, name, None)
+    hps = {"a": AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1e-3),
+           "b": AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.99, eps=1e-8)}
+    together, alone = tiny_runtime(), tiny_runtime()
+    for rt in (together, alone):
+        for i, mid in enumerate(hps):
+            randomize_b(rt.create_adapter(mid, LoRAConfig(rank=4, seed=i)), seed=i)
+    ref = {mid: [p.detach().clone().requires_grad_(True) for p in together.adapter(mid).parameters()] for mid in hps}
+    opts = {mid: torch.optim.AdamW(ref[mid], lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                                   weight_decay=hp.weight_decay, foreach=False) for mid, hp in hps.items()}
+    for step in range(2):
+        for rt in (together, alone):
+            rt.forward_backward([ce_work(mid, random_seqs(2, 10 * step + i)) for i, mid in enumerate(hps)])
+        for mid, ps in ref.items():
+            for p, q in zip(ps, together.adapter(mid).parameters()):
+                p.grad = q.grad.clone()
+            if hps[mid].grad_clip_norm:
+                torch.nn.utils.clip_grad_norm_(ps, hps[mid].grad_clip_norm)
+            opts[mid].step()
+        metrics = together.optim_steps(list(hps.items()))
+        solo = [alone.optim_step(mid, hp) for mid, hp in hps.items()]
+        assert [m["grad_norm"] for m in metrics] == [m["grad_norm"] for m in solo]
+    for mid in hps:
+        for p, q, r in zip(together.adapter(mid).parameters(), alone.adapter(mid).parameters(), ref[mid]):
+            assert same_bits(p, q), mid
+            np.testing.assert_allclose(p.detach().numpy(), r.detach().numpy(), rtol=1e-5, atol=1e-6)
+        st = together.adapter(mid).optimizer.state[together.adapter(mid).parameters()[0]]
+        assert float(st["step"]) == 2.0
