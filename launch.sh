@@ -2,6 +2,10 @@
 # hosted-tinker launcher: installs what is needed into a local virtualenv, then runs.
 #
 #   ./launch.sh serve [flags]    start the server (default: the embedded tiny model, offline)
+#   ./launch.sh pool-node --nnodes M --node-rank K --master-addr A --master-port P --workers N
+#                                this machine's ranks of a worker pool whose server (rank 0) runs on
+#                                machine A with `serve --workers N --nnodes M --master-addr A
+#                                --master-port P` (torchrun; docs/scale.md)
 #   ./launch.sh test [pytest args]   install the test dependencies and run the whole suite
 #
 # torch==2.13.0 is installed first and on its own: any other torch (pulled in by a later
@@ -49,13 +53,17 @@ case "$cmd" in
     install serve
     exec "$VENV/bin/hosted-tinker" serve "$@"
     ;;
+  pool-node)
+    install serve
+    exec "$VENV/bin/python" -m hosted_tinker.runtime.pool_launch "$@"
+    ;;
   test)
     install test
     install_chromium
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)
-    echo "usage: $0 serve [flags] | test [pytest args]" >&2
+    echo "usage: $0 serve [flags] | pool-node [flags] | test [pytest args]" >&2
     exit 2
     ;;
 esac

@@ -1,6 +1,10 @@
-"""Helpers shared by the benchmark scripts."""
+"""Helpers shared by the benchmark scripts (run from the repository root: they import hosted_tinker)."""
 
 from __future__ import annotations
+
+import statistics
+
+import numpy as np
 
 
 def cpu_stall_us() -> float | None:
@@ -48,3 +52,31 @@ def matmul_peak_tflops(device, dtype, n: int | None = None, repeats: int = 5) ->
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e12
+
+
+def tenant_rows(n_tenants: int, rows: int, seq_len: int, vocab: int, seed: int = 0) -> list[np.ndarray]:
+    """Per tenant, a [rows, seq_len + 1] array of token ids (input = [:-1], target = [1:])."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, (rows, seq_len + 1)) for _ in range(n_tenants)]
+
+
+def fb_work(model_id: str, seqs: np.ndarray):
+    """One tenant's cross_entropy request over `seqs` (rows of tenant_rows), as the runtime takes it."""
+    from hosted_tinker.runtime.losses import resolve_loss_config
+    from hosted_tinker.runtime.trainer import DatumWork, FBWork
+
+    cfg = resolve_loss_config("cross_entropy", {})
+    data = [DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
+                      {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
+                       "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
+    return FBWork(model_id=model_id, data=data, loss_fn="cross_entropy", loss_config=cfg, forward_only=False)
+
+
+def paired_ratio(times: dict[str, list[float]], x: str, y: str) -> float:
+    """Throughput of x over y: the median over rounds of time(y) / time(x) within each round.
+
+    Each round runs every variant once, back to back, so a ratio taken inside a round cancels
+    the slow drifts of a shared machine (its speed wanders by 10-20% over tens of seconds) that
+    a ratio of two separate medians keeps.
+    """
+    return statistics.median(ty / tx for tx, ty in zip(times[x], times[y]))

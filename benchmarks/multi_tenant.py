@@ -61,10 +61,10 @@ import torch.nn.functional as F  # noqa: E402
 from hosted_tinker.embedded_model import SPEC_PRESETS, TinyModelSpec, build_tiny_model  # noqa: E402
 from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
-from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
 from hosted_tinker.runtime.multi_lora import ATTN_TARGETS, MLP_TARGETS  # noqa: E402
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime  # noqa: E402
-from bench_common import cpu_stall_us, host_op_counts, matmul_peak_tflops  # noqa: E402
+from hosted_tinker.runtime.trainer import FBWork, TrainingRuntime  # noqa: E402
+from bench_common import (cpu_stall_us, fb_work, host_op_counts, matmul_peak_tflops, paired_ratio,  # noqa: E402
+                          tenant_rows)
 
 RANK = 16
 ALPHA = 32.0
@@ -132,21 +132,6 @@ def make_peft(model):
     return peft_model, opt
 
 
-# ---- data -----------------------------------------------------------------------------------------
-def tenant_rows(n_tenants: int, rows: int, seq_len: int, vocab: int, seed: int = 0) -> list[np.ndarray]:
-    """Per tenant, a [rows, seq_len + 1] array of token ids (input = [:-1], target = [1:])."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, (rows, seq_len + 1)) for _ in range(n_tenants)]
-
-
-def fb_work(model_id: str, seqs: np.ndarray) -> FBWork:
-    cfg = resolve_loss_config("cross_entropy", {})
-    data = [DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
-                      {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
-                       "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
-    return FBWork(model_id=model_id, data=data, loss_fn="cross_entropy", loss_config=cfg, forward_only=False)
-
-
 # ---- the three steps ------------------------------------------------------------------------------
 
 
@@ -174,16 +159,6 @@ def ideal_step(peft_model, opt, ids: torch.Tensor, targets: torch.Tensor) -> Non
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def paired_ratio(times: dict[str, list[float]], x: str, y: str) -> float:
-    """Throughput of x over y: the median over rounds of time(y) / time(x) within each round.
-
-    Each round runs every variant once, back to back, so a ratio taken inside a round cancels
-    the slow drifts of a shared machine (its speed wanders by 10-20% over tens of seconds) that
-    a ratio of two separate medians keeps.
-    """
-    return statistics.median(ty / tx for tx, ty in zip(times[x], times[y]))
 
 
 def timed(fn, device) -> float:

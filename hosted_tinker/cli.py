@@ -29,7 +29,7 @@ def _serve(config: ServerConfig) -> int:
         return _fail("serve", e.problems)
     for name, source in checked.model_sources.items():
         log.info("base model %s will be loaded from %s", name, source)
-    config = config.model_copy(update={"port": checked.port})
+    config = config.model_copy(update={"port": checked.port, "vllm_python": checked.vllm_python})
 
     import uvicorn
 

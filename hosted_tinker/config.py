@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationError, field_validator
+from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings, CliSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
     TomlConfigSettingsSource, YamlConfigSettingsSource,
@@ -34,6 +34,7 @@ ENV_PREFIX = "HOSTED_TINKER_"
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
+_DEVICE_LIST_RE = re.compile(r"^\d+(,\d+)*$")
 _DEVICE_HELP = "use auto, cpu, cuda, cuda:N, mps or xpu"
 
 
@@ -91,6 +92,22 @@ class ServerConfig(BaseSettings):
     dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
         "auto", description="base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (= float), "
                             "bfloat16, float16 (= half)")
+    workers: int = Field(
+        1, ge=1, description="ranks of the worker pool on this machine, one per device: 1 = the model runs in this "
+                             "process; N > 1 = this process is rank 0 and starts N-1 more with torchrun (gloo on CPU, "
+                             "NCCL on GPU: cuda:0..N-1), and each pass's datums are split across the ranks "
+                             "(docs/scale.md)")
+    shard_base: bool = Field(False, description="shard the base model's weights across the pool's ranks with FSDP2, "
+                                                "for a model that does not fit one device (needs more than one rank)")
+    nnodes: int = Field(1, ge=1, description="machines in the worker pool (as torchrun's --nnodes); machines "
+                                             "1.. run `launch.sh pool-node` (docs/scale.md)")
+    master_addr: str = Field("127.0.0.1", description="as torchrun's --master-addr: this machine's address, where the "
+                                                      "pool's other machines reach its rendezvous store")
+    master_port: int = Field(0, ge=0, le=65535, description="as torchrun's --master-port: the port of the pool's "
+                                                            "rendezvous store; 0 = any free port (one machine only)")
+    pool_timeout_s: float = Field(
+        300.0, gt=0, description="how long a rank of the pool waits for the others (to join, in a collective) "
+                                 "before the pool counts as broken and is relaunched")
     max_tokens_per_micro_batch: int = Field(
         0, ge=0, description="padded tokens per fused forward/backward micro-batch (bounds activation memory); "
                              "0 = auto: 8192 on GPU; on CPU 512-8192 by the model's MLP width, since passes whose "
@@ -148,6 +165,26 @@ class ServerConfig(BaseSettings):
                           "accepts any tml- key")
     compress_fwdbwd: bool = Field(False, description="ask the SDK to zstd-compress forward_backward bodies (saves "
                                                      "bandwidth to remote clients)")
+    vllm: bool = Field(
+        False, description="sample on vLLM: launch its OpenAI server as a supervised child process (in its own "
+                           "Python environment, --vllm-python) with LoRA on; every adapter version is synced to it "
+                           "after each optim_step (docs/vllm.md)")
+    vllm_python: Path | None = Field(
+        None, description="with --vllm: the interpreter of vLLM's virtualenv (default: .venv-vllm/bin/python if it "
+                          "exists; tools/install_vllm_cpu.sh makes one on machines without a GPU)")
+    vllm_url: str | None = Field(
+        None, description="sample on a vLLM OpenAI server that is already running at this URL instead of launching "
+                          "one (start it as docs/vllm.md says: --enable-lora, runtime LoRA updating on)")
+    vllm_devices: str | None = Field(
+        None, description="with --vllm: the CUDA devices vLLM runs on, numbered as --device numbers them (e.g. 1 or "
+                          "1,2); they must not include training's --device")
+    vllm_kv_cache_bytes: int = Field(
+        256 << 20, ge=1 << 20, description="with --vllm: vLLM's KV-cache memory in bytes (the default suits CPU "
+                                           "tests; on a GPU give it most of its devices' free memory)")
+    vllm_lora_lm_head: bool = Field(
+        True, description="with --vllm: serve adapters that train lm_head (Tinker's default, train_unembed) on vLLM; "
+                          "prompt logprobs then run on the built-in engine. Off: vLLM computes prompt logprobs and "
+                          "adapters with an lm_head part are sampled by the built-in engine")
     log_level: Literal[LOG_LEVELS] = Field("info", description="least severe log records shown")  # type: ignore[valid-type]
     log_format: Literal["text", "json"] = Field(
         "text", description="text: one line per record; json: one JSON object per record (uvicorn's too)")
@@ -157,6 +194,10 @@ class ServerConfig(BaseSettings):
         """The base models to serve, in the order given, each with its device."""
         return [ModelEntry(name, device or self.device, device is not None)
                 for name, device in map(split_model_entry, self.base_model)]
+
+    @property
+    def samples_on_vllm(self) -> bool:
+        return self.vllm or self.vllm_url is not None
 
     @field_validator("device")
     @classmethod
@@ -184,6 +225,26 @@ class ServerConfig(BaseSettings):
         if twice:
             raise ValueError(f"{', '.join(map(repr, twice))} given more than once: each base model is served once")
         return value
+
+    @field_validator("vllm_python", "vllm_devices")
+    @classmethod
+    def _launch_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("vllm"):
+            raise ValueError("only with --vllm (it says how to launch vLLM)")
+        if info.field_name == "vllm_devices" and value is not None and not _DEVICE_LIST_RE.match(value):
+            raise ValueError(f"{value!r} is not a list of CUDA device numbers: use e.g. 1 or 1,2")
+        return value
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _vllm_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        if info.data.get("vllm"):
+            raise ValueError("give --vllm (launch vLLM) or --vllm-url (attach to a running one), not both")
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL: use e.g. http://127.0.0.1:8001")
+        return value.rstrip("/")
 
     @field_validator("log_level", "log_format", "dtype", mode="before")
     @classmethod

@@ -34,6 +34,7 @@ import random
 import shutil
 import tempfile
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Literal
 
@@ -145,124 +146,24 @@ SPEC_PRESETS: dict[str, TinyModelSpec] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Chat templates. QWEN3_CHAT_TEMPLATE is Qwen3-8B's template (tokenizer_config.json on the
-# hub): the cookbook's Qwen3Renderer is written to reproduce it token for token, and vLLM /
-# an OpenAI-compatible endpoint render chats with it. The instruct variant drops the <think>
-# framing, like Qwen3-*-Instruct-2507 (the cookbook's Qwen3InstructRenderer).
+# Chat templates and the BPE training corpus are text, kept as package data in embedded_text/.
+# QWEN3_CHAT_TEMPLATE is Qwen3-8B's template (tokenizer_config.json on the hub): the cookbook's
+# Qwen3Renderer is written to reproduce it token for token, and vLLM / an OpenAI-compatible
+# endpoint render chats with it. The instruct variant drops the <think> framing, like
+# Qwen3-*-Instruct-2507 (the cookbook's Qwen3InstructRenderer): the two share every part but
+# the assistant turn and the generation prompt. Changing any of these files changes the
+# built tokenizer: bump BUILD_VERSION.
 # ---------------------------------------------------------------------------------------------
-_TEMPLATE_HEAD = """\
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\\n\\n' }}
-    {%- endif %}
-    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.content is string %}
-        {%- set content = message.content %}
-    {%- else %}
-        {%- set content = '' %}
-    {%- endif %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-"""
+def _text(name: str) -> str:
+    return resources.files("hosted_tinker.embedded_text").joinpath(name).read_text(encoding="utf-8")
 
-_TEMPLATE_ASSISTANT_THINKING = """\
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\\n' + content }}
-        {%- endif %}
-"""
 
-_TEMPLATE_ASSISTANT_PLAIN = """\
-        {{- '<|im_start|>' + message.role + '\\n' + content }}
-"""
+def _template(*parts: str) -> str:
+    return "".join(_text(f"template_{part}.jinja") for part in parts)
 
-_TEMPLATE_TAIL = """\
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-"""
 
-_TEMPLATE_GENERATION_THINKING = """\
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- endif %}
-"""
-
-_TEMPLATE_END = "{%- endif %}"
-
-QWEN3_CHAT_TEMPLATE = (
-    _TEMPLATE_HEAD + _TEMPLATE_ASSISTANT_THINKING + _TEMPLATE_TAIL
-    + _TEMPLATE_GENERATION_THINKING + _TEMPLATE_END
-)
-QWEN3_INSTRUCT_CHAT_TEMPLATE = (
-    _TEMPLATE_HEAD + _TEMPLATE_ASSISTANT_PLAIN + _TEMPLATE_TAIL + _TEMPLATE_END
-)
+QWEN3_CHAT_TEMPLATE = _template("head", "assistant_thinking", "tail", "generation_thinking", "end")
+QWEN3_INSTRUCT_CHAT_TEMPLATE = _template("head", "assistant_plain", "tail", "end")
 
 
 def chat_template_for(flavor: ChatFlavor) -> str:
@@ -270,136 +171,17 @@ def chat_template_for(flavor: ChatFlavor) -> str:
     return QWEN3_INSTRUCT_CHAT_TEMPLATE if flavor == "qwen3_instruct" else QWEN3_CHAT_TEMPLATE
 
 
-# ---------------------------------------------------------------------------------------------
-# Training corpus for the BPE. Hand-written prose gives realistic English merges; the
-# generated part adds volume (enough frequent pairs for ~1.3k merges), numbers, arithmetic,
-# code, JSON and chat-like turns, so that typical test prompts tokenize compactly.
-# ---------------------------------------------------------------------------------------------
-_CORPUS_PROSE = """\
-The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
-Machine learning models learn patterns from data. Training a language model means predicting the next
-token, again and again, over a very large collection of text. Fine-tuning adapts a pretrained model to
-a narrower task, and low-rank adaptation (LoRA) does it by learning two small matrices per layer while
-the original weights stay frozen. The learning rate, the batch size and the number of steps matter more
-than most people expect.
-Once upon a time, in a small village by the sea, there lived an old fisherman and his daughter. Every
-morning they rowed out before sunrise, and every evening they sold their catch at the market. One day
-the daughter found a bottle with a letter inside. "Who wrote this?" she asked. Nobody knew.
-To bake bread, mix four cups of flour, one teaspoon of salt, a packet of yeast and warm water. Knead the
-dough for ten minutes, let it rise for an hour, shape it, and bake at 220 degrees for thirty minutes.
-Please write a short poem about the autumn rain. Summarize the following article in three sentences.
-Can you help me plan a trip to Japan in April? I would like to see the cherry blossoms in Kyoto.
-Sure! Here is a simple plan: spend two days in Tokyo, take the train to Kyoto, and visit Nara for a day.
-What is the capital of France? The capital of France is Paris. What is the largest planet in the solar
-system? Jupiter is the largest planet. How many days are there in a leap year? There are 366 days.
-Explain why the sky is blue. Sunlight is scattered by the molecules of the air, and blue light is
-scattered more than red light because it has a shorter wavelength.
-I'm sorry, but I can't help with that. Let me think step by step. First, we compute the sum; then we
-check the result. Therefore, the answer is 12. Thank you for your question! You're welcome.
-def fibonacci(n):
-    if n < 2:
-        return n
-    return fibonacci(n - 1) + fibonacci(n - 2)
-
-for i in range(10):
-    print(i, fibonacci(i))
-
-import json
-data = {"name": "Alice", "age": 30, "city": "London"}
-print(json.dumps(data, indent=2))
-{"name": "get_weather", "arguments": {"location": "San Francisco", "unit": "celsius"}}
-The meeting is scheduled for Monday, March 3rd, at 10:30 AM. Don't forget to bring the report.
-Dear Sir or Madam, I am writing to apply for the position of software engineer at your company.
-History shows that great cities grew along rivers: the Nile, the Tigris, the Euphrates and the Yangtze.
-Water boils at 100 degrees Celsius at sea level, and freezes at 0 degrees. The speed of light is about
-300,000 kilometres per second. Photosynthesis turns carbon dioxide and water into sugar and oxygen.
-"""
-
-_WORDS = {
-    "subject": [
-        "the teacher", "my friend", "a student", "the doctor", "our team", "the engineer", "a child",
-        "the scientist", "the model", "the assistant", "every user", "the writer", "a farmer",
-        "the company", "this function", "the server", "the robot", "a musician", "the chef",
-    ],
-    "verb": [
-        "explains", "writes", "reads", "builds", "finds", "answers", "describes", "computes",
-        "improves", "tests", "shares", "chooses", "remembers", "learns", "teaches", "creates",
-        "solves", "checks", "collects", "opens", "closes", "visits", "sends", "receives",
-    ],
-    "object": [
-        "a long story", "the question", "a new program", "the answer", "an interesting idea",
-        "the data", "a short poem", "the results", "a simple recipe", "the weather report",
-        "a detailed plan", "the math problem", "a friendly letter", "the training loop",
-        "the final report", "a list of books", "the small garden", "the old house", "a song",
-    ],
-    "adverb": [
-        "quickly", "carefully", "slowly", "again", "every day", "in the morning", "at night",
-        "with great care", "without help", "before lunch", "after school", "together",
-        "for the first time", "once more", "very well", "in detail", "on Monday", "on Friday",
-    ],
-    "topic": [
-        "history", "science", "music", "cooking", "travel", "sports", "mathematics", "poetry",
-        "programming", "health", "gardening", "economics", "physics", "chemistry", "biology",
-        "language", "art", "philosophy", "astronomy", "geography",
-    ],
-}
-
-
-# Common English words, for "word salad" lines: they give the BPE many distinct words (and
-# so enough frequent pairs for ~1k merges), which the templates alone do not.
-_COMMON_WORDS = """
-about above across action after against agree almost alone along already also although always
-among amount animal another answer anyone anything appear apple area around arrive article ask
-attention autumn available away baby back bad ball bank base basket beautiful because become bed
-before begin behind believe below best better between beyond big bird black blood blue board boat
-body book born both bottom box boy brain branch bread break bridge bright bring brother brown build
-burn business busy buy call calm camera capital captain car card care carry case cat catch cause
-center century certain chair chance change character charge cheap child choice church circle city
-claim class clean clear climb clock close cloud coast cold color common company compare complete
-computer condition consider contain continue control cook cool corner correct cost country course
-cover create crowd culture cup current cut dance danger dark daughter day dead deal death decide
-deep degree describe design detail develop die different difficult dinner direction discover
-distance doctor dog door double down draw dream dress drink drive drop dry during early earth east
-easy eat edge effect effort egg eight either electric element else empty end energy engine enjoy
-enough enter entire equal error especially even evening event ever every exact example exercise
-expect experience explain eye face fact fall family famous far farm fast father favorite fear feel
-few field fight figure fill film final find fine finger finish fire first fish five floor flower
-fly follow food foot force forest forget form forward four free fresh friend front fruit full fun
-future game garden gas gather general gentle girl give glass go gold good government grass great
-green ground group grow guess guide hair half hand happen happy hard hat head hear heart heat heavy
-help here high hill history hold hole home hope horse hospital hot hour house huge human hundred
-hunt husband ice idea image imagine important inch include increase indeed inside instead interest
-iron island job join journey jump just keep key kind king kitchen knee knife know lake land language
-large last late laugh law lead leaf learn least leave left leg less letter level library lie life
-light like line lion list listen little live long look lose loud love low lucky machine main major
-make man many map mark market master matter meal mean measure meet member memory metal middle might
-mile milk mind minute miss modern moment money month moon morning mother mountain mouse mouth move
-movie much music must name narrow nation nature near neck need neighbor never new news next nice
-night noise north nose note nothing notice number ocean offer office often oil old open orange order
-other outside owner page paint pair paper parent park part party pass past path pattern pay peace
-pencil people perhaps period person phone picture piece place plan plane plant play please pocket
-point police pool poor popular position possible pound power practice prepare present pretty price
-prince print private problem produce promise protect proud provide public pull purpose push quiet
-race radio rain raise reach ready real reason receive record region remain repeat reply rest rich
-ride right ring river road rock roll room root rope rough round rule run safe sail salt same sand
-save say school science sea season seat second section see seed sell sense sentence serve set seven
-shadow shape share sharp sheep shell shine ship shirt shoe shop short shoulder shout show side sign
-silver simple since sing sister sit size skill skin sky sleep slow small smell smile snow soft soil
-soldier solution son song soon sound south space speak special speed spend spring square stand star
-start state station stay steam step stick still stone stop store storm story straight strange stream
-street strong student study subject success sudden sugar summer sun supply support sure surface
-sweet swim system table tail talk tall taste teach team tell temperature ten test thank thick thin
-thing third thousand three through throw tiny together tomorrow tone tool top total touch toward
-town track trade train travel tree trip trouble truck true trust try turn twenty type uncle under
-understand unit until upon usual valley value village visit voice wait walk wall warm wash watch
-water wave wealth weather week weight west wheel while white whole wide wife wild win wind window
-winter wire wish woman wonder wood word work world worry write wrong yard year yellow young zero
-""".split()
+# Training corpus for the BPE. Hand-written prose (corpus_prose.txt) gives realistic English
+# merges; the generated part adds volume (enough frequent pairs for ~1.3k merges), numbers,
+# arithmetic, code, JSON and chat-like turns, so that typical test prompts tokenize compactly.
+# Its phrases (corpus_phrases.json) fill sentence templates; the common English words
+# (common_words.txt) make "word salad" lines, which give the BPE many distinct words.
 
 
 def _generated_corpus(rng: random.Random, n_sentences: int) -> list[str]:
     """Template sentences, word salad, Q&A, arithmetic, code and chat turns (fixed-seed RNG)."""
-    w = _WORDS
+    w = json.loads(_text("corpus_phrases.json"))
+    common_words = _text("common_words.txt").split()
     lines: list[str] = []
     for i in range(n_sentences):
         kind = i % 7
@@ -436,14 +218,14 @@ def _generated_corpus(rng: random.Random, n_sentences: int) -> list[str]:
                 f"        return {name} * 2\n"
             )
         else:
-            words = rng.sample(_COMMON_WORDS, rng.randint(6, 14))
+            words = rng.sample(common_words, rng.randint(6, 14))
             lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
     return lines
 
 
 def corpus_lines() -> list[str]:
     """The full, deterministic BPE training corpus (about 70 KB, ~1.6k BPE tokens at most)."""
-    return _CORPUS_PROSE.splitlines(keepends=True) + _generated_corpus(random.Random(1234), 900)
+    return _text("corpus_prose.txt").splitlines(keepends=True) + _generated_corpus(random.Random(1234), 900)
 
 
 # ---------------------------------------------------------------------------------------------

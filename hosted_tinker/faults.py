@@ -35,6 +35,9 @@ POINTS = {
     "checkpoint.before_record": "the new folder in place, its record not yet written",
     "checkpoint.after_record_deleted": "delete: the record gone, the folder still in place",
     "checkpoint.in_trash": "delete: the folder renamed to .trash-*, not yet removed",
+    # crash_point() in a rank > 0 of a worker pool's first epoch (its relaunched successors never
+    # reach it): runtime/distributed.py
+    "pool.rank_mid_pass": "a pass's share done and its gradients summed into rank 0's, its outputs not yet sent",
 }
 
 

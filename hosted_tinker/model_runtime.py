@@ -1,9 +1,9 @@
 """`ModelRuntime`: what the server needs from whatever trains one base model's adapters.
 
-One implementation today: `runtime.trainer.TrainingRuntime`, in this process, on one device.
-A pool of torch.distributed ranks will be the next: it keeps the adapters and runs the passes on
-its ranks, and this is the surface it has to offer the worker (which calls it on the device
-loop's thread only) and the API (which reads the limits). Storage stays outside: the worker
+Two implementations: `runtime.trainer.TrainingRuntime`, in this process, on one device, and
+`runtime.distributed.PoolRuntime`, whose rank 0 is this process and whose passes are split over
+a pool of torch.distributed ranks. This is the surface they offer the worker (which calls it on
+the device loop's thread only) and the API (which reads the limits). Storage stays outside: the worker
 records checkpoints and futures; the runtime only computes and writes adapter files.
 """
 
@@ -20,6 +20,7 @@ from .runtime.trainer import FBOutcome, FBWork, PassStats
 
 class ModelRuntime(Protocol):
     base_model_name: str
+    model: Any  # the base model as the sampling engine calls it
     vocab_size: int  # token ids a request may use
     max_context: int  # longest sequence a request may send
     layers: Mapping[str, Any]  # adaptable projections by module path
@@ -43,3 +44,7 @@ class ModelRuntime(Protocol):
     def load(self, model_id: str, ckpt: LoadedCheckpoint) -> Any: ...
 
     def adapter(self, model_id: str) -> Any: ...
+
+    def close(self) -> None:
+        """Release what lives outside this process (a pool's other ranks); after the device loop stopped."""
+        ...

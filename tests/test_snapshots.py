@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -53,6 +54,7 @@ def test_resaved_sampler_checkpoint_serves_the_new_weights(server):
         path = tc.save_weights_for_sampler("resaved").result().path
         first = sc.create_sampling_client(model_path=path).result()
         old = first.compute_logprobs(types.ModelInput.from_ints(full)).result()
+        before_resave = _v1_greedy(server, tc.model_id)
         for _ in range(3):  # train hard towards something else
             tc.forward_backward([sft_datum(PROMPT + [900] * 8)], "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
@@ -62,3 +64,20 @@ def test_resaved_sampler_checkpoint_serves_the_new_weights(server):
         new = fresh.compute_logprobs(types.ModelInput.from_ints(full)).result()
         np.testing.assert_allclose(new[1:], now, atol=2e-5, rtol=0)
         assert np.abs(np.asarray(new[1:]) - np.asarray(old[1:])).max() > 1e-3  # the weights did move
+        # The OpenAI API naming the run (its latest sampler weights) or the path serves them too.
+        greedy = fresh.sample(types.ModelInput.from_ints(PROMPT), 1,
+                              types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])).result().sequences[0]
+        for model in (tc.model_id, path):
+            tokens, logprobs = _v1_greedy(server, model)
+            assert tokens == greedy.tokens
+            np.testing.assert_allclose(logprobs, greedy.logprobs, atol=2e-5, rtol=0)
+        assert np.abs(np.asarray(greedy.logprobs) - np.asarray(before_resave[1])).max() > 1e-3
+
+
+def _v1_greedy(server, model: str) -> tuple[list[int], list[float]]:
+    r = httpx.post(f"{server.base_url}/v1/completions", headers={"Authorization": "Bearer tml-resave"},
+                   json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 1,
+                         "ignore_eos": True, "return_tokens_as_token_ids": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    return [int(t.split(":", 1)[1]) for t in lp["tokens"]], lp["token_logprobs"]

@@ -22,19 +22,19 @@ import torch
 from helpers import database
 from hosted_tinker.config import ServerConfig, flag
 from hosted_tinker.model_loading import DTYPES
-from hosted_tinker.startup import bind_port
+from hosted_tinker.startup import bind_port, vllm_child_devices
 from server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.e2e
 
 
-def serve(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def serve(tmp_path: Path, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     # An empty Hugging Face home: nothing cached, so model look-ups show what a fresh machine sees.
     base = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     base = {k: v for k, v in base.items() if not k.startswith("HOSTED_TINKER_") and k != "HF_HUB_OFFLINE"}
     return subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path / "data"),
                            "--port", str(free_port()), *args], env={**base, **(env or {})},
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> None:
@@ -51,6 +51,16 @@ def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> Non
     (("--device", "gpu"), {}, r"--device gpu: 'gpu' is not a device: use auto, cpu, cuda, cuda:N, mps or xpu"),
     ((), {"HOSTED_TINKER_DTYPE": "fp8"}, r"\$HOSTED_TINKER_DTYPE=fp8: expected one of .*"),
     ((), {"HOSTED_TINKER_MAX_LORA_RANK": "many"}, r"\$HOSTED_TINKER_MAX_LORA_RANK=many: .*integer.*"),
+    (("--vllm-python", "/opt/vllm/bin/python"), {},
+     r"--vllm-python /opt/vllm/bin/python: only with --vllm \(it says how to launch vLLM\)"),
+    (("--vllm-devices", "1"), {}, r"--vllm-devices 1: only with --vllm \(it says how to launch vLLM\)"),
+    (("--vllm", "--vllm-devices", "1;2"), {},
+     r"--vllm-devices 1;2: '1;2' is not a list of CUDA device numbers: use e.g. 1 or 1,2"),
+    (("--vllm", "--vllm-url", "http://127.0.0.1:8001"), {},
+     r"--vllm-url http://127.0.0.1:8001: give --vllm \(launch vLLM\) or --vllm-url \(attach to a running one\), "
+     r"not both"),
+    (("--vllm-url", "127.0.0.1:8001"), {},
+     r"--vllm-url 127.0.0.1:8001: '127.0.0.1:8001' is not an http\(s\) URL: use e.g. http://127.0.0.1:8001"),
 ])
 def test_a_bad_setting_is_one_line_before_anything_starts(tmp_path, args, env, pattern):
     out = serve(tmp_path, *args, env=env)
@@ -140,6 +150,35 @@ def test_an_unreadable_keys_file_is_one_line(tmp_path):
     keys.write_text("alice: not-a-tinker-key\n")
     assert_one_line_error(serve(tmp_path, "--api-keys-file", str(keys)),
                           rf"--api-keys-file: {re.escape(str(keys))}:1: API keys must start with 'tml-' .*")
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (("--vllm", "--vllm-python", "/no/such/python"),
+     r"--vllm-python /no/such/python is not an executable file; create vLLM's virtualenv .* and pass its python "
+     r"with --vllm-python"),
+    # An interpreter without vLLM (ours: the server's own packages are not vLLM's).
+    (("--vllm", "--vllm-python", sys.executable),
+     rf"--vllm-python {re.escape(sys.executable)} has no vllm package installed; install vLLM into that "
+     r"virtualenv .*"),
+    (("--vllm",), r"--vllm: no --vllm-python given and the default .venv-vllm/bin/python is not an executable file; .*"),
+    (("--vllm", "--max-lora-rank", "1024"), r"--max-lora-rank 1024: vLLM serves LoRA ranks up to 512; lower it .*"),
+    (("--vllm", "--device", "cpu", "--vllm-devices", "99"),
+     r"--vllm-devices 99: (no CUDA device is available on this machine; leave --vllm-devices unset .*|"
+     r"this machine has \d+ CUDA device\(s\), numbered from 0)"),
+    (("--vllm-url", "http://127.0.0.1:9", "--base-model", "hosted-tinker/tiny-qwen3-embedded", "--base-model",
+      "Qwen/Qwen3-8B"), r"--vllm-url: a vLLM sidecar samples one base model and 2 were given; run a server per model .*"),
+])
+def test_vllm_settings_that_cannot_work_are_one_line_before_the_model_loads(tmp_path, args, pattern):
+    # From an empty directory: the default .venv-vllm (relative to where the server starts) is missing.
+    assert_one_line_error(serve(tmp_path, *args, cwd=tmp_path), pattern)
+    assert not (tmp_path / "data" / "models").exists()  # nothing slow ran
+
+
+def test_vllm_devices_are_numbered_as_the_server_sees_them():
+    assert vllm_child_devices("1", None) == "1"
+    assert vllm_child_devices(None, "2,3") is None  # vLLM then sees what the server sees
+    assert vllm_child_devices("1", "4,5,6") == "5"  # the server's cuda:1 is the machine's device 5
+    assert vllm_child_devices("0,2", "GPU-a, GPU-b, GPU-c") == "GPU-a,GPU-c"
 
 
 # -- several base models (issue 16) ------------------------------------------------------------------

@@ -41,6 +41,9 @@ class NewWeightsRecorder(SamplingBackend):
     def adapter_updated(self, model_id, saved_to=None) -> None:
         self.updates.append((model_id, saved_to))
 
+    def adapter_removed(self, model_id) -> None:
+        self.updates.append((model_id, "removed"))
+
     def shutdown(self) -> None:
         pass
 
@@ -146,9 +149,11 @@ def test_what_the_user_asked_for_wrongly_is_a_user_error(worker):
 
 
 def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, tmp_path):
-    """After an optim_step, a save (with the directory now holding the weights) and a load, the
-    backend is told, once each; compute answers are announced before the optimizer steps."""
+    """After a create, an optim_step, a save (with the directory now holding the weights) and a
+    load, the backend is told, once each, and of an unload; compute answers are announced before
+    the optimizer steps."""
     assert not create(worker, "m")["failed"]
+    assert worker.sampling.updates == [("m", None)]  # a new adapter is a version of its weights too
     c = Cycle(worker)
     fb_id = c.add("compute", "m", "forward_backward", fb("m"))
     opt_id = c.add("optim", "m", "optim_step", AdamParams(learning_rate=1e-3))
@@ -158,7 +163,7 @@ def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, 
     assert answered == [{"m"}]
     assert not any(answer(worker, r)["failed"] for r in (fb_id, opt_id, save_id))
     saved = tmp_path / "checkpoints" / "m" / "sampler_weights" / "v1"
-    assert worker.sampling.updates == [("m", None), ("m", saved)]
+    assert worker.sampling.updates == [("m", None), ("m", None), ("m", saved)]
 
     c = Cycle(worker)
     load_id = c.add("tail", "m", "load_weights", LoadSpec(checkpoint_dir=saved, with_optimizer=False,
@@ -166,6 +171,12 @@ def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, 
     c.run()
     assert not answer(worker, load_id)["failed"]
     assert worker.sampling.updates[-1] == ("m", None)
+
+    c = Cycle(worker)
+    unload_id = c.add("tail", "m", "unload_model")
+    c.run()
+    assert not answer(worker, unload_id)["failed"]
+    assert worker.sampling.updates[-1] == ("m", "removed")
 
 
 def test_the_scheduler_hears_of_compute_answers_before_any_is_visible(worker):

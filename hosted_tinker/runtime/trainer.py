@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> 
 
 class TrainingRuntime:
     def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
-                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64):
+                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64, check_fusion: bool = True):
         self.model = model
         self.base_model_name = base_model_name
         self.device = device
@@ -113,7 +114,7 @@ class TrainingRuntime:
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()  # no dropout: training through LoRA must be deterministic
-        self.policy = FusionPolicy(device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
+        self.policy = self._fusion_policy()
         self.routing = LoRARouting(self.policy)
         self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing)
         self.adapters: dict[str, LoRAAdapter] = {}
@@ -125,11 +126,21 @@ class TrainingRuntime:
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         self.last_pass = PassStats()
-        # Whether tenants may share micro-batches, decided on this machine before any request, on
-        # 64 rows of the shortest bucket (0.1-0.4 s on the embedded model, 1 CPU thread); if
-        # that fails, they never do; each other shape is probed when first used.
+        if check_fusion:  # a rank of a pool checks once its model is sharded (runtime/distributed.py)
+            self.check_fusion()
+
+    def _fusion_policy(self) -> FusionPolicy:
+        return FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
+
+    def check_fusion(self) -> None:
+        """Whether tenants may share micro-batches, decided on this machine before any request, on
+        64 rows of the shortest bucket (0.1-0.4 s on the embedded model, 1 CPU thread); if that
+        fails, they never do; each other shape is probed when first used."""
         width = bucket_width(1)
         self.policy.check_at_startup(width, max(2, min(64, self.max_tokens_per_micro_batch // width)))
+
+    def close(self) -> None:
+        """Nothing to release: everything lives in this process."""
 
     # -- adapters ------------------------------------------------------------------------------
     def create_adapter(self, model_id: str, config: LoRAConfig) -> LoRAAdapter:
@@ -173,11 +184,15 @@ class TrainingRuntime:
             raise KeyError(f"model {model_id!r} is not loaded") from None
 
     # -- forward / backward --------------------------------------------------------------------
-    def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
+    def forward_backward(self, works: list[FBWork], *, after_phase: Callable[[bool, int], None] | None = None,
+                         before_commit: Callable[[], None] | None = None) -> list[FBOutcome]:
         """Run all `works` fused, in as few micro-batches as the token budget allows.
 
         All or nothing for gradients: if the pass raises, every adapter's gradients are what
-        they were before the call.
+        they were before the call. For a rank of a pool (runtime/distributed.py):
+        `after_phase(grad, micro_batches_run)` follows the gradient and the forward-only
+        micro-batches, and `before_commit()` runs once they are all done, its failure rolling
+        the pass back like any other.
         """
         start = time.perf_counter()
         self.ensure_live([w.model_id for w in works])
@@ -189,9 +204,14 @@ class TrainingRuntime:
                                                                          if not w.forward_only)])
         try:
             for grad in (True, False):
-                rows = [(wi, di) for wi, w in enumerate(works) if w.forward_only != grad for di in range(len(w.data))]
-                for batch in self._micro_batches(rows, works):
+                run = 0
+                for batch in self._micro_batches(self._phase_rows(works, grad), works):
                     self._run_micro_batch(batch, works, grad, per_datum, metric_sums, stats)
+                    run += 1
+                if after_phase is not None:
+                    after_phase(grad, run)
+            if before_commit is not None:
+                before_commit()
         except BaseException:
             grad_pass.rollback()
             raise
@@ -205,6 +225,22 @@ class TrainingRuntime:
         self.last_pass = stats
         return outcomes
 
+    @staticmethod
+    def _phase_rows(works: list[FBWork], grad: bool) -> list[tuple[int, int]]:
+        """(work, datum) of the rows of the gradient phase (grad) or of the forward-only one."""
+        return [(wi, di) for wi, w in enumerate(works) if w.forward_only != grad for di in range(len(w.data))]
+
+    def mixing_shapes(self, works: list[FBWork]) -> set[tuple[int, int]]:
+        """(width, rows) of every micro-batch of `works` that could hold several tenants: the shapes
+        `FusionPolicy.mix_tenants` will be asked about, without asking."""
+        return {(width, size) for grad in (True, False)
+                for width, pieces, size in self._packs(self._phase_rows(works, grad), works) if len(pieces) > 1}
+
+    def micro_batch_counts(self, works: list[FBWork]) -> tuple[int, int]:
+        """How many gradient and forward-only micro-batches `forward_backward(works)` runs."""
+        return tuple(sum(1 for _ in self._micro_batches(self._phase_rows(works, grad), works))  # type: ignore[return-value]
+                     for grad in (True, False))
+
     def _micro_batches(self, rows: list[tuple[int, int]], works: list[FBWork]):
         """Bucket rows by padded width, then pack whole per-model pieces into micro-batches.
 
@@ -216,6 +252,13 @@ class TrainingRuntime:
         exactly its solo computation, in its solo gradient-accumulation order: co-batching
         changes nothing in its results, bit for bit. Bucketing also keeps padding waste low when
         long and short sequences share a cycle.
+        """
+        for width, pieces, size in self._packs(rows, works):
+            yield from self._release(width, pieces, size, works)
+
+    def _packs(self, rows: list[tuple[int, int]], works: list[FBWork]):
+        """(width, per-model pieces, rows) of each micro-batch before the policy is asked whether
+        its pieces may run together (`_release`).
         """
         buckets: dict[int, dict[str, list[tuple[int, int]]]] = {}
         for wi, di in rows:
@@ -230,12 +273,12 @@ class TrainingRuntime:
                 for i in range(0, len(group), cap):
                     piece = group[i:i + cap]
                     if batch and size + len(piece) > cap:
-                        yield from self._release(width, batch, size, works)
+                        yield width, batch, size
                         batch, size = [], 0
                     batch.append(piece)
                     size += len(piece)
             if batch:
-                yield from self._release(width, batch, size, works)
+                yield width, batch, size
 
     def _release(self, width: int, pieces: list[list[tuple[int, int]]], rows: int, works: list[FBWork]):
         if len(pieces) > 1 and not self.policy.mix_tenants(width, rows):

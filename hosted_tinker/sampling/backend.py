@@ -38,10 +38,22 @@ class SamplingBackend(ABC):
 
     @abstractmethod
     def adapter_updated(self, model_id: str, saved_to: Path | None = None) -> None:
-        """`model_id`'s weights have a new version (device loop thread, after its optim_step,
-        load_weights or a save). `saved_to`: a checkpoint directory that now holds them; from
-        now on a job naming that directory must get these weights, not what was there before.
+        """`model_id`'s weights have a new version (device loop thread, after its create_model,
+        optim_step, load_weights or a save). `saved_to`: a checkpoint directory that now holds them;
+        from now on a job naming that directory must get these weights, not what was there before.
         Must not raise: a backend that cannot take the new version fails the jobs that need it."""
+
+    def adapter_removed(self, model_id: str) -> None:
+        """`model_id` was unloaded (device loop thread): what the backend holds of it can go."""
+
+    def current_weights_ref(self, model_id: str) -> str | None:
+        """The `SampleJob.adapter_id` that samples training model `model_id`'s current weights, or
+        None when this backend samples saved checkpoints only (then a request naming the model
+        gets its latest sampler checkpoint)."""
+        return None
+
+    def session_opened(self, adapter_dir: str) -> None:
+        """A sampling session now samples the checkpoint in `adapter_dir` (any thread; must be quick)."""
 
     @abstractmethod
     def shutdown(self) -> None:

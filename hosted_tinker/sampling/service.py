@@ -54,6 +54,14 @@ class SamplingService:
         """Nobody waits for this job any more (its client left): the backend stops it."""
         self.backend.cancel(job)
 
+    def current_weights_ref(self, model_id: str) -> str | None:
+        """What a job's `adapter_id` is to sample training model `model_id`'s current weights, if the
+        backend serves them (see `SamplingBackend.current_weights_ref`)."""
+        return self.backend.current_weights_ref(model_id)
+
+    def session_opened(self, adapter_dir: str) -> None:
+        self.backend.session_opened(adapter_dir)
+
 
 def encode_result(result: SampleResult) -> bytes:
     seqs = []

@@ -24,7 +24,8 @@ prompt-logprob path crashes the CPU engine and, by the same per-request indexing
 lm_head deltas to the wrong rows on GPU), and adapters that train lm_head while it runs without.
 
 vLLM going down fails the requests in flight with a server error at once; new requests wait for
-it to come back up to `outage_wait_s`, then fail. An adapter vLLM no longer knows (404: it
+it to come back up to `outage_wait_s`, then fail. `cancel_job` (the client left) stops a job
+wherever it is: waiting for vLLM, or its HTTP request to vLLM, which is closed. An adapter vLLM no longer knows (404: it
 restarted unseen) is registered again and the request retried once.
 """
 
@@ -133,6 +134,7 @@ class VLLMSamplingBackend:
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._calls: dict[asyncio.Task, None] = {}  # tasks talking to vLLM right now
+        self._tasks: dict[int, asyncio.Task] = {}  # id(job) -> its task, until its answer is given
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="vllm-adapters")
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -159,6 +161,11 @@ class VLLMSamplingBackend:
             self._in_flight += 1
         asyncio.run_coroutine_threadsafe(self._serve(job), self._loop)
 
+    def cancel_job(self, job: SampleJob) -> None:
+        """Nobody waits for `job` any more (any thread): stop it; unless it finished first, its on_error is called."""
+        job.cancelled = True
+        self._loop.call_soon_threadsafe(self._cancel, id(job))
+
     def has_work(self) -> bool:
         return self._in_flight > 0
 
@@ -173,8 +180,8 @@ class VLLMSamplingBackend:
     def close(self) -> None:
         """Fail what is still running, then stop the loop."""
         async def shutdown():
-            for task in list(self._calls):
-                task.cancel("the server is shutting down")
+            for task in list(self._tasks.values()):  # waiting for vLLM, or talking to it
+                task.cancel("the server is shutting down; resubmit this request")
             await self._client.aclose()
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -193,6 +200,11 @@ class VLLMSamplingBackend:
         self._started.set()
         self._loop.run_forever()
 
+    def _cancel(self, job_id: int) -> None:
+        task = self._tasks.get(job_id)  # None: answered already, or not started (it checks job.cancelled)
+        if task is not None:
+            task.cancel("the request was cancelled: its client went away")
+
     def _on_down(self, reason: str) -> None:
         self._ready.clear()
         for task in list(self._calls):
@@ -201,15 +213,18 @@ class VLLMSamplingBackend:
     async def _serve(self, job: SampleJob) -> None:
         start = time.perf_counter()
         task = asyncio.current_task()
+        self._tasks[id(job)] = task
         failed = True
         try:
+            if job.cancelled:  # before it started
+                raise asyncio.CancelledError("the request was cancelled: its client went away")
             reason = self.refusal(job)
             if reason is not None:
                 raise AdapterUnavailable(reason)
             await self._wait_ready()
             version = None
             if job.adapter_id is not None:
-                version = await self._loop.run_in_executor(self._pool, self.adapters.acquire, job.adapter_id)
+                version = await self._acquire(job.adapter_id)
             self._calls[task] = None
             try:
                 result = await self._generate(job, version)
@@ -217,6 +232,7 @@ class VLLMSamplingBackend:
                 self._calls.pop(task, None)
                 if version is not None:
                     self.adapters.release(version)
+            self._tasks.pop(id(job), None)  # answered: a cancel from now on changes nothing
             failed = False
             self.stats.tokens_generated += sum(len(s.tokens) for s in result.sequences)
             try:
@@ -232,11 +248,22 @@ class VLLMSamplingBackend:
             log.exception("a vLLM sampling request failed")
             job.on_error(f"sampling failed on the vLLM sidecar: {type(e).__name__}: {e}")
         finally:
+            self._tasks.pop(id(job), None)
             self.stats.requests += 1
             self.stats.failures += failed
             self.stats.seconds_total += time.perf_counter() - start
             with self._count_lock:
                 self._in_flight -= 1
+
+    async def _acquire(self, adapter_ref: str) -> AdapterVersion:
+        """`adapters.acquire` off the loop; a cancel while it runs releases what it acquires."""
+        acquiring = self._loop.run_in_executor(self._pool, self.adapters.acquire, adapter_ref)
+        try:
+            return await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            acquiring.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else self.adapters.release(f.result()))
+            raise
 
     async def _wait_ready(self) -> None:
         if self._ready.is_set():

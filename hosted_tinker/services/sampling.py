@@ -132,6 +132,8 @@ class SamplingRequests:
         served = served_model(self.server, base_model)
         self.server.store.create_sampling_session(sampling_session_id, session_id, owner, served.name,
                                                   model_path, checkpoint_dir)
+        if checkpoint_dir is not None:
+            served.sampler.session_opened(checkpoint_dir)
 
     def submit_for_future(self, owner: str, served: ServedModel, sampling_session_id: str, seq_id: int,
                           job: SampleJob,

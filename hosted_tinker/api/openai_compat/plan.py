@@ -43,8 +43,10 @@ class Plan:
 
 
 def resolve_model(server: Server, access: Access, owner: str, model: str) -> tuple[ServedModel, str | None]:
-    """`model` -> (the served base model that samples it, the adapter checkpoint directory to sample
-    from: None = the base model itself). A checkpoint or training model samples on its own base model."""
+    """`model` -> (the served base model that samples it, the job's `adapter_id`: None = the base
+    model itself). A checkpoint or training model samples on its own base model: a checkpoint
+    directory, or for a training model its sampler's reference to its current weights where the
+    sampler keeps them (vLLM: synced after every optim_step), else its latest sampler checkpoint."""
     if not model:
         raise HTTPException(400, "model is required")
     if model in server.models.names:
@@ -60,6 +62,10 @@ def resolve_model(server: Server, access: Access, owner: str, model: str) -> tup
             served = ", ".join(repr(n) for n in server.models.names)
             raise NotFound(f"model {model!r} not found: use a served base model ({served}), a tinker:// sampler "
                            "path, or the id of a training model you own (GET /v1/models lists them)") from None
+        own = served_model(server, row["base_model"])
+        current = own.sampler.current_weights_ref(model)
+        if current is not None:
+            return own, current
         saved = [c for c in server.store.live_checkpoints(model) if c["kind"] == "sampler"]  # oldest first
         if not saved:
             raise HTTPException(404, f"model {model!r} has no sampler weights yet: call "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
@@ -85,10 +86,12 @@ def list_models(owner: str = Depends(require_owner), server: Server = Depends(ge
 @router.get("/v1/models/{model:path}")
 def get_model(model: str, owner: str = Depends(require_owner), server: Server = Depends(get_server),
               access: Access = Depends(get_access)):
-    served, ckpt = resolve_model(server, access, owner, model)
-    if ckpt is None:
+    served, adapter = resolve_model(server, access, owner, model)
+    if adapter is None:
         return _model_card(served.name, server.started_at, "hosted-tinker", None)
-    return _model_card(model, Path(ckpt).stat().st_mtime, owner, served.name)
+    # A training model's current weights have no directory: they are as new as now.
+    created = Path(adapter).stat().st_mtime if Path(adapter).is_dir() else time.time()
+    return _model_card(model, created, owner, served.name)
 
 
 @router.post("/v1/completions")

