@@ -39,15 +39,25 @@ def open_sdk_sessions(*, stop: bool = False) -> list[str]:
 
 
 def child_processes() -> list[psutil.Process]:
-    """This process's live descendants."""
+    """This process's live descendants, less multiprocessing's resource tracker: the interpreter
+    starts that one itself the first time anything (torch's shared memory, a semaphore) needs it,
+    keeps it for its whole life and ends it at exit, so it is nobody's leak."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE:
+            if p.status() != psutil.STATUS_ZOMBIE and not is_resource_tracker(p):
                 out.append(p)
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def is_resource_tracker(p: psutil.Process) -> bool:
+    """multiprocessing's resource tracker of this very interpreter (its direct child)."""
+    try:
+        return p.ppid() == psutil.Process().pid and "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
 
 
 def describe(p: psutil.Process) -> str:

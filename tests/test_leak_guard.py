@@ -47,3 +47,15 @@ def test_stop_releases_the_clients_of_a_server_that_was_killed(tmp_path):
     finally:
         srv.stop()
     assert set(leak_guard.open_sdk_sessions()) == before
+
+
+def test_multiprocessings_resource_tracker_is_not_a_leak():
+    """The interpreter's own resource tracker (started by the first SharedMemory, e.g. in
+    test_vllm_sidecar.py) lives until the interpreter exits: the session guard once failed a
+    green run on it."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    tracker_pid = resource_tracker._resource_tracker._pid  # noqa: SLF001 (no public accessor)
+    assert tracker_pid is not None
+    assert tracker_pid not in {p.pid for p in leak_guard.child_processes()}
