@@ -13,6 +13,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .store import Store
@@ -27,9 +28,10 @@ class FutureResult:
 
 
 class FutureStore:
-    def __init__(self, store: Store, *, keep_in_memory_s: float = 600.0):
+    def __init__(self, store: Store, *, keep_in_memory_s: float = 600.0, clock: Callable[[], float] = time.time):
         self.store = store
         self.keep_in_memory_s = keep_in_memory_s
+        self.clock = clock  # when a result is kept from, for prune(); injectable so that tests step it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._results: dict[str, FutureResult] = {}
@@ -80,7 +82,7 @@ class FutureStore:
     def _finish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
         self.store.complete_future(request_id, payload, is_proto, failed)
         with self._lock:
-            self._results[request_id] = FutureResult(payload, is_proto, failed, time.time())
+            self._results[request_id] = FutureResult(payload, is_proto, failed, self.clock())
             self.resolved_total += 1
             owner = self._pending_owner.pop(request_id, None)
             if owner is not None:
@@ -136,7 +138,7 @@ class FutureStore:
 
     def prune(self) -> None:
         """Drop in-memory results older than the keep window (they stay in SQLite)."""
-        cutoff = time.time() - self.keep_in_memory_s
+        cutoff = self.clock() - self.keep_in_memory_s
         with self._lock:
             for rid in [r for r, v in self._results.items() if v.resolved_at < cutoff]:
                 del self._results[rid]

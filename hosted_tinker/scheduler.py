@@ -158,8 +158,10 @@ class ClockCycleScheduler:
         self._on_work()
 
     def compute_done(self, model_ids) -> None:
-        """The worker resolved these models' compute futures (mid-cycle): an optim_step that
-        arrives from now on was posted after the client saw its result, i.e. not pipelined."""
+        """The worker is about to resolve these models' compute futures (mid-cycle): an
+        optim_step that arrives from now on may have been posted after the client saw its
+        result, so it does not count as pipelining. (Told before the first answer: a client
+        that waits for its results is never taken for a pipelining one.)"""
         with self._lock:
             for mid in model_ids:
                 q = self._queues.get(mid)
@@ -192,12 +194,21 @@ class ClockCycleScheduler:
         with self._lock:
             return sum(len(q.pending) for q in self._queues.values())
 
+    def pipelining_models(self) -> int:
+        """Models whose client is known to pipeline: their forward_backward waits for its optim_step."""
+        with self._lock:
+            return sum(q.pipelined for q in self._queues.values())
+
     # -- the device loop's side -------------------------------------------------------------------
     def next_plan(self) -> tuple[CyclePlan, float | None]:
         """The next cycle's plan (possibly empty), and when to ask again if nothing arrives
         before then (a seq_id gap's timeout or a pipelined model's gather window; None: never)."""
         with self._lock:
-            return self._plan()
+            plan, deadline = self._plan()
+            if plan:
+                # Counted as it starts: the count never lags an answer the cycle gives.
+                self.cycles += 1
+            return plan, deadline
 
     def cycle_done(self, plan: CyclePlan, seconds: float) -> None:
         """The plan has run (every request answered): account for the cycle."""
@@ -206,7 +217,6 @@ class ClockCycleScheduler:
                 q = self._queues.get(mid)
                 if q is not None:
                     q.in_flight_compute = False
-            self.cycles += 1
             self.last_cycle_models = len(plan.models)
             self.last_cycle_requests = len(plan.requests)
             self.last_cycle_seconds = seconds

@@ -248,7 +248,11 @@ def bind_port(host: str, port: int) -> socket.socket:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as e:
         raise StartupError(f"{flag('host')} {host}: not a known address ({e.strerror})") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not left 0: asyncio disables Nagle's algorithm only on connections whose
+    # socket says TCP, and with Nagle on, a response's body (written after its headers) waited for
+    # the client's delayed ACK: every HTTP answer took 40+ ms more (measured: 42 ms -> 1-2 ms for
+    # GET /api/v1/healthz on loopback).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

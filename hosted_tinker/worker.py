@@ -75,10 +75,12 @@ class TrainingWorker:
 
     def run_cycle(self, plan: CyclePlan, on_compute_answered: Callable[[set[str]], None]) -> None:
         """Run the plan, answering each request as it completes. `on_compute_answered` hears
-        which models' compute results were handed out, before the optimizer steps run."""
+        which models' compute results are handed out, just before the first of them is (a
+        request that a client posts once it has seen its result then always finds the scheduler
+        told: it is never taken for a pipelining client's), and before the optimizer steps run."""
         if plan.compute:
-            self._run_compute(plan.compute)
-            on_compute_answered({r.model_id for r in plan.compute})
+            models = {r.model_id for r in plan.compute}
+            self._run_compute(plan.compute, answering=lambda: on_compute_answered(models))
         if plan.optim:
             self._optim_steps(plan.optim)
         for req in plan.tail:
@@ -133,15 +135,18 @@ class TrainingWorker:
                 self.futures.fail(r.request_id, f"{prefix}model {r.model_id!r} is not loaded", "user")
         return loaded
 
-    def _run_compute(self, reqs: list[Request]) -> None:
+    def _run_compute(self, reqs: list[Request], answering: Callable[[], None]) -> None:
+        """The cycle's fused pass; `answering()` runs once the pass is over, before any answer."""
         live = self._loaded(reqs)
         if not live:
+            answering()
             return
         works: list[FBWork] = [r.payload for r in live]
         try:
             outcomes = self.runtime.forward_backward(works)
         except Exception as e:
             log.exception("fused forward/backward over %d requests failed", len(live))
+            answering()
             for r in live:
                 self.futures.fail(r.request_id, f"forward_backward failed on the server: {type(e).__name__}: {e}",
                                   "server")
@@ -156,6 +161,7 @@ class TrainingWorker:
         self.store.record_losses([
             (r.model_id, r.seq_id, self.runtime.adapters[r.model_id].step, r.payload.forward_only, out.metrics["loss:sum"])
             for r, out in zip(live, outcomes) if math.isfinite(out.metrics.get("loss:sum", math.nan))])
+        answering()
         for r, out in zip(live, outcomes):
             body = encode_forward_backward_output(out.outputs, out.metrics)
             self.futures.resolve(r.request_id, body, is_proto=True)

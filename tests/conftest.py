@@ -7,25 +7,47 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
+import leak_guard  # noqa: E402
+from helpers import API_KEY  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
-API_KEY = "tml-test-key-alice"
+_SESSION_SERVERS: set[int] = set()  # pids of servers that session fixtures own (they outlive modules)
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """One real server process on the embedded model, shared by the end-to-end tests."""
+    """One real server process on the embedded model, shared by the end-to-end tests. Its clients
+    are each test's (or module's) to close: the module guard below fails a module that leaves one."""
     proc = ServerProcess(tmp_path_factory.mktemp("server")).start()
+    _SESSION_SERVERS.add(proc.proc.pid)
     yield proc
     proc.stop()
 
 
 @pytest.fixture
 def service_client(server):
-    import tinker
+    """An SDK client of the shared server (API_KEY), closed when the test ends."""
+    with server.client(API_KEY) as client:
+        yield client
 
-    client = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-    yield client
+
+@pytest.fixture(scope="module", autouse=True)
+def closes_what_it_opens():
+    """After each module (and its module-scoped fixtures): no SDK client still heartbeating and no
+    server process of its own still running. Either fails the module's last test, and is ended."""
+    yield
+    problems = []
+    sessions = leak_guard.open_sdk_sessions(stop=True)
+    if sessions:
+        problems.append(f"{len(sessions)} tinker.ServiceClient(s) left open (sessions {', '.join(sessions)}): "
+                        "open them with ServerProcess.client() or `with tinker.ServiceClient(...)`, closed before "
+                        "their server stops")
+    servers = [p for p in leak_guard.child_processes() if leak_guard.is_server(p) and p.pid not in _SESSION_SERVERS]
+    if servers:
+        problems.append("server processes left running: " + "; ".join(map(leak_guard.describe, servers)))
+        leak_guard.end(servers)
+    if problems:
+        pytest.fail("this module leaks: " + " | ".join(problems), pytrace=False)
 
 
 # -- vLLM sidecar tests (tests/vllm_support.py) --------------------------------------------------
@@ -50,6 +72,25 @@ def pytest_sessionfinish(session):
         from vllm_support import stop_install
 
         stop_install(install)
+    _nothing_left_running(session)
+
+
+def _nothing_left_running(session) -> None:
+    """Every fixture is torn down by now: an SDK client or any child process still alive fails
+    the run (a heartbeat that outlives its server can abort the interpreter at exit)."""
+    problems = []
+    sessions = leak_guard.open_sdk_sessions(stop=True)
+    if sessions:
+        problems.append(f"tinker.ServiceClient(s) still open: sessions {', '.join(sessions)}")
+    children = leak_guard.child_processes()
+    if children:
+        problems.append("processes still running: " + "; ".join(map(leak_guard.describe, children)))
+        leak_guard.end(children)
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("the test session leaks: " + " | ".join(problems), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,15 @@
-"""Shared helpers for end-to-end tests: batches, and reading a server's checkpoints from disk."""
+"""Shared helpers for end-to-end tests: batches, reading a server's checkpoints from disk and its
+/metrics, archives to import, and waiting for what a server does on its own."""
 
 from __future__ import annotations
 
+import io
+import re
+import tarfile
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 from safetensors.torch import load_file
@@ -14,6 +20,8 @@ from hosted_tinker.store import db_path
 
 BASE_MODEL = EMBEDDED_MODEL_NAME
 VOCAB = 1000  # ids used by tests stay below the embedded tokenizer's size
+API_KEY = "tml-test-key-alice"  # the shared server's default key (conftest's `service_client`)
+WAIT = 300.0  # hang guard for what a server does on its own (a TTL sweep...): never reached when all is well
 
 
 def sft_datum(tokens: list[int], weights: list[float] | None = None):
@@ -60,3 +68,35 @@ def model_dir(server) -> Path:
 def logprobs_of(result) -> list[np.ndarray]:
     return [np.asarray(o["logprobs"].to_numpy() if hasattr(o["logprobs"], "to_numpy") else o["logprobs"].data,
                        dtype=np.float32) for o in result.loss_fn_outputs]
+
+
+def metric(server, name: str) -> float:
+    """A /metrics series, summed over its label sets (a served model's series carry its base_model)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    values = re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    assert values, f"{name} missing from /metrics"
+    return sum(map(float, values))
+
+
+def wait_until(predicate, what: str, timeout: float = WAIT):
+    """Poll until `predicate()` is truthy and return its value; the timeout only guards against a hang."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"never happened (waited {timeout:.0f} s): {what}")
+
+
+def tar_bytes(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> bytes:
+    """An uncompressed tar archive of `files` (name -> content), plus members given as TarInfo."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for info in extra:
+            tar.addfile(info)
+    return buf.getvalue()

@@ -54,8 +54,8 @@ def bobs_sampler_id(srv) -> str:
 
 
 def test_unpublish_and_private_resave_end_another_tenants_session(srv):
-    with tinker.ServiceClient(base_url=srv.base_url, api_key=ALICE) as alice, \
-            tinker.ServiceClient(base_url=srv.base_url, api_key=BOB) as bob:
+    with srv.client(ALICE) as alice, \
+            srv.client(BOB) as bob:
         tc = alice.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         tc.forward_backward(sft_batch(2), "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -88,14 +88,14 @@ def test_unpublish_and_private_resave_end_another_tenants_session(srv):
         with pytest.raises(tinker.NotFoundError, match="can no longer read"):
             sample(bobs)
         assert v1_status(srv, BOB, path) == 404 and sampler_status(srv, BOB, sampler_id) == 404
-        with pytest.raises(openai.NotFoundError):
-            openai.OpenAI(base_url=srv.base_url + "/v1", api_key=BOB, max_retries=0).completions.create(
-                model=path, prompt="hi", max_tokens=1)
+        with openai.OpenAI(base_url=srv.base_url + "/v1", api_key=BOB, max_retries=0) as oai, \
+                pytest.raises(openai.NotFoundError):
+            oai.completions.create(model=path, prompt="hi", max_tokens=1)
         assert sample(alices) and v1_status(srv, ALICE, path) == 200  # still Alice's to use
 
 
 def test_a_deleted_checkpoint_ends_its_owners_session_too(srv):
-    with tinker.ServiceClient(base_url=srv.base_url, api_key=ALICE) as alice:
+    with srv.client(ALICE) as alice:
         tc = alice.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         path = tc.save_weights_for_sampler("short-lived").result().path
         sampler = alice.create_sampling_client(model_path=path).result()

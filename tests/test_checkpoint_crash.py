@@ -18,7 +18,7 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, sft_batch
+from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, sft_batch, wait_until
 from hosted_tinker import faults
 from hosted_tinker.checkpoints.format import read_checkpoint
 from hosted_tinker.checkpoints.paths import TinkerPath
@@ -98,7 +98,7 @@ def test_every_crash_point_of_a_checkpoint_write(tmp_path):
     assert set(OVERWRITES) | set(DELETES) == {p for p in faults.POINTS if p.startswith("checkpoint.")}
     srv = ServerProcess(tmp_path / "srv").start()
     try:
-        with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY) as sc:
+        with srv.client(KEY) as sc:
             tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=1).result()
             tc.forward_backward(sft_batch(4, seed=1), "cross_entropy").result()
             tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -165,10 +165,7 @@ def test_every_crash_point_of_a_checkpoint_write(tmp_path):
         def swept() -> bool:
             return not folder.exists() and not list(folder.parent.glob(".trash-t-*"))
 
-        deadline = time.monotonic() + 15
-        while not swept() and time.monotonic() < deadline:
-            time.sleep(0.25)
-        assert swept()
+        wait_until(swept, "the expiry sweeper removes the expired checkpoint")
         with sqlite3.connect(database(srv.data_dir)) as db:
             assert db.execute("SELECT COUNT(*) FROM checkpoints WHERE model_id=? AND checkpoint_id='weights/t'",
                               (run,)).fetchone()[0] == 0
@@ -180,7 +177,7 @@ def test_every_crash_point_of_a_checkpoint_write(tmp_path):
             folder = checkpoint_dir(srv, cp.tinker_path)
             read_checkpoint(folder, with_optimizer=True)  # checksums
             assert cp.size_bytes == sum(f.stat().st_size for f in folder.iterdir())
-        with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY) as sc:
+        with srv.client(KEY) as sc:
             for point in ("checkpoint.between_renames", "checkpoint.before_record"):
                 resumed = sc.create_training_client_from_state_with_optimizer(acked[point][0]).result()
                 assert len(logprobs_of(resumed.forward(sft_batch(2, seed=3), "cross_entropy").result())) == 2

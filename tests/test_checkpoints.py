@@ -27,19 +27,11 @@ from hosted_tinker.checkpoints.format import (
     restore_adapter,
     save_adapter,
 )
-from test_multi_lora import VOCAB, ce_work, logits, random_seqs, randomize_b, tiny_qwen3, tiny_runtime
+from tiny_model import TINY_VOCAB as VOCAB, ce_work, logits, one_torch_thread, random_seqs, randomize_b, tiny_qwen3, \
+    tiny_runtime  # noqa: F401 (one_torch_thread: an autouse fixture)
 
 PARAMS = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 CFG = LoRAConfig(rank=4, seed=3)  # attn + mlp + unembed
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny matrices: one intra-op thread avoids OpenMP spin contention on small shared CPUs."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 def train_steps(rt, model_id: str, steps: int, seed: int = 0) -> None:

@@ -33,14 +33,14 @@ def run_cli(server, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def trained(server):
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=2).result()
-    for i in range(3):
-        tc.forward_backward(sft_batch(4, seed=20 + i), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    state = tc.save_state("cli-state").result().path
-    sampler = tc.save_weights_for_sampler("cli-sampler").result().path
-    return sc, tc, state, sampler
+    with server.client(KEY) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=2).result()
+        for i in range(3):
+            tc.forward_backward(sft_batch(4, seed=20 + i), "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        state = tc.save_state("cli-state").result().path
+        sampler = tc.save_weights_for_sampler("cli-sampler").result().path
+        yield sc, tc, state, sampler
 
 
 def test_checkpoint_list(server, trained, tmp_path):

@@ -137,7 +137,6 @@ def test_cookbook_datum_builders_train_with_stable_reinforce(rl_server):
     """The cookbook's own datum builders against recorded samples: rl_loop's with_sampled_provenance
     (the path its GSM8K run cannot reach with a random model) and rl/data_processing's
     trajectory_to_data on a two-turn trajectory, where turn 2's observation extends turn 1's."""
-    import tinker
     from tinker import types
     from tinker_cookbook.completers import TokensWithLogprobs
     from tinker_cookbook.recipes.rl_loop import with_sampled_provenance
@@ -145,7 +144,7 @@ def test_cookbook_datum_builders_train_with_stable_reinforce(rl_server):
     from tinker_cookbook.rl.types import Trajectory, Transition
 
     srv, _ = rl_server
-    with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-cookbook-rl") as sc:
+    with srv.client("tml-cookbook-rl") as sc:
         tc = sc.create_lora_training_client(base_model=MODEL, rank=8).result()
         sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
         params = types.SamplingParams(max_tokens=4, stop=[])

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-import tinker
 
 from helpers import database
 from server_process import ServerProcess
@@ -93,7 +92,7 @@ def test_ten_random_kills(tmp_path):
             for loss in seen_losses:
                 assert loss == pytest.approx(reference[step], rel=1e-6), (step, seen_losses, reference[step])
         # every acknowledged checkpoint loads
-        with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-crash") as sc:  # closed before the server
+        with srv.client("tml-crash") as sc:  # closed before the server
             for path, _ in acknowledged:
                 tc = sc.create_training_client_from_state_with_optimizer(path).result()
                 assert tc.get_info().lora_rank == 8

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import tinker
 from tinker import types
 
 from helpers import BASE_MODEL, sft_batch
@@ -29,7 +28,7 @@ ALICE, BOB = "tml-dashboard-alice", "tml-dashboard-bob"
 
 
 def _train(server: ServerProcess, key: str, steps: int) -> tuple[str, list[float]]:
-    with tinker.ServiceClient(base_url=server.base_url, api_key=key) as sc:
+    with server.client(key) as sc:
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         losses = []
         for step in range(steps):

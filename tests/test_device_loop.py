@@ -20,7 +20,7 @@ from hosted_tinker.sampling.backend import SamplingBackend
 from hosted_tinker.scheduler import ClockCycleScheduler, CyclePlan, Request
 from hosted_tinker.store import Store
 
-WAIT = 10.0  # bound on anything that should happen at once; never reached when all is well
+WAIT = 120.0  # hang guard on anything that should happen at once; never reached when all is well
 
 
 class CycleLog:

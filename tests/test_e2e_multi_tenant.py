@@ -6,44 +6,35 @@ into shared cycles, and each model's results must be exactly those of a solo run
 
 from __future__ import annotations
 
-import re
 import threading
 
 import httpx
 import pytest
-import tinker
 from safetensors.torch import load_file
 from tinker import types
 
-from helpers import BASE_MODEL, checkpoint_dir, sft_batch
+from helpers import BASE_MODEL, checkpoint_dir, metric, sft_batch
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
 ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
-
-
-def metric(server, name: str) -> float:
-    """Summed over its label sets (a served model's series carry its base_model)."""
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    values = re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
-    assert values, f"{name} missing from /metrics"
-    return sum(map(float, values))
+WARM_UP_STEPS = 20  # bound on the steps the server may need to learn that a client pipelines (1 or 2)
 
 
 def train(server, key: str, rank: int, seed: int, steps: int, barrier: threading.Barrier | None = None,
           data_seed: int = 0) -> tuple[list[float], dict]:
     """One client's loop (pipelined fb + optim); returns its losses and saved training state."""
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key=key)
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=rank, seed=seed).result()
-    losses = []
-    for step in range(steps):
-        if barrier is not None:
-            barrier.wait()
-        fb = tc.forward_backward(sft_batch(2 + seed % 3, seed=data_seed * 1000 + step), "cross_entropy")
-        opt = tc.optim_step(ADAM)
-        losses.append(fb.result().metrics["loss:sum"])
-        opt.result()
-    path = tc.save_state("final").result().path
+    with server.client(key) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=rank, seed=seed).result()
+        losses = []
+        for step in range(steps):
+            if barrier is not None:
+                barrier.wait()
+            fb = tc.forward_backward(sft_batch(2 + seed % 3, seed=data_seed * 1000 + step), "cross_entropy")
+            opt = tc.optim_step(ADAM)
+            losses.append(fb.result().metrics["loss:sum"])
+            opt.result()
+        path = tc.save_state("final").result().path
     d = checkpoint_dir(server, path)
     state = {**load_file(str(d / "adapter_model.safetensors")), **load_file(str(d / "optimizer.safetensors"))}
     return losses, state, tc.model_id
@@ -111,20 +102,35 @@ def test_eight_concurrent_clients_match_their_solo_runs(server):
 
 
 def test_pipelined_client_uses_one_cycle_per_step(tmp_path):
-    # A generous gather window keeps this deterministic on a loaded CI machine.
-    srv = ServerProcess(tmp_path / "srv", args=("--gather-window-s", "1.0")).start()
+    """A client that posts optim_step right after forward_backward costs one cycle per step; one
+    that waits for each result, two. Nothing here depends on timing: with an hour-long gather
+    window, once the server has learned that a client pipelines (on /metrics; the warm-up goes
+    on until then) each of its fbs is held until its optim_step arrives; a client that waits for
+    its results is never taken for a pipelining one; and a cycle counts before it answers, so a
+    count read after the last result includes that result's cycle."""
+    srv = ServerProcess(tmp_path / "srv", args=("--gather-window-s", "3600")).start()
     try:
-        sc = tinker.ServiceClient(base_url=srv.base_url, api_key="tml-cycles")
+        sc = srv.client("tml-cycles")
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
-        batch = sft_batch(4)
-        for _ in range(2):  # warm-up: the server learns that this client pipelines
+
+        def pipelined_step(batch) -> None:
             fb, opt = tc.forward_backward(batch, "cross_entropy"), tc.optim_step(ADAM)
             fb.result(), opt.result()
+
+        # The server learns that a client pipelines from an optim_step that arrives while its fb
+        # runs: a long pass (~7k tokens) makes that the rule; a warm-up step that missed is retried.
+        long_pass = sft_batch(64, seed=1, min_len=100, max_len=128)
+        for _ in range(WARM_UP_STEPS):
+            pipelined_step(long_pass)
+            if metric(srv, "hosted_tinker_pipelining_models") == 1:
+                break
+        else:
+            pytest.fail(f"the server did not learn in {WARM_UP_STEPS} steps that the client pipelines")
+        batch = sft_batch(4)
         steps = 8
         before = metric(srv, "hosted_tinker_cycles_total")
         for _ in range(steps):
-            fb, opt = tc.forward_backward(batch, "cross_entropy"), tc.optim_step(ADAM)
-            fb.result(), opt.result()
+            pipelined_step(batch)
         pipelined = metric(srv, "hosted_tinker_cycles_total") - before
 
         naive_tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()

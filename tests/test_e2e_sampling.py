@@ -31,12 +31,12 @@ def sample(client, params, num_samples=1, tokens=PROMPT, **kw):
 @pytest.fixture(scope="module")
 def trained(server):
     """A model trained away from the base, plus a sampling client on its current weights."""
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key="tml-sampling")
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=2).result()
-    for _ in range(4):
-        tc.forward_backward(sft_batch(4, seed=9), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    return sc, tc
+    with server.client("tml-sampling") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=2).result()
+        for _ in range(4):
+            tc.forward_backward(sft_batch(4, seed=9), "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        yield sc, tc
 
 
 def test_sampled_and_computed_logprobs_equal_training_logprobs(trained):
@@ -54,15 +54,15 @@ def test_sampled_and_computed_logprobs_equal_training_logprobs(trained):
 
 
 def test_untrained_adapter_samples_exactly_like_the_base_model(server):
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key="tml-sampling")
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8).result()
-    fresh = tc.save_weights_and_get_sampling_client().result()
-    base = sc.create_sampling_client(base_model=BASE_MODEL).result()
-    a = sample(fresh, types.SamplingParams(max_tokens=12, seed=1), include_prompt_logprobs=True)
-    b = sample(base, types.SamplingParams(max_tokens=12, seed=1), include_prompt_logprobs=True)
-    assert a.sequences[0].tokens == b.sequences[0].tokens
-    assert a.sequences[0].logprobs == b.sequences[0].logprobs
-    assert a.prompt_logprobs == b.prompt_logprobs
+    with server.client("tml-sampling") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8).result()
+        fresh = tc.save_weights_and_get_sampling_client().result()
+        base = sc.create_sampling_client(base_model=BASE_MODEL).result()
+        a = sample(fresh, types.SamplingParams(max_tokens=12, seed=1), include_prompt_logprobs=True)
+        b = sample(base, types.SamplingParams(max_tokens=12, seed=1), include_prompt_logprobs=True)
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        assert a.sequences[0].logprobs == b.sequences[0].logprobs
+        assert a.prompt_logprobs == b.prompt_logprobs
 
 
 def test_sampling_client_is_a_snapshot(trained):
@@ -85,8 +85,8 @@ def test_sampling_client_is_a_snapshot(trained):
 
 @pytest.fixture(scope="module")
 def base(server):
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key="tml-sampling")
-    return sc.create_sampling_client(base_model=BASE_MODEL).result()
+    with server.client("tml-sampling") as sc:
+        yield sc.create_sampling_client(base_model=BASE_MODEL).result()
 
 
 def test_max_tokens_and_length_stop_reason(base):
@@ -151,16 +151,16 @@ def test_stop_token_ids_and_strings(server, base):
 
 
 def test_eos_stops_by_default_and_empty_stop_disables_it(server):
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key="tml-sampling")
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8).result()
-    for _ in range(15):  # teach it to end right after the prompt
-        tc.forward_backward([sft_datum(PROMPT + [IM_END])], "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    client = tc.save_weights_and_get_sampling_client().result()
-    eos = sample(client, greedy(8)).sequences[0]
-    assert eos.tokens == [IM_END] and eos.stop_reason == "stop"
-    no_stop = sample(client, greedy(8, stop=[])).sequences[0]
-    assert len(no_stop.tokens) == 8 and no_stop.stop_reason == "length" and no_stop.tokens[0] == IM_END
+    with server.client("tml-sampling") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8).result()
+        for _ in range(15):  # teach it to end right after the prompt
+            tc.forward_backward([sft_datum(PROMPT + [IM_END])], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        client = tc.save_weights_and_get_sampling_client().result()
+        eos = sample(client, greedy(8)).sequences[0]
+        assert eos.tokens == [IM_END] and eos.stop_reason == "stop"
+        no_stop = sample(client, greedy(8, stop=[])).sequences[0]
+        assert len(no_stop.tokens) == 8 and no_stop.stop_reason == "length" and no_stop.tokens[0] == IM_END
 
 
 def test_prompt_logprobs_topk_last_n_and_sequence_ids(base):
@@ -194,26 +194,26 @@ def test_bad_sampling_requests_are_clear_400s(server, base):
 
 def test_rl_loop_raises_reward(server):
     """sample -> reward -> importance_sampling -> optim: learn to emit chosen tokens (ids < 128)."""
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key="tml-rl")
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=16, seed=0).result()
-    rewards = []
-    for _ in range(30):
-        client = tc.save_weights_and_get_sampling_client().result()
-        out = sample(client, types.SamplingParams(max_tokens=4, temperature=1.0, stop=[]), num_samples=16)
-        r = np.array([sum(t < 128 for t in s.tokens) / 4 for s in out.sequences])
-        rewards.append(float(r.mean()))
-        adv = r - r.mean()
-        data = []
-        for s, a in zip(out.sequences, adv):
-            full = PROMPT + list(s.tokens)
-            n_prompt = len(PROMPT) - 1
-            data.append(types.Datum(
-                model_input=types.ModelInput.from_ints(full[:-1]),
-                loss_fn_inputs={"target_tokens": full[1:],
-                                "logprobs": [0.0] * n_prompt + list(s.logprobs),
-                                "advantages": [0.0] * n_prompt + [float(a)] * len(s.tokens)}))
-        if np.any(adv != 0):
-            tc.forward_backward(data, "importance_sampling").result()
-            tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
-    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
-    assert last > first + 0.25, rewards  # from ~0.125 (chance) to well above
+    with server.client("tml-rl") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=16, seed=0).result()
+        rewards = []
+        for _ in range(30):
+            client = tc.save_weights_and_get_sampling_client().result()
+            out = sample(client, types.SamplingParams(max_tokens=4, temperature=1.0, stop=[]), num_samples=16)
+            r = np.array([sum(t < 128 for t in s.tokens) / 4 for s in out.sequences])
+            rewards.append(float(r.mean()))
+            adv = r - r.mean()
+            data = []
+            for s, a in zip(out.sequences, adv):
+                full = PROMPT + list(s.tokens)
+                n_prompt = len(PROMPT) - 1
+                data.append(types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={"target_tokens": full[1:],
+                                    "logprobs": [0.0] * n_prompt + list(s.logprobs),
+                                    "advantages": [0.0] * n_prompt + [float(a)] * len(s.tokens)}))
+            if np.any(adv != 0):
+                tc.forward_backward(data, "importance_sampling").result()
+                tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+        first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+        assert last > first + 0.25, rewards  # from ~0.125 (chance) to well above

@@ -14,8 +14,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
-from conftest import API_KEY
-from helpers import BASE_MODEL, VOCAB, logprobs_of, read_adapter, sft_batch, sft_datum
+from helpers import API_KEY, BASE_MODEL, logprobs_of, read_adapter, sft_batch, sft_datum
 
 pytestmark = pytest.mark.e2e
 ADAM = types.AdamParams(learning_rate=1e-2)

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import openai
 import pytest
 
-from helpers import BASE_MODEL
+from helpers import BASE_MODEL, WAIT, wait_until
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -52,17 +51,6 @@ def metrics(srv) -> dict[str, float]:
             name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
             out[name] = out.get(name, 0.0) + value
     return out
-
-
-def until(predicate, what: str, timeout: float = 300.0):
-    """Poll the server until `predicate` holds; the timeout only guards against a hang."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"never happened: {what}")
 
 
 def open_request(srv, key: str, body: dict) -> socket.socket:
@@ -149,11 +137,11 @@ def asample(srv, key: str, sampler: str, seq_id: int, num_samples: int = 1, max_
 
 
 def test_one_request_is_bounded(srv):
-    oai = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=A, max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="max_prompts_per_request"):
-        oai.completions.create(model=BASE_MODEL, prompt=[[1, 2]] * 5, max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="max_sampled_tokens_per_request"):
-        oai.completions.create(model=BASE_MODEL, prompt=[[1, 2]] * 4, n=16, max_tokens=2000)
+    with openai.OpenAI(base_url=srv.base_url + "/v1", api_key=A, max_retries=0) as oai:
+        with pytest.raises(openai.BadRequestError, match="max_prompts_per_request"):
+            oai.completions.create(model=BASE_MODEL, prompt=[[1, 2]] * 5, max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="max_sampled_tokens_per_request"):
+            oai.completions.create(model=BASE_MODEL, prompt=[[1, 2]] * 4, n=16, max_tokens=2000)
     r = asample(srv, A, sampling_session(srv, A), 0, num_samples=64, max_tokens=2000)
     assert r.status_code == 400 and "max_sampled_tokens_per_request" in r.json()["detail"], r.text
 
@@ -162,34 +150,34 @@ def test_abandoned_requests_are_cancelled_and_others_answered(srv):
     """The client of a long completion leaves: its rows are dropped, and B's 1-token request is answered."""
     before = metrics(srv)
     sock = open_request(srv, A, LONG)
-    until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == rows_of(LONG), "the long request decoding")
+    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == rows_of(LONG), "the long request decoding")
     sock.close()
-    after = until(lambda: (m := metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
+    after = wait_until(lambda: (m := metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
                   == before["hosted_tinker_sampling_requests_cancelled_total"] + len(LONG["prompt"]) and m,
                   "the long request cancelled")
     assert after["hosted_tinker_sampling_active_sequences"] == 0
     generated = after["hosted_tinker_sampled_tokens_total"] - before["hosted_tinker_sampled_tokens_total"]
     assert generated < rows_of(LONG) * LONG["max_tokens"]  # it did not run to its end
-    oai_b = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=B, max_retries=0, timeout=120)
-    assert oai_b.completions.create(model=BASE_MODEL, prompt=[1, 2, 3], max_tokens=1).usage.completion_tokens == 1
+    with openai.OpenAI(base_url=srv.base_url + "/v1", api_key=B, max_retries=0, timeout=WAIT) as oai_b:
+        assert oai_b.completions.create(model=BASE_MODEL, prompt=[1, 2, 3], max_tokens=1).usage.completion_tokens == 1
 
     # the same when a streaming client leaves after the first chunk
     before = after
-    oai_a = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=A, max_retries=0)
-    with oai_a.completions.create(stream=True, **{k: v for k, v in LONG.items() if k != "ignore_eos"},
-                                  extra_body={"ignore_eos": True}) as stream:
+    with openai.OpenAI(base_url=srv.base_url + "/v1", api_key=A, max_retries=0) as oai_a, \
+            oai_a.completions.create(stream=True, **{k: v for k, v in LONG.items() if k != "ignore_eos"},
+                                     extra_body={"ignore_eos": True}) as stream:
         next(iter(stream))
-    until(lambda: metrics(srv)["hosted_tinker_sampling_requests_cancelled_total"]
+    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_requests_cancelled_total"]
           == before["hosted_tinker_sampling_requests_cancelled_total"] + len(LONG["prompt"]),
           "the streamed request cancelled")
-    until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "its rows dropped")
+    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "its rows dropped")
 
 
 def test_sampling_in_flight_is_bounded_per_key(srv):
     """Two requests in flight is A's limit, for OpenAI and asample alike; B is not affected."""
     socks = [open_request(srv, A, LONG) for _ in range(2)]
     try:
-        until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 2 * rows_of(LONG), "both decoding")
+        wait_until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 2 * rows_of(LONG), "both decoding")
         r = httpx.post(srv.base_url + "/v1/completions", json={"model": BASE_MODEL, "prompt": "hi", "max_tokens": 1},
                        headers={"Authorization": f"Bearer {A}"}, timeout=60)
         assert r.status_code == 429 and "max_sampling_requests_per_key = 2" in r.json()["error"]["message"], r.text
@@ -200,5 +188,5 @@ def test_sampling_in_flight_is_bounded_per_key(srv):
     finally:
         for sock in socks:
             sock.close()
-    until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "A's requests cancelled")
+    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "A's requests cancelled")
     assert asample(srv, A, sampling_session(srv, A), 0).status_code == 200  # the allowance came back

@@ -80,7 +80,7 @@ def test_requests_never_touch_sqlite_on_the_event_loop(watched_server):
                        sampling_params=types.SamplingParams(max_tokens=2)).result()
         rest = tinker.RestClient(base_url=url, api_key=KEY)
         assert rest.list_training_runs().result().training_runs
-        oai = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-        assert oai.completions.create(model=path, prompt=[1, 2], max_tokens=1).choices
-        assert oai.models.list().data
+        with openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as oai:
+            assert oai.completions.create(model=path, prompt=[1, 2], max_tokens=1).choices
+            assert oai.models.list().data
     assert watched.on_loop == []

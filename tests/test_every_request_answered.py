@@ -26,7 +26,7 @@ def test_a_fault_after_the_fused_pass_fails_that_request_and_the_server_goes_on(
     Now it fails with category "server" and a message, and the next request is served."""
     srv = ServerProcess(tmp_path / "srv", env={"HOSTED_TINKER_FAULTS": "after_forward_backward:1"}).start()
     try:
-        with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-fault") as sc:
+        with srv.client("tml-fault") as sc:
             tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result(timeout=ANSWER_WITHIN)
             with pytest.raises(tinker.RequestFailedError) as failed:
                 tc.forward_backward(sft_batch(2), "cross_entropy").result(timeout=ANSWER_WITHIN)

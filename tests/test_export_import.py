@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tinker import types
 
-from helpers import BASE_MODEL, database, logprobs_of, model_dir, sft_batch
+from helpers import BASE_MODEL, database, logprobs_of, model_dir, sft_batch, tar_bytes
 from hosted_tinker.export import ExportError, export_checkpoint, import_adapter
 from server_process import ServerProcess
 
@@ -69,12 +69,12 @@ def fresh(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def source(server):
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key=KEY_A)
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=4).result()
-    for i in range(3):
-        tc.forward_backward(sft_batch(4, seed=40 + i), "cross_entropy").result()
-        tc.optim_step(ADAM).result()
-    return sc, tc, tc.save_state("exported").result().path
+    with server.client(KEY_A) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=4).result()
+        for i in range(3):
+            tc.forward_backward(sft_batch(4, seed=40 + i), "cross_entropy").result()
+            tc.optim_step(ADAM).result()
+        yield sc, tc, tc.save_state("exported").result().path
 
 
 def make_peft_adapter(server, out: Path, rank: int = 4):
@@ -123,7 +123,7 @@ def test_export_then_import_on_a_fresh_server_is_exact(server, fresh, source, tm
 
     imported = ok(hosted_tinker("import", str(out), "--name", "back", server=fresh, key=KEY_B))
     assert imported.startswith("tinker://import-") and imported.endswith("/weights/back")
-    sc_b = tinker.ServiceClient(base_url=fresh.base_url, api_key=KEY_B)
+    sc_b = fresh.client(KEY_B)
     batch = sft_batch(4, seed=31)
     want = logprobs_of(tc.forward(batch, "cross_entropy").result())
     got = logprobs_of(sc_b.create_training_client_from_state(imported).result().forward(batch, "cross_entropy").result())
@@ -167,7 +167,7 @@ def test_peft_made_adapter_imports_and_trains(fresh, peft_dir):
     adapter, batch, want = peft_dir
     answer = import_adapter(adapter, name="peft-made", base_url=fresh.base_url, api_key=KEY_B)
     assert answer["lora_rank"] == 4 and answer["has_optimizer"] is False
-    sc = tinker.ServiceClient(base_url=fresh.base_url, api_key=KEY_B)
+    sc = fresh.client(KEY_B)
     tc = sc.create_training_client_from_state(answer["tinker_path"]).result()
     assert tc.get_info().lora_rank == 4
     for a, b in zip(logprobs_of(tc.forward(batch, "cross_entropy").result()), want):
@@ -181,18 +181,6 @@ def test_peft_made_adapter_imports_and_trains(fresh, peft_dir):
     saved = tc.save_state("peft-continued").result().path
     cfg = json.loads((fresh.data_dir / "checkpoints" / saved[len("tinker://"):] / "adapter_config.json").read_text())
     assert sorted(cfg["target_modules"]) == ["q_proj", "v_proj"]
-
-
-def _tar(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        for info in extra:
-            tar.addfile(info)
-    return buf.getvalue()
 
 
 def _bad_cases(adapter: Path) -> list[tuple[str, bytes, str]]:
@@ -213,19 +201,19 @@ def _bad_cases(adapter: Path) -> list[tuple[str, bytes, str]]:
 
     return [
         ("not-a-tar", b"this is not a tar archive at all" * 40, "not a tar archive"),
-        ("unsafe-path", _tar({"../adapter_config.json": good["adapter_config.json"],
+        ("unsafe-path", tar_bytes({"../adapter_config.json": good["adapter_config.json"],
                               "adapter_model.safetensors": weights}), "unsafe path"),
-        ("absolute-path", _tar({"/tmp/adapter_config.json": good["adapter_config.json"]}), "unsafe path"),
-        ("symlink", _tar({"adapter_config.json": good["adapter_config.json"]}, [link]), "not a regular file"),
-        ("no-weights", _tar({"adapter_config.json": good["adapter_config.json"]}), "needs adapter_config.json"),
-        ("pickle", _tar({"adapter_config.json": good["adapter_config.json"], "adapter_model.bin": b"\x80\x04"}),
+        ("absolute-path", tar_bytes({"/tmp/adapter_config.json": good["adapter_config.json"]}), "unsafe path"),
+        ("symlink", tar_bytes({"adapter_config.json": good["adapter_config.json"]}, [link]), "not a regular file"),
+        ("no-weights", tar_bytes({"adapter_config.json": good["adapter_config.json"]}), "needs adapter_config.json"),
+        ("pickle", tar_bytes({"adapter_config.json": good["adapter_config.json"], "adapter_model.bin": b"\x80\x04"}),
          "pickle"),
-        ("wrong-rank", _tar({**good, "adapter_config.json": json.dumps({**cfg, "r": 8}).encode()}), "do not fit"),
-        ("foreign-module", _tar({**good, "adapter_model.safetensors": st(extra)}), "does not fit the served base model"),
-        ("some-layers", _tar({**good, "adapter_model.safetensors": st(some)}), "leaves out"),
-        ("dora", _tar({**good, "adapter_config.json": json.dumps({**cfg, "use_dora": True}).encode()}), "use_dora"),
-        ("optimizer-without-manifest", _tar({**good, "optimizer.safetensors": weights}), "without the manifest.json"),
-        ("bad-json", _tar({**good, "adapter_config.json": b"{not json"}), "not valid JSON"),
+        ("wrong-rank", tar_bytes({**good, "adapter_config.json": json.dumps({**cfg, "r": 8}).encode()}), "do not fit"),
+        ("foreign-module", tar_bytes({**good, "adapter_model.safetensors": st(extra)}), "does not fit the served base model"),
+        ("some-layers", tar_bytes({**good, "adapter_model.safetensors": st(some)}), "leaves out"),
+        ("dora", tar_bytes({**good, "adapter_config.json": json.dumps({**cfg, "use_dora": True}).encode()}), "use_dora"),
+        ("optimizer-without-manifest", tar_bytes({**good, "optimizer.safetensors": weights}), "without the manifest.json"),
+        ("bad-json", tar_bytes({**good, "adapter_config.json": b"{not json"}), "not valid JSON"),
     ]
 
 
@@ -240,7 +228,7 @@ def test_bad_imports_are_refused_and_leave_nothing(fresh, peft_dir):
             assert r.status_code == 400 and needle in r.json()["detail"], (case, r.status_code, r.text)
         r = http.post(url, params={"name": "empty"}, content=b"")
         assert r.status_code == 400 and "empty upload" in r.json()["detail"]
-        good = _tar({n: (adapter / n).read_bytes() for n in ("adapter_config.json", "adapter_model.safetensors")})
+        good = tar_bytes({n: (adapter / n).read_bytes() for n in ("adapter_config.json", "adapter_model.safetensors")})
         r = http.post(url, params={"name": "../escape"}, content=good)
         assert r.status_code == 400 and "invalid checkpoint name" in r.json()["detail"]
         # names are unique per run unless overwrite is asked for; another key's run is not found
@@ -304,7 +292,7 @@ def test_hostile_manifests_are_refused_without_reading_other_files(fresh, peft_d
     details = {}
     with httpx.Client(timeout=60, headers={"X-API-Key": KEY_B}) as http:
         for case, manifest, needle in cases:
-            r = http.post(url, params={"name": f"hostile-{case}"}, content=_tar({**files, "manifest.json": manifest}))
+            r = http.post(url, params={"name": f"hostile-{case}"}, content=tar_bytes({**files, "manifest.json": manifest}))
             assert r.status_code == 400 and needle in r.json()["detail"], (case, r.status_code, r.text[:300])
             assert str(fresh.data_dir) not in r.text and "/tmp" not in r.text, (case, r.text[:300])
             details[case] = r.json()["detail"]
@@ -313,7 +301,7 @@ def test_hostile_manifests_are_refused_without_reading_other_files(fresh, peft_d
         assert details["server-file"].replace("/etc/passwd", "X") == \
             details["missing-server-file"].replace("/etc/no-such-file", "X")
         # the same files with an honest manifest import, keeping its step but not its created_at
-        r = http.post(url, params={"name": "honest-manifest"}, content=_tar({**files, "manifest.json": _manifest(files)}))
+        r = http.post(url, params={"name": "honest-manifest"}, content=tar_bytes({**files, "manifest.json": _manifest(files)}))
         assert r.status_code == 200, r.text
         stored = fresh.data_dir / "checkpoints" / r.json()["tinker_path"][len("tinker://"):] / "manifest.json"
         assert json.loads(stored.read_text())["step"] == 3
@@ -370,22 +358,22 @@ def test_import_limits_and_hostile_state_left_on_disk(tmp_path):
         adapters = {}
         for name, rank in (("wide", 32), ("narrow", 4)):
             make_peft_adapter(srv, tmp_path / name, rank=rank)
-            adapters[name] = _tar({n: (tmp_path / name / n).read_bytes()
+            adapters[name] = tar_bytes({n: (tmp_path / name / n).read_bytes()
                                    for n in ("adapter_config.json", "adapter_model.safetensors")})
         config = (tmp_path / "narrow" / "adapter_config.json").read_bytes()
         hostile = [
             ("gzip-bomb", _gzip_bomb("adapter_model.safetensors", 64 << 20), 413, "once decompressed"),
             ("sparse-bomb", _sparse_bomb("adapter_model.safetensors", 1 << 30), 400, "not a regular file"),
-            ("many-entries", _tar({f"f{i}.txt": b"" for i in range(100)}), 400, "more than 64 entries"),
-            ("hard-link", _tar({"adapter_config.json": config},
+            ("many-entries", tar_bytes({f"f{i}.txt": b"" for i in range(100)}), 400, "more than 64 entries"),
+            ("hard-link", tar_bytes({"adapter_config.json": config},
                                [_member("adapter_model.safetensors", tarfile.LNKTYPE, linkname="adapter_config.json")]),
              400, "not a regular file"),
-            ("device", _tar({"adapter_config.json": config},
+            ("device", tar_bytes({"adapter_config.json": config},
                             [_member("adapter_model.safetensors", tarfile.CHRTYPE, devmajor=1, devminor=5)]),
              400, "not a regular file"),
-            ("fifo", _tar({"adapter_config.json": config}, [_member("adapter_model.safetensors", tarfile.FIFOTYPE)]),
+            ("fifo", tar_bytes({"adapter_config.json": config}, [_member("adapter_model.safetensors", tarfile.FIFOTYPE)]),
              400, "not a regular file"),
-            ("huge-json", _tar({"adapter_config.json": config[:-1] + b', "x": "' + b"y" * (2 << 20) + b'"}',
+            ("huge-json", tar_bytes({"adapter_config.json": config[:-1] + b', "x": "' + b"y" * (2 << 20) + b'"}',
                                 "adapter_model.safetensors": b"{}"}), 400, "at most"),
         ]
         url = f"{srv.base_url}/api/v1/checkpoints/import"
@@ -423,7 +411,7 @@ def test_import_limits_and_hostile_state_left_on_disk(tmp_path):
         with httpx.Client(timeout=60, headers={"X-API-Key": KEY_B}) as http:
             r = http.post(url, params={"name": "wide-again"}, content=adapters["wide"])
             assert r.status_code == 400 and "above this server's limit of 16" in r.json()["detail"], r.text
-        with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY_B) as sc:
+        with srv.client(KEY_B) as sc:
             with pytest.raises(tinker.BadRequestError, match="above this server's limit of 16"):
                 sc.create_training_client_from_state(wide).result()
             with pytest.raises(tinker.BadRequestError, match="above this server's limit of 16"):

@@ -14,7 +14,7 @@ from hosted_tinker.runtime import torch_compat
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import FusionPolicy, RowIndependenceProbe, probe_blocks, same_bits
 from hosted_tinker.runtime.multi_lora import LoRARouting
-from test_multi_lora import ce_work, grads, random_seqs, randomize_b, tiny_runtime
+from tiny_model import ce_work, grads, random_seqs, randomize_b, tiny_runtime
 
 
 def test_row_probe_refuses_a_batch_dependent_computation_and_proves_a_row_wise_one():

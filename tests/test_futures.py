@@ -185,11 +185,16 @@ def test_fail_interrupted_futures_marks_pending_as_server_failures(db_path):
 
 
 def test_prune_keeps_results_reachable_through_sqlite(store):
-    """prune() drops old in-memory results, but lookup still finds them in SQLite."""
-    futures = FutureStore(store, keep_in_memory_s=0.0)
+    """prune() drops in-memory results older than the keep window (and only those), but lookup
+    still finds them in SQLite."""
+    now = [1000.0]
+    futures = FutureStore(store, keep_in_memory_s=60.0, clock=lambda: now[0])
     rid, _ = futures.create("alice", "forward", "m1", 0)
     futures.resolve(rid, {"v": 1})
-    time.sleep(0.01)
+    now[0] += 60.0
+    futures.prune()
+    assert rid in futures._results  # not older than the window yet
+    now[0] += 0.001
     futures.prune()
     assert rid not in futures._results
     assert json.loads(futures.lookup(rid).payload) == {"v": 1}

@@ -17,7 +17,6 @@ from collections import Counter
 import httpx
 import numpy as np
 import pytest
-import tinker
 import zstandard
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
@@ -40,7 +39,7 @@ ADAM = types.AdamParams(learning_rate=1e-2)
 # Per operation and generation mode; ~43 operations x (30 + 20) - the unsatisfiable ones >= 2,000.
 POSITIVE_EXAMPLES, NEGATIVE_EXAMPLES = 35, 25
 MIN_SCHEMA_REQUESTS, MIN_PROTO_REQUESTS = 2000, 1000
-REQUEST_TIMEOUT = 30.0  # a request slower than this is a hang
+REQUEST_TIMEOUT = 120.0  # a request slower than this is a hang (each takes well under a second)
 # A fresh seed each run (a fuzzer should explore); FUZZ_SEED=<n> replays a run, whose seed is printed.
 SEED = int(os.environ.get("FUZZ_SEED") or random.randrange(2**32))
 
@@ -54,7 +53,7 @@ def srv(tmp_path_factory):
 
 def train_fixed(srv, key: str, steps: int = 5) -> list[float]:
     """A fresh model trained on one fixed batch; its loss after each step."""
-    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=key)
+    sc = srv.client(key)
     tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
     batch = sft_batch(4, seed=42)
     losses = []
@@ -97,16 +96,16 @@ class Tally:
 @pytest.fixture(scope="module")
 def fuzz_world(srv):
     """Real objects the fuzzers may aim at, so that some requests get past the 404s."""
-    sc = tinker.ServiceClient(base_url=srv.base_url, api_key=FUZZ_KEY)
+    sc = srv.client(FUZZ_KEY)
     tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
     tc.forward_backward(sft_batch(2), "cross_entropy").result()
     tc.optim_step(ADAM).result()
     state = tc.save_state("fuzz-state").result().path
     sampler_path = tc.save_weights_for_sampler("fuzz-sampler").result().path
     sampler = sc.create_sampling_client(base_model=BASE_MODEL).result()
-    pb_tc = tinker.ServiceClient(base_url=srv.base_url, api_key=PB_KEY).create_lora_training_client(
+    pb_tc = srv.client(PB_KEY).create_lora_training_client(
         base_model=BASE_MODEL, rank=2).result()
-    other = tinker.ServiceClient(base_url=srv.base_url, api_key=OTHER_KEY).create_lora_training_client(
+    other = srv.client(OTHER_KEY).create_lora_training_client(
         base_model=BASE_MODEL, rank=2).result()
     return {
         "model_id": tc.model_id,
@@ -133,7 +132,7 @@ def test_fuzz_then_train(srv, fuzz_world):
     print(f"[fuzz] total {schema_tally.sent + proto_tally.sent} requests")
 
     assert srv.proc.poll() is None, srv.log()
-    assert httpx.get(f"{srv.base_url}/api/v1/healthz", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(f"{srv.base_url}/api/v1/healthz", timeout=60).json() == {"status": "ok"}
     failures = schema_tally.failures + proto_tally.failures
     assert not failures, f"{len(failures)} bad answers, e.g.:\n" + "\n".join(failures[:15])
     assert schema_tally.sent >= MIN_SCHEMA_REQUESTS
@@ -232,19 +231,20 @@ def run_schemathesis(srv, world: dict) -> Tally:
                 raise
             tally.failures.append(f"not_a_server_error on {what}: {str(e)[:300]}")
 
-    for op in operations:
-        for mode, n in ((GenerationMode.POSITIVE, POSITIVE_EXAMPLES), (GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES)):
-            @settings(max_examples=n, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
-            @seed(SEED)
-            @given(case=op.as_strategy(generation_mode=mode), key=keys, aim=st.integers(0, 9))
-            def fuzz(case, key, aim):
-                send(case, key, aim)
+    with session:  # closed however the fuzzing ends
+        for op in operations:
+            for mode, n in ((GenerationMode.POSITIVE, POSITIVE_EXAMPLES), (GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES)):
+                @settings(max_examples=n, deadline=None, database=None,
+                          suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+                @seed(SEED)
+                @given(case=op.as_strategy(generation_mode=mode), key=keys, aim=st.integers(0, 9))
+                def fuzz(case, key, aim):
+                    send(case, key, aim)
 
-            try:
-                fuzz()
-            except Unsatisfiable:  # nothing about this operation can be made invalid
-                pass
+                try:
+                    fuzz()
+                except Unsatisfiable:  # nothing about this operation can be made invalid
+                    pass
     return tally
 
 
@@ -415,42 +415,41 @@ def _encodings(body: bytes, how: str) -> tuple[bytes, dict]:
 
 def run_protobuf_fuzzer(srv, world: dict) -> Tally:
     tally = Tally("protobuf forward_backward")
-    client = httpx.Client(base_url=srv.base_url, timeout=REQUEST_TIMEOUT)
-    url = "/api/v1/forward_backward"
-    bodies = st.one_of(hostile_requests(world), hostile_requests(world), sdk_requests(world),
-                       mutated(world), st.binary(max_size=256))
-    encodings = st.sampled_from(["identity"] * 10 + ["zstd", "zstd", "gzip", "gzip", "zstd-truncated",
-                                                     "gzip-trailing", "claims-zstd", "claims-gzip", "br"])
-    ctypes = st.sampled_from(["application/x-protobuf"] * 12 + ["application/json", "", "application/protobuf"])
-    keys = st.sampled_from([PB_KEY] * 12 + [OTHER_KEY, None])
+    with httpx.Client(base_url=srv.base_url, timeout=REQUEST_TIMEOUT) as client:
+        url = "/api/v1/forward_backward"
+        bodies = st.one_of(hostile_requests(world), hostile_requests(world), sdk_requests(world),
+                           mutated(world), st.binary(max_size=256))
+        encodings = st.sampled_from(["identity"] * 10 + ["zstd", "zstd", "gzip", "gzip", "zstd-truncated",
+                                                         "gzip-trailing", "claims-zstd", "claims-gzip", "br"])
+        ctypes = st.sampled_from(["application/x-protobuf"] * 12 + ["application/json", "", "application/protobuf"])
+        keys = st.sampled_from([PB_KEY] * 12 + [OTHER_KEY, None])
 
-    @settings(max_examples=1100, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
-    @seed(SEED)
-    @given(body=bodies, how=encodings, ctype=ctypes, key=keys)
-    def fuzz(body, how, ctype, key):
-        wire, headers = _encodings(body, how)
-        if ctype:
-            headers["Content-Type"] = ctype
-        if key:
-            headers["X-API-Key"] = key
-        what = f"forward_backward ({how}, {ctype!r}, key={key!r}, {len(body)} bytes) {body[:120]!r}"
-        try:
-            r = client.post(url, content=wire, headers=headers)
-        except httpx.HTTPError as e:
-            tally.sent += 1
-            tally.failures.append(f"{type(e).__name__} on {what}: {e}")
-            return
-        tally.check(what, r.status_code, r.content, r.headers.get("content-type", ""), ok_statuses=(200,))
-        if r.status_code == 200 and "request_id" not in r.json():
-            tally.failures.append(f"200 without a request_id on {what}: {r.text[:200]}")
+        @settings(max_examples=1100, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        @seed(SEED)
+        @given(body=bodies, how=encodings, ctype=ctypes, key=keys)
+        def fuzz(body, how, ctype, key):
+            wire, headers = _encodings(body, how)
+            if ctype:
+                headers["Content-Type"] = ctype
+            if key:
+                headers["X-API-Key"] = key
+            what = f"forward_backward ({how}, {ctype!r}, key={key!r}, {len(body)} bytes) {body[:120]!r}"
+            try:
+                r = client.post(url, content=wire, headers=headers)
+            except httpx.HTTPError as e:
+                tally.sent += 1
+                tally.failures.append(f"{type(e).__name__} on {what}: {e}")
+                return
+            tally.check(what, r.status_code, r.content, r.headers.get("content-type", ""), ok_statuses=(200,))
+            if r.status_code == 200 and "request_id" not in r.json():
+                tally.failures.append(f"200 without a request_id on {what}: {r.text[:200]}")
 
-    fuzz()
-    # A decompression bomb, once per encoding that can carry one.
-    for how in ("zstd-bomb",):
-        wire, headers = _encodings(b"", how)
-        r = client.post(url, content=wire, headers={**headers, "Content-Type": "application/x-protobuf",
-                                                    "X-API-Key": PB_KEY})
-        tally.check("zstd bomb", r.status_code, r.content, r.headers.get("content-type", ""), ok_statuses=(200,))
-    client.close()
+        fuzz()
+        # A decompression bomb, once per encoding that can carry one.
+        for how in ("zstd-bomb",):
+            wire, headers = _encodings(b"", how)
+            r = client.post(url, content=wire, headers={**headers, "Content-Type": "application/x-protobuf",
+                                                        "X-API-Key": PB_KEY})
+            tally.check("zstd bomb", r.status_code, r.content, r.headers.get("content-type", ""), ok_statuses=(200,))
     return tally

@@ -26,25 +26,25 @@ A, B = "tml-isolation-alice", "tml-isolation-bob"
 
 @pytest.fixture(scope="module")
 def alice(server):
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key=A)
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
-    tc.forward_backward(sft_batch(2), "cross_entropy").result()
-    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-    state = tc.save_state("private-state").result().path
-    sampler_path = tc.save_weights_for_sampler("private-sampler").result().path
-    tc.save_weights_and_get_sampling_client().result()
-    external = tc.save_weights_external("private-export").result().path
-    with sqlite3.connect(database(server.data_dir)) as db:
-        owner = anonymous_owner(A)
-        (request_id,) = db.execute("SELECT request_id FROM futures WHERE owner=? AND status='done' LIMIT 1",
-                                   (owner,)).fetchone()
-        (sampler_id,) = db.execute("SELECT sampling_session_id FROM sampling_sessions WHERE owner=? LIMIT 1",
-                                   (owner,)).fetchone()
-    proto = forward_backward_request_to_proto(ForwardBackwardRequest(
-        forward_backward_input=ForwardBackwardInput(data=sft_batch(1), loss_fn="cross_entropy"),
-        model_id=tc.model_id, seq_id=100)).SerializeToString()
-    return dict(sc=sc, tc=tc, model_id=tc.model_id, session_id=tc.model_id.split(":train:")[0], state=state,
-                sampler=sampler_path, external=external, sampling_session_id=sampler_id, request_id=request_id, proto=proto)
+    with server.client(A) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        tc.forward_backward(sft_batch(2), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        state = tc.save_state("private-state").result().path
+        sampler_path = tc.save_weights_for_sampler("private-sampler").result().path
+        tc.save_weights_and_get_sampling_client().result()
+        external = tc.save_weights_external("private-export").result().path
+        with sqlite3.connect(database(server.data_dir)) as db:
+            owner = anonymous_owner(A)
+            (request_id,) = db.execute("SELECT request_id FROM futures WHERE owner=? AND status='done' LIMIT 1",
+                                       (owner,)).fetchone()
+            (sampler_id,) = db.execute("SELECT sampling_session_id FROM sampling_sessions WHERE owner=? LIMIT 1",
+                                       (owner,)).fetchone()
+        proto = forward_backward_request_to_proto(ForwardBackwardRequest(
+            forward_backward_input=ForwardBackwardInput(data=sft_batch(1), loss_fn="cross_entropy"),
+            model_id=tc.model_id, seq_id=100)).SerializeToString()
+        yield dict(sc=sc, tc=tc, model_id=tc.model_id, session_id=tc.model_id.split(":train:")[0], state=state,
+                   sampler=sampler_path, external=external, sampling_session_id=sampler_id, request_id=request_id, proto=proto)
 
 
 def _ckpt_url(server, path: str, suffix: str = "") -> str:
@@ -124,24 +124,24 @@ def test_key_b_is_refused_everywhere(server, alice):
 
 
 def test_published_checkpoints_are_loadable_and_sampleable_by_others(server, alice):
-    rc = alice["sc"].create_rest_client()
+    rc = tinker.RestClient(base_url=server.base_url, api_key=A)
     rc.publish_checkpoint_from_tinker_path(alice["state"]).result()
     rc.publish_checkpoint_from_tinker_path(alice["sampler"]).result()
     try:
-        sc_b = tinker.ServiceClient(base_url=server.base_url, api_key=B)
-        tc_b = sc_b.create_training_client_from_state(alice["state"]).result()
-        mine = logprobs_of(alice["tc"].forward(sft_batch(2), "cross_entropy").result())
-        assert tc_b.model_id.startswith("sess") and tc_b.model_id != alice["model_id"]
-        theirs = logprobs_of(tc_b.forward(sft_batch(2), "cross_entropy").result())
-        assert len(theirs) == len(mine)
-        sampler = sc_b.create_sampling_client(model_path=alice["sampler"]).result()
-        out = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
-                             sampling_params=types.SamplingParams(max_tokens=3)).result()
-        assert len(out.sequences[0].tokens) >= 1
-        with httpx.Client(timeout=30, headers={"X-API-Key": B}) as http:  # still not B's to manage
-            for method, suffix in (("DELETE", ""), ("DELETE", "/publish")):
-                r = http.request(method, _ckpt_url(server, alice["state"], suffix))
-                assert r.status_code in (403, 404), (method, suffix, r.text)
+        with server.client(B) as sc_b:
+            tc_b = sc_b.create_training_client_from_state(alice["state"]).result()
+            mine = logprobs_of(alice["tc"].forward(sft_batch(2), "cross_entropy").result())
+            assert tc_b.model_id.startswith("sess") and tc_b.model_id != alice["model_id"]
+            theirs = logprobs_of(tc_b.forward(sft_batch(2), "cross_entropy").result())
+            assert len(theirs) == len(mine)
+            sampler = sc_b.create_sampling_client(model_path=alice["sampler"]).result()
+            out = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
+                                 sampling_params=types.SamplingParams(max_tokens=3)).result()
+            assert len(out.sequences[0].tokens) >= 1
+            with httpx.Client(timeout=30, headers={"X-API-Key": B}) as http:  # still not B's to manage
+                for method, suffix in (("DELETE", ""), ("DELETE", "/publish")):
+                    r = http.request(method, _ckpt_url(server, alice["state"], suffix))
+                    assert r.status_code in (403, 404), (method, suffix, r.text)
     finally:
         rc.unpublish_checkpoint_from_tinker_path(alice["state"]).result()
         rc.unpublish_checkpoint_from_tinker_path(alice["sampler"]).result()

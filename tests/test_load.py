@@ -26,7 +26,6 @@ from collections import Counter, defaultdict
 import httpx
 import numpy as np
 import pytest
-import tinker
 from tinker import types
 
 from helpers import BASE_MODEL, database, sft_batch
@@ -68,32 +67,32 @@ def batch_for(i: int, step: int) -> list:
     return sft_batch(2 + i % 3, seed=10_000 * (i + 1) + step)
 
 
-def run_training(base_url: str, key: str, i: int, steps: int, out: dict, start: threading.Barrier | None = None
-                 ) -> None:
-    sc = tinker.ServiceClient(base_url=base_url, api_key=key)
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2 + 2 * (i % 4), seed=i).result()
-    out.update(model_id=tc.model_id, losses=[], fb=[], opt=[], step_s=[], fb_s=[], opt_s=[])
-    if start is not None:
-        start.wait()
-    for step in range(steps):
-        t0 = time.perf_counter()
-        fb = tc.forward_backward(batch_for(i, step), "cross_entropy")
-        opt = tc.optim_step(ADAM)
-        fb_res = fb.result()
-        t_fb = time.perf_counter()
-        opt_res = opt.result()
-        t_opt = time.perf_counter()
-        out["fb"].append(fb_res)
-        out["opt"].append(opt_res)
-        out["losses"].append(fb_res.metrics["loss:sum"])
-        out["step_s"].append(t_opt - t0)
-        out["fb_s"].append(t_fb - t0)
-        out["opt_s"].append(t_opt - t0)
-    out["final_loss"] = tc.forward(batch_for(i, 0), "cross_entropy").result().metrics["loss:sum"]
+def run_training(srv, key: str, i: int, steps: int, out: dict, start: threading.Barrier | None = None) -> None:
+    with srv.client(key) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2 + 2 * (i % 4), seed=i).result()
+        out.update(model_id=tc.model_id, losses=[], fb=[], opt=[], step_s=[], fb_s=[], opt_s=[])
+        if start is not None:
+            start.wait()
+        for step in range(steps):
+            t0 = time.perf_counter()
+            fb = tc.forward_backward(batch_for(i, step), "cross_entropy")
+            opt = tc.optim_step(ADAM)
+            fb_res = fb.result()
+            t_fb = time.perf_counter()
+            opt_res = opt.result()
+            t_opt = time.perf_counter()
+            out["fb"].append(fb_res)
+            out["opt"].append(opt_res)
+            out["losses"].append(fb_res.metrics["loss:sum"])
+            out["step_s"].append(t_opt - t0)
+            out["fb_s"].append(t_fb - t0)
+            out["opt_s"].append(t_opt - t0)
+        out["final_loss"] = tc.forward(batch_for(i, 0), "cross_entropy").result().metrics["loss:sum"]
 
 
-def make_sampler(base_url: str, key: str, j: int):
-    sc = tinker.ServiceClient(base_url=base_url, api_key=key)
+def make_sampler(srv, key: str, j: int):
+    """A sampling client that stays open until the server stops."""
+    sc = srv.client(key)
     if j % 2 == 0:
         return sc.create_sampling_client(base_model=BASE_MODEL).result(), None
     tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=100 + j).result()
@@ -152,13 +151,13 @@ def test_32_concurrent_clients(srv):
 
     def setup_sampler(j):
         try:
-            samplers[j] = make_sampler(base, f"tml-load-sample-{j}", j)
+            samplers[j] = make_sampler(srv, f"tml-load-sample-{j}", j)
         except BaseException as e:
             errors.append(e)
 
     warm_outs = [{} for _ in range(4)]
     threads = [threading.Thread(target=setup_sampler, args=(j,)) for j in range(N_SAMPLE)]
-    threads += [threading.Thread(target=run_training, args=(base, f"tml-load-warm-{i}", i, 3, warm_outs[i]))
+    threads += [threading.Thread(target=run_training, args=(srv, f"tml-load-warm-{i}", i, 3, warm_outs[i]))
                 for i in range(4)]
     for t in threads:
         t.start()
@@ -179,7 +178,7 @@ def test_32_concurrent_clients(srv):
 
     def trainer(i):
         try:
-            run_training(base, train_key(i), i, STEPS, train_outs[i], start)
+            run_training(srv, train_key(i), i, STEPS, train_outs[i], start)
         except BaseException as e:
             errors.append(("train", i, e))
             start.abort()
@@ -298,7 +297,7 @@ def test_32_concurrent_clients(srv):
     # -- a solo replay of a few clients gives exactly the same losses -------------------------------
     for i in (0, 7, 13):
         solo: dict = {}
-        run_training(base, f"tml-load-solo-{i}", i, STEPS, solo)
+        run_training(srv, f"tml-load-solo-{i}", i, STEPS, solo)
         assert solo["losses"] == train_outs[i]["losses"], i
         assert solo["final_loss"] == train_outs[i]["final_loss"], i
     assert srv.proc.poll() is None

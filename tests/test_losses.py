@@ -389,7 +389,8 @@ def test_gspo_ratio_rows_default_and_empty():
 
 def test_gspo_batch_is_the_sum_of_its_datums():
     """In a padded [rows, T] block each row keeps its own ratio: the block's per-token loss, gradient
-    and metrics equal each datum's computed alone, bit for bit."""
+    and metrics equal each datum's computed alone (to float64 rounding: a row mixed with another
+    would be off by orders of magnitude more)."""
     gen = np.random.default_rng(3)
     lengths = (5, 8, 3)
     width = 8
@@ -416,7 +417,11 @@ def test_gspo_batch_is_the_sum_of_its_datums():
         row_lp = torch.tensor(lp[r, :n], requires_grad=True)
         out = per_token_loss("gspo", cfg, row_lp, one)
         (g,) = torch.autograd.grad(out.sum(), row_lp)
-        assert torch.equal(tok[r, :n].detach(), out.detach()) and torch.equal(g_block[r, :n], g)
+        # Not bit for bit: exp() over a [3, 8] block and over one row of n values runs through other
+        # vector/scalar paths of ATen's loops, which differ in the last bit on some CPUs. The runtime
+        # never needs it: a tenant's loss block has the same shape alone or co-batched.
+        torch.testing.assert_close(tok[r, :n].detach(), out.detach(), rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(g_block[r, :n], g, rtol=1e-12, atol=1e-15)
         m = one["sequence_ratio_mask"].numpy() != 0
         ratios.append(math.exp(np.mean(lp[r, :n][m] - one["logprobs"].numpy()[m])))
     assert metrics[0]["seq_ratio:mean"] == pytest.approx(np.mean(ratios), rel=1e-12)

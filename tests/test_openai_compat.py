@@ -8,12 +8,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import tinker
 from tinker import types
 from transformers import AutoTokenizer
 
-from conftest import API_KEY
-from helpers import BASE_MODEL, model_dir, sft_datum
+from helpers import API_KEY, BASE_MODEL, model_dir, sft_datum
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +23,8 @@ COMPLETION_TARGET = " there was a small green garden near the sea."
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +40,17 @@ def chat_prompt(tok, messages=CHAT) -> list[int]:
 @pytest.fixture(scope="module")
 def adapter(server, tok):
     """An adapter trained hard on one chat answer and one continuation, saved for sampling."""
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=16, seed=0).result()
-    data = []
-    for prompt, target in ((chat_prompt(tok), tok.encode(CHAT_TARGET) + [tok.eos_token_id]),
-                           (tok.encode(COMPLETION_PROMPT), tok.encode(COMPLETION_TARGET))):
-        data.append(sft_datum(prompt + target, [0.0] * (len(prompt) - 1) + [1.0] * len(target)))
-    for _ in range(45):  # greedy answers are the targets from about step 30 on
-        tc.forward_backward(data, "cross_entropy")
-        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-    path = tc.save_weights_for_sampler("openai-adapter").result().path
-    return {"path": path, "model_id": tc.model_id, "sampler": sc.create_sampling_client(model_path=path).result()}
+    with server.client(API_KEY) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=16, seed=0).result()
+        data = []
+        for prompt, target in ((chat_prompt(tok), tok.encode(CHAT_TARGET) + [tok.eos_token_id]),
+                               (tok.encode(COMPLETION_PROMPT), tok.encode(COMPLETION_TARGET))):
+            data.append(sft_datum(prompt + target, [0.0] * (len(prompt) - 1) + [1.0] * len(target)))
+        for _ in range(45):  # greedy answers are the targets from about step 30 on
+            tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        path = tc.save_weights_for_sampler("openai-adapter").result().path
+        yield {"path": path, "model_id": tc.model_id, "sampler": sc.create_sampling_client(model_path=path).result()}
 
 
 def chat(oai, model, **kw):
@@ -151,9 +150,8 @@ def test_choice_text_matches_decode(tok):
                             sum(1 for o in c.offsets if o < len(want)))
 
 
-def test_logprobs_equal_compute_logprobs(oai, server, tok, adapter):
-    base_sampler = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY).create_sampling_client(
-        base_model=BASE_MODEL).result()
+def test_logprobs_equal_compute_logprobs(oai, service_client, tok, adapter):
+    base_sampler = service_client.create_sampling_client(base_model=BASE_MODEL).result()
     prompt = chat_prompt(tok)
     for model, sampler in ((BASE_MODEL, base_sampler), (adapter["path"], adapter["sampler"])):
         r = chat(oai, model, temperature=0.8, seed=1, logprobs=True, top_logprobs=3,
@@ -208,19 +206,20 @@ def test_auth_unknown_models_and_bad_params(server, oai, tok):
     url = server.base_url + "/v1"
     assert httpx.get(f"{url}/models").status_code == 401
     assert httpx.get(f"{url}/models", headers={"X-API-Key": API_KEY}).status_code == 200
-    with pytest.raises(openai.AuthenticationError, match="tml-"):
-        openai.OpenAI(base_url=url, api_key="sk-not-tinker", max_retries=0).models.list()
+    with openai.OpenAI(base_url=url, api_key="sk-not-tinker", max_retries=0) as wrong, \
+            pytest.raises(openai.AuthenticationError, match="tml-"):
+        wrong.models.list()
     with pytest.raises(openai.NotFoundError, match="no-such-model"):  # the reason reaches the SDK's message
         chat(oai, "no-such-model")
     with pytest.raises(openai.NotFoundError):
         complete(oai, "tinker://nobody:train:0/sampler_weights/missing")
     # another user's adapter is not found either
-    other = openai.OpenAI(base_url=url, api_key="tml-someone-else", max_retries=0)
-    paths = [m.id for m in oai.models.list().data[1:]]
-    for p in paths[:1]:
-        with pytest.raises(openai.NotFoundError):
-            chat(other, p)
-    assert [m.id for m in other.models.list().data] == [BASE_MODEL]
+    with openai.OpenAI(base_url=url, api_key="tml-someone-else", max_retries=0) as other:
+        paths = [m.id for m in oai.models.list().data[1:]]
+        for p in paths[:1]:
+            with pytest.raises(openai.NotFoundError):
+                chat(other, p)
+        assert [m.id for m in other.models.list().data] == [BASE_MODEL]
 
     too_long = [5] * 4097
     bad = [

@@ -45,15 +45,13 @@ def reference_loss(loss_fn: str, cfg: dict, lp: torch.Tensor, inputs: dict) -> t
 @pytest.fixture(scope="module")
 def trained_start(server):
     """A checkpoint whose adapter is non-trivial (B != 0), shared by every loss case."""
-    import tinker
-
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key="tml-parity")
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=5).result()
-    for _ in range(3):
-        tc.forward_backward(sft_batch(6, seed=2), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-    path = tc.save_state("parity-start").result().path
-    return sc, path
+    with server.client("tml-parity") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=5).result()
+        for _ in range(3):
+            tc.forward_backward(sft_batch(6, seed=2), "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        path = tc.save_state("parity-start").result().path
+        yield sc, path
 
 
 def _rl_batch(reference_lps: list[np.ndarray], seed: int) -> list:

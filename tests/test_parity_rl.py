@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tinker
 import torch
 from peft import PeftModel
 from tinker import types
@@ -60,7 +59,7 @@ def datum(parts, advantages_rng) -> tuple[types.Datum, dict]:
 @pytest.fixture(scope="module")
 def episodes(server):
     """Recorded samples (single- and multi-turn), then one step off-policy; the start checkpoint."""
-    with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as sc:
+    with server.client(KEY) as sc:
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=7).result()
         for _ in range(2):
             tc.forward_backward(sft_batch(6, seed=4), "cross_entropy").result()

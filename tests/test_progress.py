@@ -4,7 +4,6 @@ checkpoint export (download or copy) and import (upload) through the `progress` 
 
 from __future__ import annotations
 
-import tinker
 from tinker import types
 
 from hosted_tinker.export import export_checkpoint, import_adapter
@@ -25,7 +24,7 @@ def test_model_load_stages_are_logged(server):
 
 
 def test_export_and_import_report_byte_progress_to_the_end(server, tmp_path):
-    with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as sc:
+    with server.client(KEY) as sc:
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         tc.forward_backward(sft_batch(2), "cross_entropy").result()
         tc.optim_step(types.AdamParams()).result()

@@ -16,7 +16,7 @@ import tinker
 from safetensors.torch import load_file
 from tinker import types
 
-from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, read_adapter, sft_batch
+from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, read_adapter, sft_batch, wait_until
 from hosted_tinker.auth import anonymous_owner
 from hosted_tinker.checkpoints.paths import TinkerPath
 from hosted_tinker.checkpoints.transfer import DownloadGrant, UrlSigner
@@ -35,25 +35,31 @@ def _disk_size(server, path: str) -> int:
     return sum(f.stat().st_size for f in checkpoint_dir(server, path).iterdir())
 
 
+def within(t: datetime, earliest: datetime, latest: datetime) -> bool:
+    """A time the server set between two moments of this process (same clock): no bound on how
+    long the request took in between."""
+    return earliest <= t <= latest
+
+
 @pytest.fixture(scope="module")
 def world(server):
     """Alice: one session ({"team": "rest"}) with a run ({"project": "rest"}) holding two training
     states, a sampler checkpoint and external weights; plus a second run (train_mlp=False)."""
-    sc = tinker.ServiceClient(base_url=server.base_url, api_key=ALICE, user_metadata={"team": "rest"},
-                              display_name="rest tests")
-    tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1,
-                                        user_metadata={"project": "rest"}).result()
-    _step(tc, 1)
-    s1 = tc.save_state("s1", user_metadata={"stage": "one"}).result().path
-    _step(tc, 2)
-    s2 = tc.save_state("s2").result().path
-    smp = tc.save_weights_for_sampler("smp").result().path
-    ext = tc.save_weights_external("ext").result().path
-    tc2 = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2, train_mlp=False).result()
-    only_attn = tc2.save_state("attn-only").result().path
-    return dict(sc=sc, tc=tc, tc2=tc2, s1=s1, s2=s2, smp=smp, ext=ext, only_attn=only_attn,
-                alice=tinker.RestClient(base_url=server.base_url, api_key=ALICE),
-                bob=tinker.RestClient(base_url=server.base_url, api_key=BOB))
+    built_from = datetime.now(timezone.utc)
+    with server.client(ALICE, user_metadata={"team": "rest"}, display_name="rest tests") as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=1,
+                                            user_metadata={"project": "rest"}).result()
+        _step(tc, 1)
+        s1 = tc.save_state("s1", user_metadata={"stage": "one"}).result().path
+        _step(tc, 2)
+        s2 = tc.save_state("s2").result().path
+        smp = tc.save_weights_for_sampler("smp").result().path
+        ext = tc.save_weights_external("ext").result().path
+        tc2 = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2, train_mlp=False).result()
+        only_attn = tc2.save_state("attn-only").result().path
+        yield dict(sc=sc, tc=tc, tc2=tc2, s1=s1, s2=s2, smp=smp, ext=ext, only_attn=only_attn, built_from=built_from,
+                   alice=tinker.RestClient(base_url=server.base_url, api_key=ALICE),
+                   bob=tinker.RestClient(base_url=server.base_url, api_key=BOB))
 
 
 def test_training_runs(server, world):
@@ -67,7 +73,7 @@ def test_training_runs(server, world):
     assert run.user_metadata == {"project": "rest"}
     assert run.last_checkpoint.tinker_path == world["s2"] and run.last_checkpoint.checkpoint_type == "training"
     assert run.last_sampler_checkpoint.tinker_path == world["smp"]
-    assert abs(run.last_request_time - datetime.now(timezone.utc)) < timedelta(minutes=5)
+    assert within(run.last_request_time, world["built_from"], datetime.now(timezone.utc))
     # pagination
     page = alice.list_training_runs(limit=1, offset=1).result()
     assert [r.training_run_id for r in page.training_runs] == [tc.model_id] and page.cursor.total_count == 2
@@ -129,52 +135,52 @@ def test_sessions(world):
 
 def test_others_see_nothing_until_published(server, world):
     alice, bob, tc, s1 = world["alice"], world["bob"], world["tc"], world["s1"]
-    bob_sc = tinker.ServiceClient(base_url=server.base_url, api_key=BOB)
-    for call in (lambda: bob.get_training_run(tc.model_id), lambda: bob.list_checkpoints(tc.model_id),
-                 lambda: bob.get_weights_info_by_tinker_path(s1),
-                 lambda: bob.get_external_weights_urls(world["ext"]),
-                 lambda: bob.publish_checkpoint_from_tinker_path(s1),
-                 lambda: bob.set_checkpoint_ttl_from_tinker_path(s1, 7200),
-                 lambda: bob.delete_checkpoint_from_tinker_path(s1),
-                 lambda: bob_sc.create_training_client_from_state(s1)):
-        with pytest.raises(tinker.NotFoundError):
-            call().result()
-    assert bob.list_training_runs(access_scope="accessible").result().training_runs == []
-    assert bob.list_user_checkpoints().result().checkpoints == []
-
-    alice.publish_checkpoint_from_tinker_path(s1).result()
-    try:
-        assert [c.public for c in alice.list_checkpoints(tc.model_id).result().checkpoints] == [True, False, False, False]
-        with pytest.raises(tinker.BadRequestError, match="already public"):
-            alice.publish_checkpoint_from_tinker_path(s1).result()
-        # Bob reads the published checkpoint (and only it), and loads it: same outputs as Alice's
-        assert [c.tinker_path for c in bob.list_checkpoints(tc.model_id).result().checkpoints] == [s1]
-        seen = bob.get_training_run(tc.model_id, access_scope="accessible").result()
-        assert seen.last_checkpoint.tinker_path == s1 and seen.last_sampler_checkpoint is None
-        assert seen.user_metadata is None  # a run's metadata stays its owner's
-        with pytest.raises(tinker.NotFoundError):
-            bob.get_training_run(tc.model_id).result()  # access_scope="owned"
-        assert [r.training_run_id for r in bob.list_training_runs(access_scope="accessible").result().training_runs] \
-            == [tc.model_id]
-        assert bob.list_training_runs().result().training_runs == []
-        assert bob.get_weights_info_by_tinker_path(s1).result().lora_rank == 4
-        batch = sft_batch(3, seed=9)
-        theirs = logprobs_of(bob_sc.create_training_client_from_state(s1).result().forward(batch, "cross_entropy").result())
-        mine = logprobs_of(world["sc"].create_training_client_from_state(s1).result().forward(batch, "cross_entropy").result())
-        for a, b in zip(theirs, mine):
-            np.testing.assert_array_equal(a, b)
-        # ... but cannot change it
-        for call in (lambda: bob.unpublish_checkpoint_from_tinker_path(s1),
+    with server.client(BOB) as bob_sc:
+        for call in (lambda: bob.get_training_run(tc.model_id), lambda: bob.list_checkpoints(tc.model_id),
+                     lambda: bob.get_weights_info_by_tinker_path(s1),
+                     lambda: bob.get_external_weights_urls(world["ext"]),
+                     lambda: bob.publish_checkpoint_from_tinker_path(s1),
                      lambda: bob.set_checkpoint_ttl_from_tinker_path(s1, 7200),
-                     lambda: bob.delete_checkpoint_from_tinker_path(s1)):
+                     lambda: bob.delete_checkpoint_from_tinker_path(s1),
+                     lambda: bob_sc.create_training_client_from_state(s1)):
             with pytest.raises(tinker.NotFoundError):
                 call().result()
-    finally:
-        alice.unpublish_checkpoint_from_tinker_path(s1).result()
-    with pytest.raises(tinker.BadRequestError, match="already private"):
-        alice.unpublish_checkpoint_from_tinker_path(s1).result()
-    with pytest.raises(tinker.NotFoundError):
-        bob.list_checkpoints(tc.model_id).result()
+        assert bob.list_training_runs(access_scope="accessible").result().training_runs == []
+        assert bob.list_user_checkpoints().result().checkpoints == []
+
+        alice.publish_checkpoint_from_tinker_path(s1).result()
+        try:
+            assert [c.public for c in alice.list_checkpoints(tc.model_id).result().checkpoints] == [True, False, False, False]
+            with pytest.raises(tinker.BadRequestError, match="already public"):
+                alice.publish_checkpoint_from_tinker_path(s1).result()
+            # Bob reads the published checkpoint (and only it), and loads it: same outputs as Alice's
+            assert [c.tinker_path for c in bob.list_checkpoints(tc.model_id).result().checkpoints] == [s1]
+            seen = bob.get_training_run(tc.model_id, access_scope="accessible").result()
+            assert seen.last_checkpoint.tinker_path == s1 and seen.last_sampler_checkpoint is None
+            assert seen.user_metadata is None  # a run's metadata stays its owner's
+            with pytest.raises(tinker.NotFoundError):
+                bob.get_training_run(tc.model_id).result()  # access_scope="owned"
+            assert [r.training_run_id for r in bob.list_training_runs(access_scope="accessible").result().training_runs] \
+                == [tc.model_id]
+            assert bob.list_training_runs().result().training_runs == []
+            assert bob.get_weights_info_by_tinker_path(s1).result().lora_rank == 4
+            batch = sft_batch(3, seed=9)
+            theirs = logprobs_of(bob_sc.create_training_client_from_state(s1).result().forward(batch, "cross_entropy").result())
+            mine = logprobs_of(world["sc"].create_training_client_from_state(s1).result().forward(batch, "cross_entropy").result())
+            for a, b in zip(theirs, mine):
+                np.testing.assert_array_equal(a, b)
+            # ... but cannot change it
+            for call in (lambda: bob.unpublish_checkpoint_from_tinker_path(s1),
+                         lambda: bob.set_checkpoint_ttl_from_tinker_path(s1, 7200),
+                         lambda: bob.delete_checkpoint_from_tinker_path(s1)):
+                with pytest.raises(tinker.NotFoundError):
+                    call().result()
+        finally:
+            alice.unpublish_checkpoint_from_tinker_path(s1).result()
+        with pytest.raises(tinker.BadRequestError, match="already private"):
+            alice.unpublish_checkpoint_from_tinker_path(s1).result()
+        with pytest.raises(tinker.NotFoundError):
+            bob.list_checkpoints(tc.model_id).result()
 
 
 def test_ttl_set_and_cleared(world):
@@ -183,8 +189,10 @@ def test_ttl_set_and_cleared(world):
     def expires():
         return {c.tinker_path: c.expires_at for c in alice.list_checkpoints(tc.model_id).result().checkpoints}[s2]
 
+    asked = datetime.now(timezone.utc)
     alice.set_checkpoint_ttl_from_tinker_path(s2, 7200).result()
-    assert abs(expires() - (datetime.now(timezone.utc) + timedelta(seconds=7200))) < timedelta(seconds=60)
+    two_hours = timedelta(seconds=7200)
+    assert within(expires(), asked + two_hours, datetime.now(timezone.utc) + two_hours)
     alice.set_checkpoint_ttl_from_tinker_path(s2, None).result()
     assert expires() is None
     for bad in (0, -5, 11 * 365 * 24 * 3600):
@@ -199,10 +207,7 @@ def test_ttl_expiry_removes_files_and_record(server, world):
     alice.set_checkpoint_ttl_from_tinker_path(later, 1).result()
     folders = [checkpoint_dir(server, p) for p in (short, later)]
     assert all(f.is_dir() for f in folders)
-    deadline = time.monotonic() + 15
-    while any(f.exists() for f in folders) and time.monotonic() < deadline:
-        time.sleep(0.25)
-    assert not any(f.exists() for f in folders), "the expiry sweep did not remove the files"
+    wait_until(lambda: not any(f.exists() for f in folders), "the expiry sweep removes the files")
     with sqlite3.connect(database(server.data_dir)) as db:
         assert db.execute("SELECT COUNT(*) FROM checkpoints WHERE model_id=? AND checkpoint_id IN (?, ?)",
                           (tc.model_id, "weights/short-lived", "sampler_weights/later")).fetchone()[0] == 0
@@ -246,9 +251,11 @@ def test_save_state_overwrite_semantics(server, world):
 
 def test_external_weights_and_signed_urls(server, world):
     alice, bob, tc, ext = world["alice"], world["bob"], world["tc"], world["ext"]
+    asked = datetime.now(timezone.utc)
     got = alice.get_external_weights_urls(ext).result()
     assert set(got.urls) == {"adapter_config.json", "adapter_model.safetensors", "manifest.json"}
-    assert timedelta(minutes=55) < got.expires - datetime.now(timezone.utc) < timedelta(minutes=65)
+    an_hour = timedelta(hours=1)  # valid for an hour from the request (in whole seconds)
+    assert within(got.expires, asked + an_hour - timedelta(seconds=1), datetime.now(timezone.utc) + an_hour)
     folder = checkpoint_dir(server, ext)
     for name, url in got.urls.items():
         r = httpx.get(url, timeout=30)  # no API key: the signature is the permission

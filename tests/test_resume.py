@@ -11,7 +11,6 @@ import sqlite3
 
 import httpx
 import pytest
-import tinker
 from tinker import types
 
 from helpers import BASE_MODEL, database, sft_batch
@@ -32,7 +31,7 @@ def test_kill9_restart_resume(tmp_path):
     k, total = 3, 7
     srv = ServerProcess(tmp_path / "srv").start()
     try:
-        sc = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+        sc = srv.client(KEY)
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=1).result()
         for i in range(k):
             _step(tc, i)
@@ -45,7 +44,7 @@ def test_kill9_restart_resume(tmp_path):
                                             (tc.model_id,)).fetchone()
 
         srv.start()  # same data directory, new process
-        sc2 = tinker.ServiceClient(base_url=srv.base_url, api_key=KEY)
+        sc2 = srv.client(KEY)
         resumed_tc = sc2.create_training_client_from_state_with_optimizer(path).result()
         resumed = [_step(resumed_tc, i) for i in range(k, total)]
         assert resumed == pytest.approx(uninterrupted, rel=1e-6), (resumed, uninterrupted)

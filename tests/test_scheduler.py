@@ -312,7 +312,7 @@ def test_unpipelined_model_does_not_wait(make_sched):
 
 
 def test_cycle_done_keeps_the_cycle_metrics(make_sched):
-    """cycle_done counts cycles and records the last one's size and duration."""
+    """A cycle is counted and cycle_done records the last one's size and duration."""
     s = make_sched()
     s.open_model("a")
     s.submit(req("a", 0))
@@ -321,3 +321,31 @@ def test_cycle_done_keeps_the_cycle_metrics(make_sched):
     s.cycle_done(plan, 0.5)
     assert (s.cycles, s.last_cycle_models, s.last_cycle_requests) == (1, 1, 2)
     assert s.last_cycle_seconds == 0.5 and s.cycle_seconds_total == 0.5
+
+
+def test_a_cycle_counts_as_its_plan_is_handed_out(make_sched):
+    """A cycle counts when it starts, so the count never lags an answer it gave (a client that
+    has its result and reads /metrics sees that cycle); an empty plan is no cycle."""
+    s = make_sched()
+    s.open_model("a")
+    assert not s.next_plan()[0] and s.cycles == 0
+    s.submit(req("a", 0))
+    plan, _ = s.next_plan()
+    assert plan and s.cycles == 1  # before cycle_done
+    s.cycle_done(plan, 0.1)
+    assert s.cycles == 1
+
+
+def test_pipelining_models_are_counted_until_their_window_passes_unused(clock, make_sched):
+    """The /metrics gauge of pipelining clients: a model counts once it pipelined, and stops
+    counting when a held fb's window passes with no optim_step."""
+    s = make_sched(gather_window_s=0.2)
+    s.open_model("b")
+    assert s.pipelining_models() == 0
+    _pipelined(s)
+    assert s.pipelining_models() == 1
+    s.submit(req("a", 2))
+    assert not run(s)
+    clock.advance(0.2)
+    run(s)
+    assert s.pipelining_models() == 0

@@ -17,21 +17,20 @@ models' logprobs of the same tokens differ by far more than the tolerance.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import subprocess
 import sys
-import tarfile
 import threading
 
 import httpx
 import numpy as np
 import pytest
+import tinker
 import torch
 
-from helpers import checkpoint_dir, logprobs_of, sft_datum
+from helpers import checkpoint_dir, logprobs_of, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import TinyModelSpec
 from offline_hub import install_fake_dataset, install_fake_hub_model, offline_env
 from server_process import ServerProcess
@@ -89,11 +88,11 @@ def test_the_two_reference_models_differ(reference):
 
 
 def test_both_models_train_and_sample_at_once_through_one_base_url(srv, reference):
-    import tinker
     from tinker import types
 
-    with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY) as sc:
-        served = {m.model_name: m for m in sc.create_rest_client().get_server_capabilities().result().supported_models}
+    with srv.client(KEY) as sc:
+        rest = tinker.RestClient(base_url=srv.base_url, api_key=KEY)
+        served = {m.model_name: m for m in rest.get_server_capabilities().result().supported_models}
         assert set(served) == {STUDENT, TEACHER} and all(m.trainable and m.sampleable for m in served.values())
 
         start = threading.Barrier(4)
@@ -173,9 +172,7 @@ def test_both_models_train_and_sample_at_once_through_one_base_url(srv, referenc
 
 def test_openai_names_each_served_model_and_checkpoints_by_their_base(srv, reference):
     headers = {"Authorization": f"Bearer {KEY}"}
-    import tinker
-
-    with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY) as sc:
+    with srv.client(KEY) as sc:
         tc = sc.create_lora_training_client(base_model=TEACHER, rank=4).result()
         sampler_path = tc.save_weights_for_sampler("openai").result().path
     cards = httpx.get(f"{srv.base_url}/v1/models", headers=headers, timeout=30).json()["data"]
@@ -215,27 +212,15 @@ def test_the_start_up_summary_lists_every_model(srv):
         assert re.search(rf"  model +{re.escape(name)} on cpu \(float32, ", log), name
 
 
-def _tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def test_an_import_goes_to_the_base_model_its_adapter_names(srv):
-    import tinker
-
-    with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY) as sc:
+    with srv.client(KEY) as sc:
         tc = sc.create_lora_training_client(base_model=TEACHER, rank=4).result()
         saved = checkpoint_dir(srv, tc.save_state("to-import").result().path)
     ours = {p.name: p.read_bytes() for p in saved.iterdir()}  # with its manifest: trained on TEACHER
     peft_config = json.loads(ours["adapter_config.json"])
 
     def peft(base: str) -> bytes:  # a plain PEFT adapter naming `base`
-        return _tar({"adapter_config.json": json.dumps({**peft_config, "base_model_name_or_path": base}).encode(),
+        return tar_bytes({"adapter_config.json": json.dumps({**peft_config, "base_model_name_or_path": base}).encode(),
                      "adapter_model.safetensors": ours["adapter_model.safetensors"]})
 
     url = f"{srv.base_url}/api/v1/checkpoints/import"
@@ -245,7 +230,7 @@ def test_an_import_goes_to_the_base_model_its_adapter_names(srv):
             return http.get(f"{srv.base_url}/api/v1/training_runs/{answer.json()['training_run_id']}").json()[
                 "base_model"]
 
-        assert base_of(http.post(url, params={"name": "ours"}, content=_tar(ours))) == TEACHER
+        assert base_of(http.post(url, params={"name": "ours"}, content=tar_bytes(ours))) == TEACHER
         student_run = http.post(url, params={"name": "peft"}, content=peft(STUDENT))
         assert base_of(student_run) == STUDENT  # same shapes: the name it gives decides
         elsewhere = http.post(url, params={"name": "elsewhere"}, content=peft("org/elsewhere"))
@@ -254,7 +239,7 @@ def test_an_import_goes_to_the_base_model_its_adapter_names(srv):
             f"(it serves '{STUDENT}', '{TEACHER}'); set base_model_name_or_path in its adapter_config.json to the "
             "served model it fits")
         into_other = http.post(url, params={"name": "mixed", "training_run_id": student_run.json()["training_run_id"]},
-                               content=_tar(ours))
+                               content=tar_bytes(ours))
         assert into_other.status_code == 400 and "import it into a run of its own base model" in into_other.text
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-import tinker
 import torch
 from tinker import types
 
 from helpers import BASE_MODEL, logprobs_of, sft_batch, sft_datum
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.sampling.snapshots import SnapshotCache
-from test_multi_lora import ce_work, random_seqs, tiny_runtime
+from tiny_model import ce_work, random_seqs, tiny_runtime
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 
@@ -48,7 +47,7 @@ def test_resaved_sampler_checkpoint_serves_the_new_weights(server):
     """Through the SDK: save_weights_for_sampler twice under one name with training in between;
     a fresh sampling client on that path computes the new weights' logprobs."""
     full = PROMPT + [300, 301, 302, 303]
-    with tinker.ServiceClient(base_url=server.base_url, api_key="tml-resave") as sc:
+    with server.client("tml-resave") as sc:
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=5).result()
         tc.forward_backward(sft_batch(4, seed=3), "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()

@@ -52,7 +52,7 @@ def rl_loop_datum(seq, advantage=0.5, prompt=PROMPT, *, provenance=True, **overr
 
 @pytest.fixture(scope="module")
 def alice(server):
-    with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as sc:
+    with server.client(KEY) as sc:
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=1).result()
         sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
         yield sc, tc, sampler, sample(sampler)
@@ -163,7 +163,7 @@ RAW_RULES = {  # rule 1, which the SDK checks client-side
 
 
 def test_malformed_provenance_is_a_400_for_every_loss(server):
-    with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as sc:
+    with server.client(KEY) as sc:
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()  # only raw posts use it
         for seq_id, (name, (mutate, message)) in enumerate(RAW_RULES.items(), start=1):
             r = _raw_post(server, tc.model_id, seq_id, mutate)
@@ -244,11 +244,11 @@ def test_records_belong_to_their_key_and_session(server, alice):
     sc, tc, sampler, out = alice
     data = [rl_loop_datum(out.sequences[0])]
     sid = out.sequences[0].sequence_id
-    with tinker.ServiceClient(base_url=server.base_url, api_key="tml-records-bob") as bob:
+    with server.client("tml-records-bob") as bob:
         bob_tc = bob.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         with pytest.raises(tinker.NotFoundError, match=f"sequence_id '{sid}'.*not found"):
             bob_tc.forward_backward(data, "stable_reinforce").result()
-    with tinker.ServiceClient(base_url=server.base_url, api_key=KEY) as other_session:
+    with server.client(KEY) as other_session:
         other_tc = other_session.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         with pytest.raises(tinker.BadRequestError, match="only name sequences sampled in its own session"):
             other_tc.forward_backward(data, "stable_reinforce").result()
@@ -264,7 +264,7 @@ def test_records_survive_kill_9_and_expire(tmp_path):
     whose records last 0 s the same request is refused as expired (no sleeping)."""
     srv = ServerProcess(tmp_path / "srv").start()
     try:
-        with tinker.ServiceClient(base_url=srv.base_url, api_key=KEY) as sc:
+        with srv.client(KEY) as sc:
             tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
             out = sample(tc.save_weights_and_get_sampling_client(record_stability_info=True).result(), n=2)
             before = tc.forward([rl_loop_datum(s) for s in out.sequences], "stable_reinforce").result()
@@ -277,7 +277,7 @@ def test_records_survive_kill_9_and_expire(tmp_path):
         srv.stop()
     short = ServerProcess(tmp_path / "short", args=("--sample-record-ttl-s", "0")).start()
     try:
-        with tinker.ServiceClient(base_url=short.base_url, api_key=KEY) as sc:
+        with short.client(KEY) as sc:
             tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
             out = sample(tc.save_weights_and_get_sampling_client(record_stability_info=True).result(), n=1)
             with pytest.raises(tinker.BadRequestError, match="its record expired: records last 0 s from their last"):

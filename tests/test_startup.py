@@ -8,6 +8,7 @@ from flags, HOSTED_TINKER_* variables and a --config file (YAML or TOML), in tha
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
@@ -21,7 +22,7 @@ import torch
 from helpers import database
 from hosted_tinker.config import ServerConfig, flag
 from hosted_tinker.model_loading import DTYPES
-from hosted_tinker.startup import vllm_child_devices
+from hosted_tinker.startup import bind_port, vllm_child_devices
 from server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +34,7 @@ def serve(tmp_path: Path, *args: str, env: dict | None = None, cwd: Path | None 
     base = {k: v for k, v in base.items() if not k.startswith("HOSTED_TINKER_") and k != "HF_HUB_OFFLINE"}
     return subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path / "data"),
                            "--port", str(free_port()), *args], env={**base, **(env or {})},
-                          capture_output=True, text=True, timeout=120, cwd=cwd)
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> None:
@@ -75,7 +76,7 @@ def test_every_mistake_gets_its_own_line(tmp_path):
 
 def test_help_lists_every_setting_dtype_and_env_var():
     out = subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--help"], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "COLUMNS": "400"})
+                         timeout=300, env={**os.environ, "COLUMNS": "400"})
     assert out.returncode == 0
     for name in ServerConfig.model_fields:
         assert flag(name) in out.stdout and f"[env: HOSTED_TINKER_{name.upper()}]" in out.stdout, name
@@ -218,3 +219,26 @@ def test_a_config_file_lists_models_each_with_its_device(tmp_path):
     config.write_text('device = "cpu"\nbase_model = ["org/student", "org/teacher@cuda:1"]\n')
     served = ServerConfig(config=config).served_models
     assert [(m.name, m.device) for m in served] == [("org/student", "cpu"), ("org/teacher", "cuda:1")]
+
+
+def test_connections_on_the_bound_port_send_small_writes_at_once():
+    """The port bind_port binds says TCP, so asyncio turns Nagle's algorithm off on every
+    connection uvicorn accepts on it. It used to leave the protocol 0: Nagle stayed on, and a
+    response's body, written after its headers, waited for the client's delayed ACK (~40 ms on
+    every answer of the server)."""
+    sock = bind_port("127.0.0.1", 0)
+
+    async def accepted_connections_nodelay() -> int:
+        accepted = asyncio.get_running_loop().create_future()
+
+        def on_connection(reader, writer):
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        async with await asyncio.start_server(on_connection, sock=sock):  # as uvicorn serves it
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            nodelay = await accepted
+            writer.close()
+            return nodelay
+
+    assert asyncio.run(accepted_connections_nodelay()) != 0

@@ -73,9 +73,9 @@ def test_get_tokenizer_of_a_hub_model_served_from_the_servers_cache(tmp_path):
         tokens, chat = expected(snapshot)
         assert got["training"] == got["sampling"] == tokens and got["chat"] == chat
         # Tokenizer and config files only: no weights, and only the served model.
-        weights = httpx.get(f"{srv.base_url}/Qwen/Qwen3-8B/resolve/main/model.safetensors", timeout=10)
+        weights = httpx.get(f"{srv.base_url}/Qwen/Qwen3-8B/resolve/main/model.safetensors", timeout=60)
         assert weights.status_code == 404 and weights.headers["x-error-code"] == "EntryNotFound"
-        other = httpx.head(f"{srv.base_url}/Qwen/Qwen3-4B/resolve/main/tokenizer.json", timeout=10)
+        other = httpx.head(f"{srv.base_url}/Qwen/Qwen3-4B/resolve/main/tokenizer.json", timeout=60)
         assert other.status_code == 404 and other.headers["x-error-code"] == "RepositoryNotFound"
     finally:
         srv.stop()

@@ -177,3 +177,17 @@ def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, 
     c.run()
     assert not answer(worker, unload_id)["failed"]
     assert worker.sampling.updates[-1] == ("m", "removed")
+
+
+def test_the_scheduler_hears_of_compute_answers_before_any_is_visible(worker):
+    """The scheduler is told a model's compute is answered before the first answer can be read:
+    a client that waits for its result and then posts optim_step is never taken for a
+    pipelining one (it used to be told after, so such an optim_step could find the fb still
+    "in flight", and the client's next fb was then held for an optim_step that comes only later)."""
+    assert not create(worker, "m")["failed"]
+    c = Cycle(worker)
+    fb_id = c.add("compute", "m", "forward_backward", fb("m"))
+    seen_when_told = []
+    worker.run_cycle(c.plan, on_compute_answered=lambda models: seen_when_told.append(worker.futures.lookup(fb_id)))
+    assert seen_when_told == [None]  # told once, with the answer not yet there
+    assert not answer(worker, fb_id)["failed"]

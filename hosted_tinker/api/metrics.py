@@ -149,7 +149,8 @@ def _builtin(m: "ServedModel"):
 # (family, name, help, value of one served model), read from its own parts at scrape time; the
 # sampling ones are the built-in engine's counters (`_builtin`).
 _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
-    (_C, "hosted_tinker_cycles", "clock cycles run", lambda m: m.scheduler.cycles),
+    (_C, "hosted_tinker_cycles", "clock cycles started (counted before the cycle answers anything)",
+     lambda m: m.scheduler.cycles),
     (_C, "hosted_tinker_cycle_seconds", "time spent in clock cycles", lambda m: m.scheduler.cycle_seconds_total),
     (_G, "hosted_tinker_last_cycle_seconds", "duration of the last cycle", lambda m: m.scheduler.last_cycle_seconds),
     (_G, "hosted_tinker_last_cycle_models", "models served by the last cycle",
@@ -167,6 +168,10 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
      lambda m: m.worker.fused_passes),
     (_C, "hosted_tinker_trained_tokens", "tokens through forward/backward", lambda m: m.worker.tokens_total),
     (_G, "hosted_tinker_queue_depth", "training requests waiting", lambda m: m.scheduler.queue_depth()),
+    (_G, "hosted_tinker_pipelining_models",
+     "models whose client pipelines (posts optim_step before its forward_backward result): their "
+     "forward_backward waits up to gather_window_s for it, so that both share a cycle",
+     lambda m: m.scheduler.pipelining_models()),
     (_G, "hosted_tinker_adapters", "adapters held by the runtime (on the device or paged out)",
      lambda m: len(m.runtime.adapters)),
     (_G, "hosted_tinker_live_adapters", "adapters resident on the device", lambda m: len(m.runtime.live)),

@@ -1,0 +1,49 @@
+"""The leak guard that conftest.py runs after every module and after the session (leak_guard.py),
+and ServerProcess closing its clients: what they rely on, checked against the real SDK."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import leak_guard
+from helpers import BASE_MODEL
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.e2e
+
+
+def test_an_open_sdk_client_is_seen_until_it_is_closed(server):
+    before = set(leak_guard.open_sdk_sessions())
+    sc = server.client("tml-leak-guard")
+    sc.create_sampling_client(base_model=BASE_MODEL).result()  # the client's session (and heartbeat) starts
+    assert len(set(leak_guard.open_sdk_sessions()) - before) == 1
+    sc.close("success").result()
+    assert set(leak_guard.open_sdk_sessions()) == before
+
+
+def test_a_server_process_is_told_from_other_children():
+    pretend = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "hosted_tinker", "serve"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        children = {p.pid: p for p in leak_guard.child_processes()}
+        assert leak_guard.is_server(children[pretend.pid]) and not leak_guard.is_server(children[other.pid])
+    finally:
+        leak_guard.end([children[pretend.pid], children[other.pid]])
+    assert pretend.wait(30) is not None and other.wait(30) is not None
+
+
+def test_stop_releases_the_clients_of_a_server_that_was_killed(tmp_path):
+    """A client of a server killed for good cannot finish its session; stop() still ends its
+    heartbeat, at once (SDK's close() would retry finishing the session for five minutes)."""
+    srv = ServerProcess(tmp_path / "srv").start()
+    before = set(leak_guard.open_sdk_sessions())
+    try:
+        srv.client("tml-leak-guard").create_sampling_client(base_model=BASE_MODEL).result()
+        assert len(set(leak_guard.open_sdk_sessions()) - before) == 1
+        srv.kill9()
+    finally:
+        srv.stop()
+    assert set(leak_guard.open_sdk_sessions()) == before
