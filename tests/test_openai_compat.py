@@ -254,7 +254,7 @@ def test_a_run_id_samples_the_runs_current_weights(server, tok):
     more step a different one."""
     key = "tml-current-weights"
     prompt = tok.encode(COMPLETION_PROMPT)
-    with tinker.ServiceClient(base_url=server.base_url, api_key=key) as sc, \
+    with server.client(key) as sc, \
             openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0) as oai:
         def greedy_v1(model: str) -> tuple[list[int], list[float]]:
             c = complete(oai, model, prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
