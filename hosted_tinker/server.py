@@ -101,7 +101,7 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
     backend: SamplingBackend = EngineBackend(
         SamplingEngine(model, runtime.routing, tokenizer, device,
                        on_request_done=functools.partial(observer.observe_sample, name)),
-        SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set)
+        SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set, runtime)
     if config.samples_on_vllm:  # one served model (preflight)
         dtype = str(pick_dtype(config.dtype, device)).removeprefix("torch.")  # vLLM runs the training dtype
         backend = vllm_backend(name, config, runtime, backend, dtype, data_dir, observer)

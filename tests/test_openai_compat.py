@@ -245,3 +245,42 @@ def test_auth_unknown_models_and_bad_params(server, oai, tok):
             pytest.fail(f"bad request {i} was accepted")
     assert httpx.post(f"{url}/completions", content=b"{not json", headers={"X-API-Key": API_KEY}).status_code == 400
     assert math.isfinite(chat(oai, BASE_MODEL, max_tokens=1).usage.total_tokens)  # the server is still fine
+
+
+def test_a_run_id_samples_the_runs_current_weights(server, tok):
+    """`model=<training run id>` samples the run's weights as of its last optim_step, with no
+    sampler save needed: before its first step the base model's answer (a fresh LoRA adds
+    nothing), after some steps the answer a sampler saved at that moment gives, and after one
+    more step a different one."""
+    key = "tml-current-weights"
+    prompt = tok.encode(COMPLETION_PROMPT)
+    with server.client(key) as sc, \
+            openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0) as oai:
+        def greedy_v1(model: str) -> tuple[list[int], list[float]]:
+            c = complete(oai, model, prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
+                         extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+            lp = c.choices[0].logprobs
+            return [int(t.removeprefix("token_id:")) for t in lp.tokens], lp.token_logprobs
+
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=7).result()
+        fresh, base = greedy_v1(tc.model_id), greedy_v1(BASE_MODEL)
+        assert fresh[0] == base[0]
+        np.testing.assert_allclose(fresh[1], base[1], atol=2e-5, rtol=0)
+
+        target = prompt + tok.encode(COMPLETION_TARGET)
+        datum = sft_datum(target, [0.0] * (len(prompt) - 1) + [1.0] * (len(target) - len(prompt)))
+        for _ in range(3):
+            tc.forward_backward([datum], "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        trained = greedy_v1(tc.model_id)  # no sampler save exists yet
+        sampler = sc.create_sampling_client(model_path=tc.save_weights_for_sampler("now").result().path).result()
+        saved = sampler.sample(types.ModelInput.from_ints(prompt), 1,
+                               types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])).result().sequences[0]
+        assert trained[0] == saved.tokens
+        np.testing.assert_allclose(trained[1], saved.logprobs, atol=2e-5, rtol=0)
+        assert np.abs(np.asarray(trained[1]) - np.asarray(base[1])).max() > 1e-3  # training moved it
+
+        tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        stepped = greedy_v1(tc.model_id)
+        assert np.abs(np.asarray(stepped[1]) - np.asarray(trained[1])).max() > 1e-3

@@ -10,7 +10,8 @@ What it shows: every step's adapter reaches vLLM and vLLM's sampled-token logpro
 training forward's (1e-4, fp32); OpenAI requests naming a training run follow its training;
 snapshot sessions keep their version, pinned when opened; Tinker and OpenAI answers and errors
 equal the built-in engine's; a client that leaves cancels its vLLM request; kill -9 of vLLM's
-process group mid-request is recovered without user action; math_rl runs unchanged.
+process group mid-request is recovered without user action; kill -9 of the server takes its vLLM
+down with it; math_rl runs unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from transformers import AutoTokenizer
 from helpers import checkpoint_dir, logprobs_of, sft_datum
 from hosted_tinker.sampling.vllm_adapters import AdapterVersions
 from hosted_tinker.sampling.vllm_server_backend import SnapshotPins
-from hosted_tinker.sampling.vllm_sidecar import VLLMSidecar
+from hosted_tinker.sampling.vllm_sidecar import VLLMSidecar, group_shm_files, remove_shm_files
 from offline_hub import install_fake_hub_model, offline_env
 from server_process import ServerProcess
 from vllm_support import SPEC, vllm_python
@@ -292,6 +293,10 @@ def test_answers_and_errors_equal_the_builtin_engines(srv, builtin_srv, tok):
                 "openai": oai.completions.create(model=path, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2,
                                                  extra_body={"ignore_eos": True}),
             }
+            if name == "vllm":  # the run's current weights: on vLLM once its last step is synced
+                wait_until(lambda: metric(server, "hosted_tinker_vllm_sync_lag_steps") == 0, "synced", server)
+            r["openai run id"] = oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=10, temperature=0,
+                                                        logprobs=2, extra_body={"ignore_eos": True})
             if name == "vllm":  # the prompt-logprob jobs, and only they, went to the built-in engine
                 assert metric(server, "hosted_tinker_vllm_jobs_to_builtin_total") == to_builtin + 2
             errors = []
@@ -316,10 +321,12 @@ def test_answers_and_errors_equal_the_builtin_engines(srv, builtin_srv, tok):
     np.testing.assert_allclose(np.array(v["compute_logprobs"][1:]), np.array(b["compute_logprobs"][1:]), atol=1e-4)
     np.testing.assert_allclose(np.array(v["prompt logprobs"].prompt_logprobs[1:]),
                                np.array(b["prompt logprobs"].prompt_logprobs[1:]), atol=1e-4)
-    ov, ob = v["openai"].choices[0], b["openai"].choices[0]
-    assert ov.text == ob.text and ov.logprobs.tokens == ob.logprobs.tokens
-    np.testing.assert_allclose(ov.logprobs.token_logprobs, ob.logprobs.token_logprobs, atol=1e-4)
-    assert [sorted(d) for d in ov.logprobs.top_logprobs] == [sorted(d) for d in ob.logprobs.top_logprobs]
+    for what in ("openai", "openai run id"):
+        ov, ob = v[what].choices[0], b[what].choices[0]
+        assert ov.text == ob.text and ov.logprobs.tokens == ob.logprobs.tokens, what
+        np.testing.assert_allclose(ov.logprobs.token_logprobs, ob.logprobs.token_logprobs, atol=1e-4, err_msg=what)
+        assert [sorted(d) for d in ov.logprobs.top_logprobs] == [sorted(d) for d in ob.logprobs.top_logprobs], what
+    assert v["openai run id"].choices[0].text == v["openai"].choices[0].text  # the saved weights are the current ones
     assert v["errors"] == b["errors"]
 
 
@@ -355,6 +362,8 @@ def test_kill9_of_vllm_is_recovered_without_user_action(srv, clients, tok):
     wait_until(lambda: metric(srv, "hosted_tinker_vllm_requests_in_flight") == in_flight + 1, "request running", srv)
     (pid,) = vllm_processes(srv)
     pgid = os.getpgid(pid)
+    os.killpg(pgid, signal.SIGSTOP)  # frozen, it cannot finish the request: it is in flight when killed
+    assert metric(srv, "hosted_tinker_vllm_requests_in_flight") == in_flight + 1
     os.killpg(pgid, signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError) as failed:
         running.result(timeout=WAIT)
@@ -375,6 +384,32 @@ def test_kill9_of_vllm_is_recovered_without_user_action(srv, clients, tok):
     assert oai.completions.create(model=tc.model_id, prompt=PROMPT, max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True}).choices[0].text == run_answer
     train_step(srv, tc, data, lr=2e-2)
+
+
+def test_kill9_of_the_server_takes_its_vllm_down_too(hub):
+    """vLLM's watchdog (the leader of its process group) kills the group once the server is gone,
+    even by kill -9, which nothing in the server can catch."""
+    root, _, env = hub
+    server = ServerProcess(root / "killed", base_model=MODEL, env=env,
+                           args=("--vllm", "--vllm-python", vllm_python(), *SERVER_ARGS))
+    groups: list[int] = []
+    shm: dict[str, int] = {}
+    try:
+        server.start()
+        wait_until(lambda: metric(server, "hosted_tinker_vllm_ready") == 1, "vLLM ready", server)
+        groups = [os.getpgid(pid) for pid in vllm_processes(server)]
+        assert len(groups) == 1
+        shm = group_shm_files(groups[0])  # a killed group's shared memory is this test's to remove
+        server.kill9()
+        # A bound, not a timing: the group is gone as soon as the watchdog reads the end of its pipe.
+        wait_until(lambda: group_gone(groups[0]), "vLLM's process group gone after kill -9 of the server", server,
+                   timeout=60)
+    finally:
+        server.stop()
+        for pgid in groups:  # whatever a failure left running
+            if not group_gone(pgid):
+                os.killpg(pgid, signal.SIGKILL)
+        remove_shm_files(shm)
 
 
 def test_math_rl_runs_unchanged_with_the_sidecar(srv, hub, tmp_path):

@@ -251,19 +251,27 @@ def test_kill9_of_the_process_group_is_recovered_without_user_action(stack, tmp_
     greedy = dict(temperature=0.0, max_tokens=6, stop_token_ids=frozenset())
     answer = stack.vllm(job(PROMPT, latest_ref("m-kill"), **greedy)).sequences[0].tokens
 
-    # A long streamed request is in flight when the whole process group gets SIGKILL.
+    # A long streamed request is in flight when the whole process group gets SIGKILL: the group is
+    # frozen (SIGSTOP) at its first token, so it cannot finish the request before the kill.
+    pgid = stack.sidecar.process_group()
     started, finished = threading.Event(), threading.Event()
     outcome: dict = {}
+
+    def first_token(*_):
+        if not started.is_set():
+            os.killpg(pgid, signal.SIGSTOP)
+            started.set()
+
     long_job = job(PROMPT, latest_ref("m-kill"), temperature=1.0, max_tokens=900, stop_token_ids=frozenset(),
-                   on_token=lambda *a: started.set())
+                   on_token=first_token)
     long_job.on_done = lambda r: (outcome.setdefault("done", r), finished.set())
     long_job.on_error = lambda m: (outcome.setdefault("error", m), finished.set())
     generation = stack.sidecar.generation
     stack.backend.submit_job(long_job)
     assert started.wait(WAIT)
-    pgid = stack.sidecar.process_group()
     shm = group_shm_files(pgid)
     assert shm, "vLLM's processes share memory through /dev/shm"
+    assert not finished.is_set() and stack.backend.has_work()  # in flight, on a frozen vLLM
     os.killpg(pgid, signal.SIGKILL)
     assert finished.wait(WAIT), "the request in flight hung"
     assert "error" in outcome and "vLLM" in outcome["error"]

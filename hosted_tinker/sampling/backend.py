@@ -15,21 +15,35 @@ cancelled or shut down. Callbacks must be short: they hand results to other thre
 
 from __future__ import annotations
 
+import itertools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 
+from ..model_runtime import ModelRuntime
 from .engine import SampleJob, SamplingEngine
 from .snapshots import SnapshotCache
 
 log = logging.getLogger(__name__)
+
+CURRENT_PREFIX = "current:"
+
+
+def current_source(model_id: str) -> str:
+    """The snapshot source of training model `model_id`'s current weights (`SnapshotCache`)."""
+    return CURRENT_PREFIX + model_id
 
 
 class SamplingBackend(ABC):
     @abstractmethod
     def submit(self, job: SampleJob) -> None:
         """Queue a job (any thread)."""
+
+    def submit_all(self, jobs: list[SampleJob]) -> None:
+        """Queue the jobs of one request (any thread)."""
+        for job in jobs:
+            self.submit(job)
 
     @abstractmethod
     def cancel(self, job: SampleJob) -> None:
@@ -47,9 +61,10 @@ class SamplingBackend(ABC):
         """`model_id` was unloaded (device loop thread): what the backend holds of it can go."""
 
     def current_weights_ref(self, model_id: str) -> str | None:
-        """The `SampleJob.adapter_id` that samples training model `model_id`'s current weights, or
-        None when this backend samples saved checkpoints only (then a request naming the model
-        gets its latest sampler checkpoint)."""
+        """The `SampleJob.adapter_id` for the jobs of one request that sample training model
+        `model_id`'s current weights (as of its last completed optim_step, create or load), or None
+        when the model is not loaded here (then a request naming it gets its latest sampler
+        checkpoint). Ask once per request: its jobs sample one version, even across a step."""
         return None
 
     def session_opened(self, adapter_dir: str) -> None:
@@ -71,28 +86,56 @@ class SamplingBackend(ABC):
 
 
 class EngineBackend(SamplingBackend):
-    """The built-in `SamplingEngine`, on the device loop's thread and the training model's layers."""
+    """The built-in `SamplingEngine`, on the device loop's thread and the training model's layers.
 
-    def __init__(self, engine: SamplingEngine, snapshots: SnapshotCache, wake: Callable[[], None]):
+    A training model's current weights are sampled from a copy of its adapter as of one version
+    (a `SnapshotCache` version of `current_source(model_id)`), made when the first request needing
+    that version is admitted, never before: training's own slot changes at every step, under the
+    rows still decoding. A request's jobs share a ref (`current_weights_ref`) bound to the version
+    its first admitted job got, until none of them is queued or running; a version that is
+    superseded (the model stepped) and no longer used is dropped.
+    """
+
+    def __init__(self, engine: SamplingEngine, snapshots: SnapshotCache, wake: Callable[[], None],
+                 runtime: ModelRuntime):
         self.engine = engine
         self.snapshots = snapshots
         self._wake = wake
+        self.runtime = runtime
+        # model id -> its weights' version: bumped (device loop thread) at every new version, read by
+        # `current_weights_ref` (API threads) to know the model is loaded
+        self._versions: dict[str, int] = {}
+        self._requests = itertools.count()
+        self._bound: dict[str, str] = {}  # a request's current-weights ref -> the snapshot id its jobs sample
 
     def submit(self, job: SampleJob) -> None:
         self.engine.submit(job)
+        self._wake()
+
+    def submit_all(self, jobs: list[SampleJob]) -> None:
+        # All at once: a request's binding to one version lasts while any of its jobs is queued.
+        self.engine.submit_all(jobs)
         self._wake()
 
     def cancel(self, job: SampleJob) -> None:
         job.cancelled = True  # the engine drops it at admission or before its next decode step
         self._wake()
 
+    def current_weights_ref(self, model_id: str) -> str | None:
+        if model_id not in self._versions:
+            return None
+        return f"{current_source(model_id)}@{next(self._requests)}"
+
     def adapter_updated(self, model_id: str, saved_to: Path | None = None) -> None:
-        # The engine samples frozen snapshots only, never a training model's live weights, so
-        # an optim_step or load changes nothing here.
-        # TODO(coordinator, issue 10 "re-saved sampler"): a save to a directory that is already
-        # loaded as a snapshot should retire that snapshot (SnapshotCache keys by directory,
-        # sampling/snapshots.py, owned by "core"); call that here once it exists.
-        return None
+        if saved_to is not None:  # a save: a snapshot of that directory holds what was there before
+            self.snapshots.supersede(str(saved_to), keep=self._in_use())
+            return
+        self._versions[model_id] = self._versions.get(model_id, 0) + 1
+        self.snapshots.supersede(current_source(model_id), keep=self._in_use())
+
+    def adapter_removed(self, model_id: str) -> None:
+        self._versions.pop(model_id, None)
+        self.snapshots.supersede(current_source(model_id), keep=self._in_use())
 
     def shutdown(self) -> None:
         self.engine.fail_all("the server is shutting down; resubmit this request")
@@ -103,15 +146,34 @@ class EngineBackend(SamplingBackend):
     def run_round(self, *, should_yield: Callable[[], bool], min_seconds: float, max_seconds: float) -> None:
         if not self.engine.has_work():
             return
-        active = self.engine.active_adapter_ids()
-
-        def resolve(job: SampleJob) -> str | None:
-            if job.adapter_id is None:
-                return None
-            return self.snapshots.ensure(Path(job.adapter_id), keep=active)
-
         try:
-            self.engine.run(should_yield, max_seconds, resolve, min_seconds=min_seconds)
+            self.engine.run(should_yield, max_seconds, self._resolve, min_seconds=min_seconds)
         except Exception as e:  # the engine confines known failures to their jobs; this is a bug
             log.exception("a sampling round failed; failing every sampling request in flight")
             self.engine.fail_all(f"sampling failed on the server: {type(e).__name__}: {e}")
+        # Requests that ended let go of their versions; superseded versions nobody uses go.
+        refs = self.engine.requested_adapter_ids()
+        self._bound = {ref: aid for ref, aid in self._bound.items() if ref in refs}
+        self.snapshots.sweep(keep=self._in_use())
+
+    def _in_use(self) -> set[str]:
+        return self.engine.active_adapter_ids() | set(self._bound.values())
+
+    def _resolve(self, job: SampleJob) -> str | None:
+        """The adapter id in the layers that `job` samples (loading or copying it there if needed)."""
+        ref = job.adapter_id
+        if ref is None:
+            return None
+        if not ref.startswith(CURRENT_PREFIX):
+            return self.snapshots.ensure(Path(ref), keep=self._in_use())
+        aid = self._bound.get(ref)
+        if aid is None:
+            model_id = ref[len(CURRENT_PREFIX):].rpartition("@")[0]
+            if model_id not in self._versions:
+                raise LookupError(f"model {model_id!r} is not loaded any more")
+            adapter = self.runtime.adapter(model_id)
+            aid = self.snapshots.ensure_weights(current_source(model_id), str(self._versions[model_id]),
+                                                adapter.named_tensors(), adapter.config.scaling,
+                                                keep=self._in_use())
+            self._bound[ref] = aid
+        return aid

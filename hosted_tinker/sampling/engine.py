@@ -131,11 +131,19 @@ class SamplingEngine:
     def submit(self, job: SampleJob) -> None:
         self._pending.append(job)
 
+    def submit_all(self, jobs: list[SampleJob]) -> None:
+        self._pending.extend(jobs)  # one step under the GIL: admission sees all of them or none
+
     def has_work(self) -> bool:
         return bool(self._pending or self._groups)
 
     def active_adapter_ids(self) -> set[str]:
         return {row.adapter_id for g in self._groups for row in g.rows if row.adapter_id is not None}
+
+    def requested_adapter_ids(self) -> set[str]:
+        """The `adapter_id`s the queued and running jobs asked for (before resolution)."""
+        return ({job.adapter_id for job in list(self._pending)}
+                | {row.job.job.adapter_id for g in self._groups for row in g.rows}) - {None}
 
     @property
     def active_rows(self) -> int:

@@ -50,13 +50,17 @@ class SamplingService:
         """
         self.backend.submit(job)
 
+    def submit_jobs(self, jobs: list[SampleJob]) -> None:
+        """Queue the jobs of one request together (see `submit_job`)."""
+        self.backend.submit_all(jobs)
+
     def cancel(self, job: SampleJob) -> None:
         """Nobody waits for this job any more (its client left): the backend stops it."""
         self.backend.cancel(job)
 
     def current_weights_ref(self, model_id: str) -> str | None:
-        """What a job's `adapter_id` is to sample training model `model_id`'s current weights, if the
-        backend serves them (see `SamplingBackend.current_weights_ref`)."""
+        """What the jobs of one request take as `adapter_id` to sample training model `model_id`'s current
+        weights, if it is loaded (see `SamplingBackend.current_weights_ref`)."""
         return self.backend.current_weights_ref(model_id)
 
     def session_opened(self, adapter_dir: str) -> None:

