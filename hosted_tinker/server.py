@@ -33,6 +33,7 @@ from .device_loop import DeviceLoop
 from .futures import FutureStore
 from .model_loading import model_directory, pick_device, pick_dtype
 from .model_runtime import ModelRuntime
+from .runtime.cpu_threads import on_passing_thread
 from .sampling.backend import EngineBackend, SamplingBackend
 from .sampling.engine import SampleJob, SampleResult, SamplingEngine
 from .sampling.records import SampleRecords
@@ -91,7 +92,9 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                 checkpoints: CheckpointCatalog, data_dir: Path, observer: Observer) -> ServedModel:
     """Load one base model onto its device and build the parts that serve it, each given what it needs."""
     name, device = entry.name, pick_device(entry.device)
-    runtime, tokenizer = make_runtime(name, device, config, data_dir)
+    # On a passing thread: the start-up compute (model build and load, fusion probe) leaves no
+    # OpenMP team behind on this thread to slow every later step (runtime/cpu_threads.py).
+    runtime, tokenizer = on_passing_thread(make_runtime, name, device, config, data_dir)
     model = runtime.model  # with a sharded base, what the sampling engine calls (its forwards are mirrored)
     wake = threading.Event()  # the device loop's doorbell, rung by both kinds of producer
     scheduler = ClockCycleScheduler(on_work=wake.set, gap_timeout_s=config.gap_timeout_s,
