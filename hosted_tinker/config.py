@@ -139,7 +139,7 @@ class ServerConfig(BaseSettings):
                              "reserving num_samples x (prompt + max_tokens) while it runs; others wait their turn "
                              "(FIFO) and one larger than all of it is refused with a 400. 0 = auto: on CUDA half "
                              "the device's free memory at start-up over the model's KV bytes per token; on CPU "
-                             f"{DEFAULT_KV_TOKENS} (set it to bound a large model's KV cache there)"),
+                             f"{DEFAULT_KV_TOKENS} (set it to bound a large model's KV cache there)")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a sample request leaves it unset")
     ephemeral_sampler_ttl_s: int = Field(
         7 * 24 * 3600, ge=1, description="how long snapshots made by save_weights_and_get_sampling_client are "
