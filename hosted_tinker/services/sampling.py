@@ -1,8 +1,8 @@
 """`SamplingRequests`: sample requests of both APIs (Tinker `asample`, OpenAI) on their way to the sampler.
 
 Each request is bounded on its own (prompts, `n`, requested tokens, and each job's KV cache against
-the sampler's whole KV-cache budget: a 400 naming the setting) and each API key's sampling work in flight (requests and requested tokens, waiting or running) is
-bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
+the sampler's whole KV-cache budget: a 400 naming the setting) and each API key's sampling work in
+flight (requests and requested tokens, waiting or running) is bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
 and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
 A key's allowance is given back when its job ends: done, failed, or cancelled because its client
 went away.
