@@ -36,6 +36,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
 _DEVICE_LIST_RE = re.compile(r"^\d+(,\d+)*$")
 _DEVICE_HELP = "use auto, cpu, cuda, cuda:N, mps or xpu"
+# max_sampling_kv_tokens = 0 off CUDA (sampling/kv_budget.py says why this much).
+DEFAULT_KV_TOKENS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,12 @@ class ServerConfig(BaseSettings):
     max_sampled_tokens_per_key: int = Field(
         1 << 23, ge=1, description="tokens (samples x max_tokens) one API key's waiting and running sample "
                                    "requests may ask for; beyond it, 429")
+    max_sampling_kv_tokens: int = Field(
+        0, ge=0, description="KV-cache tokens the built-in sampler's running requests may hold together, each "
+                             "reserving num_samples x (prompt + max_tokens) while it runs; others wait their turn "
+                             "(FIFO) and one larger than all of it is refused with a 400. 0 = auto: on CUDA half "
+                             "the device's free memory at start-up over the model's KV bytes per token; on CPU "
+                             f"{DEFAULT_KV_TOKENS} (set it to bound a large model's KV cache there)")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a sample request leaves it unset")
     ephemeral_sampler_ttl_s: int = Field(
         7 * 24 * 3600, ge=1, description="how long snapshots made by save_weights_and_get_sampling_client are "

@@ -24,6 +24,7 @@ from .model_loading import load_base_model, pick_dtype
 from .model_runtime import ModelRuntime
 from .runtime.trainer import TrainingRuntime
 from .sampling.backend import SamplingBackend
+from .sampling.kv_budget import KVBudget
 from .sampling.service import SamplingService
 from .scheduler import ClockCycleScheduler
 from .worker import TrainingWorker
@@ -40,6 +41,7 @@ class ServedModel:
     sampling_backend: SamplingBackend
     sampler: SamplingService
     loop: DeviceLoop
+    kv_budget: KVBudget  # the built-in sampler's KV-cache budget, and how it was chosen
 
 
 def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir: Path) -> tuple[ModelRuntime, Any]:

@@ -36,6 +36,7 @@ from .model_runtime import ModelRuntime
 from .runtime.cpu_threads import on_passing_thread
 from .sampling.backend import EngineBackend, SamplingBackend
 from .sampling.engine import SampleJob, SampleResult, SamplingEngine
+from .sampling.kv_budget import choose_kv_budget
 from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
@@ -101,8 +102,9 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                                     gather_window_s=config.gather_window_s,
                                     max_tokens_per_cycle=config.max_tokens_per_cycle,
                                     max_models_per_cycle=config.max_live_adapters)
+    kv_budget = choose_kv_budget(config.max_sampling_kv_tokens, model, device)  # after the model is loaded
     backend: SamplingBackend = EngineBackend(
-        SamplingEngine(model, runtime.routing, tokenizer, device,
+        SamplingEngine(model, runtime.routing, tokenizer, device, kv_budget_tokens=kv_budget.tokens,
                        on_request_done=functools.partial(observer.observe_sample, name)),
         SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set, runtime)
     if config.samples_on_vllm:  # one served model (preflight)
@@ -113,7 +115,8 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                        runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
                        sampler=SamplingService(backend, futures),
                        loop=DeviceLoop(scheduler, worker, backend, futures, wake,
-                                       on_cycle=functools.partial(observer.observe_cycle, name)))
+                                       on_cycle=functools.partial(observer.observe_cycle, name)),
+                       kv_budget=kv_budget)
 
 
 def vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builtin: EngineBackend, dtype: str,

@@ -11,7 +11,7 @@ from hosted_tinker.served_models import ModelRegistry, ServedModel
 def served(name: str) -> ServedModel:
     # Only the name matters to the registry: the parts are not built here.
     return ServedModel(name=name, tokenizer=None, eos_token_ids=set(), runtime=None, scheduler=None, worker=None,
-                       sampling_backend=None, sampler=None, loop=None)
+                       sampling_backend=None, sampler=None, loop=None, kv_budget=None)
 
 
 def test_registry_routes_by_base_model_and_names_what_it_serves():

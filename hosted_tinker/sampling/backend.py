@@ -45,6 +45,11 @@ class SamplingBackend(ABC):
         for job in jobs:
             self.submit(job)
 
+    def refusal(self, job: SampleJob) -> str | None:
+        """Why `job` could never run on this backend, however long it waited (the API refuses it with a
+        400 instead of queueing it), or None (any thread)."""
+        return None
+
     @abstractmethod
     def cancel(self, job: SampleJob) -> None:
         """Stop a job whose client went away (any thread): it sets `job.cancelled` and stops the
@@ -116,6 +121,9 @@ class EngineBackend(SamplingBackend):
         # All at once: a request's binding to one version lasts while any of its jobs is queued.
         self.engine.submit_all(jobs)
         self._wake()
+
+    def refusal(self, job: SampleJob) -> str | None:
+        return self.engine.refusal(job)
 
     def cancel(self, job: SampleJob) -> None:
         job.cancelled = True  # the engine drops it at admission or before its next decode step

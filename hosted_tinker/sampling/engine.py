@@ -7,6 +7,14 @@ decode steps as a new group (prefilled once, with `num_samples` rows sharing tha
 every group advances one token per step. The engine hands control back to training whenever
 training work is waiting, keeping its state (KV caches) for the next cycle.
 
+The KV cache the running groups hold is bounded by a budget in tokens (kv_budget.py), whoever
+sent them: a group's rows are left-padded to its longest prompt, so each row reserves the group's
+prompt width plus its job's max_tokens, from its prefill until it ends (finished, cancelled or
+failed). Admission is strict FIFO: the job at the head of the queue is admitted only when its
+rows fit beside the running ones' reservations, and no later job overtakes it (so a large job
+waits only for running rows to end, never for a stream of small ones). The head always fits an
+empty engine: a job larger than the whole budget is refused (`refusal`) instead of queued.
+
 Returned logprobs are the model's own: log-softmax of the raw logits, with no temperature,
 top-k or top-p applied, so they equal the training forward's logprobs of the same tokens.
 Temperature, top-k and top-p shape only the choice of the next token.
@@ -26,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from ..runtime.multi_lora import LoRARouting, segments_of
+from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +116,18 @@ class _Group:
     mask: torch.Tensor  # [rows, total_len] 1 = real token
     positions: torch.Tensor  # [rows] position of the last token
     next_logits: torch.Tensor  # [rows, vocab] logits for the next token
+    width: int  # prompt columns (the longest prompt's length): every row's cache starts this wide
+    kv_tokens: int = 0  # reserved KV-cache tokens: sum over rows of width + their job's max_tokens
+
+    def reserve(self) -> None:
+        """Reserve what the group's rows can hold at most (again, once rows have left)."""
+        self.kv_tokens = sum(self.width + row.job.job.max_tokens for row in self.rows)
 
 
 class SamplingEngine:
     def __init__(self, model: torch.nn.Module, routing: LoRARouting, tokenizer, device: torch.device,
                  *, max_rows_per_group: int = 256, max_prefill_tokens: int = 16384,
+                 kv_budget_tokens: int = DEFAULT_KV_TOKENS,
                  on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None):
         self.model = model
         self.routing = routing
@@ -119,6 +135,8 @@ class SamplingEngine:
         self.device = device
         self.max_rows_per_group = max_rows_per_group
         self.max_prefill_tokens = max_prefill_tokens
+        self.kv_budget_tokens = kv_budget_tokens
+        self.peak_reserved_kv_tokens = 0  # the most the running groups ever reserved together
         self._pending: list[SampleJob] = []
         self._groups: list[_Group] = []
         self.tokens_generated = 0
@@ -148,6 +166,26 @@ class SamplingEngine:
     @property
     def active_rows(self) -> int:
         return sum(len(g.rows) for g in self._groups)
+
+    @property
+    def reserved_kv_tokens(self) -> int:
+        """KV-cache tokens the running groups have reserved (any thread: a snapshot)."""
+        return sum(g.kv_tokens for g in list(self._groups))
+
+    @property
+    def waiting_jobs(self) -> int:
+        """Jobs queued, not yet admitted (waiting for the KV-cache budget or the next round)."""
+        return len(self._pending)
+
+    def refusal(self, job: SampleJob) -> str | None:
+        """Why `job` can never run here (its worst case exceeds the whole KV-cache budget), or None."""
+        need = job_kv_tokens(job)
+        if need <= self.kv_budget_tokens:
+            return None
+        return (f"a sample job needs up to {need} KV-cache tokens (num_samples {job.num_samples} x (prompt "
+                f"{len(job.prompt)} + max_tokens {job.max_tokens})), more than the sampler's whole KV-cache budget "
+                f"of {self.kv_budget_tokens} tokens (max_sampling_kv_tokens): ask for fewer samples, fewer "
+                "max_tokens or a shorter prompt")
 
     # -- the device loop's thread --------------------------------------------------------------------
     def fail_all(self, reason: str) -> None:
@@ -190,18 +228,29 @@ class SamplingEngine:
         if not self._pending:
             return
         jobs: list[SampleJob] = []
-        rows = tokens = 0
+        rows = tokens = width = generated = 0
+        free = self.kv_budget_tokens - self.reserved_kv_tokens
         while self._pending:
             job = self._pending[0]
             if job.cancelled:
                 self._cancel(self._pending.pop(0))
                 continue
+            reason = self.refusal(job)  # refused at submission; here for jobs that reach the engine otherwise
+            if reason is not None:
+                self._pending.pop(0).on_error(reason)
+                continue
             if jobs and (rows + job.num_samples > self.max_rows_per_group
                          or tokens + len(job.prompt) > self.max_prefill_tokens):
                 break
+            # The new group's reservation with this job in it (a longer prompt widens every row).
+            new_width = max(width, len(job.prompt))
+            new_generated = generated + job.num_samples * job.max_tokens
+            if (rows + job.num_samples) * new_width + new_generated > free:
+                break  # strict FIFO: it waits at the head until running rows end
             jobs.append(self._pending.pop(0))
             rows += job.num_samples
             tokens += len(job.prompt)
+            width, generated = new_width, new_generated
         states: list[tuple[_JobState, str | None]] = []
         for job in jobs:
             try:
@@ -250,8 +299,10 @@ class SamplingEngine:
                 gen.manual_seed(_row_seed(job.seed, i))
                 rows.append(_Row(job=st, index=i, generator=gen, adapter_id=aid))
         group = _Group(rows=rows, cache=cache, mask=mask[expand], positions=positions[expand, -1],
-                       next_logits=logits[expand, -1])
+                       next_logits=logits[expand, -1], width=width)
+        group.reserve()
         self._groups.append(group)
+        self.peak_reserved_kv_tokens = max(self.peak_reserved_kv_tokens, self.reserved_kv_tokens)
         self._choose(group)
         now = time.perf_counter()
         for st, _ in states:
@@ -330,6 +381,7 @@ class SamplingEngine:
             group.cache.batch_select_indices(idx)
             group.mask, group.positions = group.mask[idx], group.positions[idx]
         group.rows = [group.rows[r] for r in keep]
+        group.reserve()  # the rows that left give their reservation back
 
     def _hit_stop_string(self, row: _Row, job: SampleJob) -> bool:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=False)

@@ -54,6 +54,10 @@ class SamplingService:
         """Queue the jobs of one request together (see `submit_job`)."""
         self.backend.submit_all(jobs)
 
+    def refusal(self, job: SampleJob) -> str | None:
+        """Why `job` could never run on this model's sampler (see `SamplingBackend.refusal`), or None."""
+        return self.backend.refusal(job)
+
     def cancel(self, job: SampleJob) -> None:
         """Nobody waits for this job any more (its client left): the backend stops it."""
         self.backend.cancel(job)

@@ -173,6 +173,12 @@ class VLLMBackend(SamplingBackend):
             if not (job.adapter_id is not None and job.adapter_id.startswith(CURRENT_PREFIX)):
                 self.submit(job)
 
+    def refusal(self, job: SampleJob) -> str | None:
+        """The built-in engine's, for a job that would run there (vLLM bounds its own KV cache)."""
+        on_builtin = (job.adapter_id is not None and job.adapter_id.startswith(CURRENT_PREFIX)
+                      or self.vllm.refusal(job) is not None)
+        return self.builtin.refusal(job) if on_builtin else None
+
     def _to_builtin(self, jobs: list[SampleJob], reason: str) -> None:
         log.debug("%d sampling job(s) go to the built-in engine: %s", len(jobs), reason)
         with self._lock:

@@ -1,8 +1,8 @@
 """`SamplingRequests`: sample requests of both APIs (Tinker `asample`, OpenAI) on their way to the sampler.
 
-Each request is bounded on its own (prompts, `n`, requested tokens: a 400 naming the setting) and
-each API key's sampling work in flight (requests and requested tokens, waiting or running) is
-bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
+Each request is bounded on its own (prompts, `n`, requested tokens, and each job's KV cache against
+the sampler's whole KV-cache budget: a 400 naming the setting) and each API key's sampling work in
+flight (requests and requested tokens, waiting or running) is bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
 and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
 A key's allowance is given back when its job ends: done, failed, or cancelled because its client
 went away.
@@ -110,14 +110,19 @@ class SamplingRequests:
         self.allowance = SamplingAllowance(self.config.max_sampling_requests_per_key,
                                            self.config.max_sampled_tokens_per_key)
 
-    def check_size(self, jobs: list[SampleJob]) -> None:
-        """One request's own bounds (the prompt count and `n` are checked where they are parsed)."""
+    def check_size(self, served: ServedModel, jobs: list[SampleJob]) -> None:
+        """One request's own bounds (the prompt count and `n` are checked where they are parsed), and that
+        each of its jobs fits `served`'s sampler at all (its KV-cache budget): else it would wait forever."""
         tokens = sum(requested_tokens(j) for j in jobs)
         limit = self.config.max_sampled_tokens_per_request
         if tokens > limit:
             raise HTTPException(400, f"this request asks for up to {tokens} sampled tokens (prompts x samples x "
                                      f"max_tokens); the limit is {limit} (max_sampled_tokens_per_request): ask for "
                                      "fewer samples or fewer max_tokens per request")
+        for job in jobs:
+            reason = served.sampler.refusal(job)
+            if reason is not None:
+                raise HTTPException(400, reason)
 
     def open_session(self, owner: str, session_id: str, sampling_session_id: str, base_model: str | None,
                      model_path: str | None, checkpoint_dir: str | None) -> None:
@@ -142,7 +147,7 @@ class SamplingRequests:
         made); its request id.
 
         `record(request_id)` gives what stores the request's samples (records.py), or None."""
-        self.check_size([job])
+        self.check_size(served, [job])
         lease = self.allowance.take(owner, [job])
         request_id, is_new = self.server.futures.create(owner, "sample", sampling_session_id, seq_id)
         if not is_new:  # a concurrent retry of the same seq_id got there first
@@ -155,7 +160,7 @@ class SamplingRequests:
     def submit_jobs(self, owner: str, served: ServedModel, jobs: list[SampleJob]) -> None:
         """OpenAI: queue jobs on `served`'s sampler, their callbacks (on_done, on_error, on_token) set by the
         caller."""
-        self.check_size(jobs)
+        self.check_size(served, jobs)
         lease = self.allowance.take(owner, jobs)
         lease.release_when_done(jobs)
         served.sampler.submit_jobs(jobs)
