@@ -263,8 +263,14 @@ class SamplingEngine:
             self._prefill(states)
         except Exception as e:
             log.exception("prefill of %d sampling requests failed", len(states))
+            # It may have failed choosing the first tokens, with the new group already running: that
+            # group goes too, or its rows would decode on and answer requests already failed here.
+            failed = {id(st) for st, _ in states}
+            self._groups = [g for g in self._groups if not any(id(row.job) in failed for row in g.rows)]
             for st, _ in states:
-                st.job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+                if not st.failed and st.rows_left > 0:  # rows_left 0: already answered
+                    st.failed = True
+                    st.job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
 
     def _prefill(self, states: list[tuple[_JobState, str | None]]) -> None:
         states.sort(key=lambda s: (s[1] or ""))  # rows of one adapter together: fewer segments
