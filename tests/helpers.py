@@ -1,10 +1,14 @@
 """Shared helpers for end-to-end tests: batches, reading a server's checkpoints from disk and its
-/metrics, archives to import, and waiting for what a server does on its own."""
+/metrics, archives to import, waiting for what a server does on its own, and `serve` run as a
+command that should refuse to start."""
 
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -17,6 +21,7 @@ from safetensors.torch import load_file
 from hosted_tinker.checkpoints.paths import TinkerPath
 from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from hosted_tinker.store import db_path
+from server_process import free_port
 
 BASE_MODEL = EMBEDDED_MODEL_NAME
 VOCAB = 1000  # ids used by tests stay below the embedded tokenizer's size
@@ -78,6 +83,17 @@ def metric(server, name: str) -> float:
     return sum(map(float, values))
 
 
+def sampling_metrics(srv) -> dict[str, float]:
+    """The sampling series by name, summed over their label sets (each carries its base_model)."""
+    text = httpx.get(srv.base_url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("hosted_tinker_sampl"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
 def wait_until(predicate, what: str, timeout: float = WAIT):
     """Poll until `predicate()` is truthy and return its value; the timeout only guards against a hang."""
     deadline = time.monotonic() + timeout
@@ -100,3 +116,20 @@ def tar_bytes(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> byt
         for info in extra:
             tar.addfile(info)
     return buf.getvalue()
+
+
+# -- `hosted_tinker serve` as a command: start-up checks ------------------------------------------
+def serve(tmp_path: Path, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    # An empty Hugging Face home: nothing cached, so model look-ups show what a fresh machine sees.
+    base = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    base = {k: v for k, v in base.items() if not k.startswith("HOSTED_TINKER_") and k != "HF_HUB_OFFLINE"}
+    return subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path / "data"),
+                           "--port", str(free_port()), *args], env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> None:
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and re.fullmatch(r"hosted-tinker serve: error: " + pattern, errors[0]), out.stderr
+    assert "Traceback" not in out.stderr and "loading base model" not in out.stderr

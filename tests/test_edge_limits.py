@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import BASE_MODEL, WAIT, wait_until
+from helpers import BASE_MODEL, WAIT, sampling_metrics, wait_until
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -40,17 +40,6 @@ def srv(tmp_path_factory):
 
 def post(srv, path: str, key: str = A, **kw) -> httpx.Response:
     return httpx.post(srv.base_url + path, headers={"X-API-Key": key, **kw.pop("headers", {})}, timeout=60, **kw)
-
-
-def metrics(srv) -> dict[str, float]:
-    """The sampling series by name, summed over their label sets (each carries its base_model)."""
-    text = httpx.get(srv.base_url + "/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("hosted_tinker_sampl"):
-            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-            out[name] = out.get(name, 0.0) + value
-    return out
 
 
 def open_request(srv, key: str, body: dict) -> socket.socket:
@@ -148,11 +137,11 @@ def test_one_request_is_bounded(srv):
 
 def test_abandoned_requests_are_cancelled_and_others_answered(srv):
     """The client of a long completion leaves: its rows are dropped, and B's 1-token request is answered."""
-    before = metrics(srv)
+    before = sampling_metrics(srv)
     sock = open_request(srv, A, LONG)
-    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == rows_of(LONG), "the long request decoding")
+    wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_active_sequences"] == rows_of(LONG), "the long request decoding")
     sock.close()
-    after = wait_until(lambda: (m := metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
+    after = wait_until(lambda: (m := sampling_metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
                   == before["hosted_tinker_sampling_requests_cancelled_total"] + len(LONG["prompt"]) and m,
                   "the long request cancelled")
     assert after["hosted_tinker_sampling_active_sequences"] == 0
@@ -167,17 +156,17 @@ def test_abandoned_requests_are_cancelled_and_others_answered(srv):
             oai_a.completions.create(stream=True, **{k: v for k, v in LONG.items() if k != "ignore_eos"},
                                      extra_body={"ignore_eos": True}) as stream:
         next(iter(stream))
-    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_requests_cancelled_total"]
+    wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_requests_cancelled_total"]
           == before["hosted_tinker_sampling_requests_cancelled_total"] + len(LONG["prompt"]),
           "the streamed request cancelled")
-    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "its rows dropped")
+    wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "its rows dropped")
 
 
 def test_sampling_in_flight_is_bounded_per_key(srv):
     """Two requests in flight is A's limit, for OpenAI and asample alike; B is not affected."""
     socks = [open_request(srv, A, LONG) for _ in range(2)]
     try:
-        wait_until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 2 * rows_of(LONG), "both decoding")
+        wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_active_sequences"] == 2 * rows_of(LONG), "both decoding")
         r = httpx.post(srv.base_url + "/v1/completions", json={"model": BASE_MODEL, "prompt": "hi", "max_tokens": 1},
                        headers={"Authorization": f"Bearer {A}"}, timeout=60)
         assert r.status_code == 429 and "max_sampling_requests_per_key = 2" in r.json()["error"]["message"], r.text
@@ -188,5 +177,5 @@ def test_sampling_in_flight_is_bounded_per_key(srv):
     finally:
         for sock in socks:
             sock.close()
-    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "A's requests cancelled")
+    wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "A's requests cancelled")
     assert asample(srv, A, sampling_session(srv, A), 0).status_code == 200  # the allowance came back

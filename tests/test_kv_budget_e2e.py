@@ -14,9 +14,8 @@ import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, WAIT, wait_until
+from helpers import BASE_MODEL, WAIT, sampling_metrics, wait_until
 from server_process import ServerProcess
-from test_edge_limits import metrics
 
 pytestmark = pytest.mark.e2e
 BUDGET = 10_000
@@ -34,7 +33,7 @@ def srv(tmp_path_factory):
 
 
 def test_many_tenants_concurrent_requests_all_finish_within_the_budget(srv):
-    assert metrics(srv)["hosted_tinker_sampling_kv_budget_tokens"] == BUDGET
+    assert sampling_metrics(srv)["hosted_tinker_sampling_kv_budget_tokens"] == BUDGET
     keys = [f"tml-kv-tenant-{i}" for i in range(3)]
     with srv.client(keys[0]) as sc0, srv.client(keys[1]) as sc1, \
             openai.OpenAI(base_url=srv.base_url + "/v1", api_key=keys[2], max_retries=0, timeout=WAIT) as oai:
@@ -49,7 +48,7 @@ def test_many_tenants_concurrent_requests_all_finish_within_the_budget(srv):
             oai_answers = [f.result(timeout=WAIT) for f in completions]
     assert all(len(a.sequences) == SMALL_N and all(len(s.tokens) == 200 for s in a.sequences) for a in answers)
     assert all(a.usage.completion_tokens == SMALL_N * 200 for a in oai_answers)
-    m = wait_until(lambda: (m := metrics(srv))["hosted_tinker_sampling_kv_reserved_tokens"] == 0 and m,
+    m = wait_until(lambda: (m := sampling_metrics(srv))["hosted_tinker_sampling_kv_reserved_tokens"] == 0 and m,
                    "the last rows' reservations given back")
     assert 0 < m["hosted_tinker_sampling_kv_peak_reserved_tokens"] <= BUDGET
     assert m["hosted_tinker_sampling_waiting_jobs"] == 0
@@ -72,16 +71,16 @@ def test_a_request_larger_than_the_whole_budget_is_a_400_on_both_apis(srv):
 
 
 def test_an_abandoned_request_gives_its_reservation_back(srv):
-    before = metrics(srv)
+    before = sampling_metrics(srv)
     long = {"model": BASE_MODEL, "prompt": PROMPT, "n": 2, "max_tokens": 4000}  # 2 x 4003 = 8006 of 10000
     with openai.OpenAI(base_url=srv.base_url + "/v1", api_key="tml-kv-leaver", max_retries=0) as oai, \
             oai.completions.create(stream=True, extra_body={"ignore_eos": True}, **long) as stream:
         next(iter(stream))
-        wait_until(lambda: metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 2 * (len(PROMPT) + 4000),
+        wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 2 * (len(PROMPT) + 4000),
                    "only the long request's reservation held")
-    after = wait_until(lambda: (m := metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
+    after = wait_until(lambda: (m := sampling_metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
                        == before["hosted_tinker_sampling_requests_cancelled_total"] + 1 and m, "the request cancelled")
-    wait_until(lambda: metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 0, "its reservation given back")
+    wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 0, "its reservation given back")
     generated = after["hosted_tinker_sampled_tokens_total"] - before["hosted_tinker_sampled_tokens_total"]
     assert generated < 2 * 4000  # given back because it was cancelled, not because it ran to its end
     with srv.client("tml-kv-next") as sc:  # the whole budget is free again: a request needing most of it runs

@@ -19,7 +19,7 @@ from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import EngineBackend
 from hosted_tinker.sampling.engine import SampleJob, SamplingEngine
 from hosted_tinker.sampling.snapshots import SnapshotCache
-from test_multi_lora import ce_work, random_seqs
+from tiny_model import ce_work, random_seqs
 
 CANCELLED = "cancelled: nobody is waiting for this request any more"
 

@@ -14,34 +14,17 @@ import re
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import database
+from helpers import assert_one_line_error, database, serve
 from hosted_tinker.config import ServerConfig, flag
 from hosted_tinker.model_loading import DTYPES
 from hosted_tinker.startup import bind_port, vllm_child_devices
-from server_process import ServerProcess, free_port
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
-
-
-def serve(tmp_path: Path, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    # An empty Hugging Face home: nothing cached, so model look-ups show what a fresh machine sees.
-    base = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
-    base = {k: v for k, v in base.items() if not k.startswith("HOSTED_TINKER_") and k != "HF_HUB_OFFLINE"}
-    return subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path / "data"),
-                           "--port", str(free_port()), *args], env={**base, **(env or {})},
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
-
-
-def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> None:
-    assert out.returncode == 2, out.stderr
-    errors = [line for line in out.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and re.fullmatch(r"hosted-tinker serve: error: " + pattern, errors[0]), out.stderr
-    assert "Traceback" not in out.stderr and "loading base model" not in out.stderr
 
 
 @pytest.mark.parametrize("args, env, pattern", [

@@ -25,9 +25,8 @@ import torch
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from helpers import BASE_MODEL, logprobs_of, read_adapter, rl_datum, sft_batch
+from helpers import BASE_MODEL, assert_one_line_error, logprobs_of, read_adapter, rl_datum, serve, sft_batch
 from server_process import ServerProcess, free_port
-from test_startup import assert_one_line_error, serve
 
 pytestmark = pytest.mark.e2e
 WAIT = 300  # bound on any one result: a hung future fails the test here
