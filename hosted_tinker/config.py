@@ -171,6 +171,9 @@ class ServerConfig(BaseSettings):
         None, description="file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also "
                           "read: $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode "
                           "accepts any tml- key")
+    telemetry_max_bytes: int = Field(
+        64 << 20, ge=1 << 20, description="size at which the data dir's telemetry.jsonl (the SDK's telemetry "
+                                          "batches) is rotated; one previous file is kept")
     compress_fwdbwd: bool = Field(False, description="ask the SDK to zstd-compress forward_backward bodies (saves "
                                                      "bandwidth to remote clients)")
     vllm: bool = Field(

@@ -48,6 +48,7 @@ from .scheduler import ClockCycleScheduler, CyclePlan
 from .served_models import ModelRegistry, ServedModel, make_runtime
 from .startup import vllm_child_devices, vllm_python
 from .store import Store, db_path
+from .telemetry_log import TelemetryLog
 from .worker import TrainingWorker
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ class Server:
         self.expiry = ExpirySweeper(self.checkpoints)
         self.url_signer = UrlSigner(data_dir / "url_signing.key")
         self.uploads = data_dir / "uploads"  # imports being received
+        self.telemetry = TelemetryLog(data_dir / "telemetry.jsonl", config.telemetry_max_bytes)
         observer = observer or _Unobserved()
         self.models = ModelRegistry([serve_model(entry, config, self.futures, self.store, self.checkpoints, data_dir,
                                                  observer) for entry in config.served_models])
@@ -192,4 +194,5 @@ class Server:
             model.loop.stop()
             model.runtime.close()
         self.store.close()
+        self.telemetry.close()
         self.data_dir_lock.release()

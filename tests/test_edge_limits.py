@@ -96,6 +96,26 @@ def test_stored_json_is_bounded(srv):
     assert post(srv, "/api/v1/telemetry", json={"events": [{"event": "GENERIC_EVENT"}]}).status_code == 200
 
 
+def test_telemetry_on_disk_is_bounded_too(tmp_path):
+    """Bounded batches sent without end once grew telemetry.jsonl without end, on the disk every
+    tenant's checkpoints share: the file is rotated at --telemetry-max-bytes, one previous kept."""
+    limit = 1 << 20
+    srv = ServerProcess(tmp_path / "srv", args=("--telemetry-max-bytes", str(limit))).start()
+    try:
+        for i in range(12):  # ~3 MiB in batches of ~250 KiB, each within the per-batch bound
+            r = post(srv, "/api/v1/telemetry", json={"events": [{"event": "GENERIC_EVENT", "n": i,
+                                                                 "event_data": "e" * (250 << 10)}]})
+            assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    files = sorted(p.name for p in srv.data_dir.glob("telemetry.jsonl*"))
+    assert files == ["telemetry.jsonl", "telemetry.jsonl.1"], files
+    sizes = [(srv.data_dir / f).stat().st_size for f in files]
+    assert all(size <= limit for size in sizes), sizes
+    last = [json.loads(line) for line in (srv.data_dir / "telemetry.jsonl").read_text().splitlines()]
+    assert last[-1]["batch"]["events"][0]["n"] == 11 and last[-1]["owner"]  # the newest batch is kept, whole
+
+
 @pytest.mark.parametrize("path", ["/api/v1/create_session", "/api/v1/telemetry", "/api/v1/asample",
                                   "/v1/completions", "/v1/chat/completions"])
 def test_json_nested_too_deep_is_a_400(srv, path):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query
@@ -125,12 +123,10 @@ def assign_session_project(session_id: str, body: ProjectBody, owner: str = Depe
 def telemetry(batch: dict[str, Any] = Body(), owner: str = Depends(require_owner),
               server: Server = Depends(get_server)):
     # Events can echo request headers, X-API-Key included: credentials are blanked before the
-    # batch is written (one JSON line per batch, under the data directory).
+    # batch is written (one JSON line per batch, under the data directory: telemetry_log.py).
     try:
         check_stored_json(batch, "a telemetry batch", TELEMETRY_MAX_BYTES)
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
-    line = json.dumps({"owner": owner, "received_at": time.time(), "batch": redact(batch)})
-    with open(Path(server.config.data_dir) / "telemetry.jsonl", "a") as f:
-        f.write(line + "\n")
+    server.telemetry.write({"owner": owner, "received_at": time.time(), "batch": redact(batch)})
     return {"status": "accepted"}
