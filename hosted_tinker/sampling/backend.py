@@ -35,6 +35,12 @@ def current_source(model_id: str) -> str:
     return CURRENT_PREFIX + model_id
 
 
+def samples_current_weights(job: SampleJob) -> bool:
+    """Whether `job` samples a training model's current weights on the built-in engine (its
+    `adapter_id` came from `EngineBackend.current_weights_ref`)."""
+    return job.adapter_id is not None and job.adapter_id.startswith(CURRENT_PREFIX)
+
+
 class SamplingBackend(ABC):
     @abstractmethod
     def submit(self, job: SampleJob) -> None:

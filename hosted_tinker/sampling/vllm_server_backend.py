@@ -40,7 +40,7 @@ import torch
 
 from ..model_runtime import ModelRuntime
 from ..runtime.adapters import LoRAConfig
-from .backend import CURRENT_PREFIX, EngineBackend, SamplingBackend
+from .backend import EngineBackend, SamplingBackend, samples_current_weights
 from .engine import SampleJob, SampleResult
 from .vllm_adapters import LATEST_PREFIX, AdapterVersion, AdapterVersions, latest_ref
 from .vllm_backend import VLLMSamplingBackend
@@ -145,7 +145,7 @@ class VLLMBackend(SamplingBackend):
 
     # -- jobs (any thread) ---------------------------------------------------------------------------
     def submit(self, job: SampleJob) -> None:
-        if job.adapter_id is not None and job.adapter_id.startswith(CURRENT_PREFIX):
+        if samples_current_weights(job):
             self._to_builtin([job], "a training model's current weights vLLM cannot serve")
             return
         reason = self.vllm.refusal(job)
@@ -166,17 +166,16 @@ class VLLMBackend(SamplingBackend):
             self._to_builtin([job], reason)
 
     def submit_all(self, jobs: list[SampleJob]) -> None:
-        current = [j for j in jobs if j.adapter_id is not None and j.adapter_id.startswith(CURRENT_PREFIX)]
+        current = [j for j in jobs if samples_current_weights(j)]
         if current:  # together: the built-in engine binds them to one version
             self._to_builtin(current, "a training model's current weights vLLM cannot serve")
         for job in jobs:
-            if not (job.adapter_id is not None and job.adapter_id.startswith(CURRENT_PREFIX)):
+            if not samples_current_weights(job):
                 self.submit(job)
 
     def refusal(self, job: SampleJob) -> str | None:
         """The built-in engine's, for a job that would run there (vLLM bounds its own KV cache)."""
-        on_builtin = (job.adapter_id is not None and job.adapter_id.startswith(CURRENT_PREFIX)
-                      or self.vllm.refusal(job) is not None)
+        on_builtin = samples_current_weights(job) or self.vllm.refusal(job) is not None
         return self.builtin.refusal(job) if on_builtin else None
 
     def _to_builtin(self, jobs: list[SampleJob], reason: str) -> None:
