@@ -14,7 +14,8 @@ from hosted_tinker.runtime import torch_compat
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import FusionPolicy, RowIndependenceProbe, probe_blocks, same_bits
 from hosted_tinker.runtime.multi_lora import LoRARouting
-from tiny_model import ce_work, grads, random_seqs, randomize_b, tiny_runtime
+from hosted_tinker.runtime.trainer import TrainingRuntime
+from tiny_model import ce_work, grads, random_seqs, randomize_b, tiny_qwen3, tiny_runtime
 
 
 def test_row_probe_refuses_a_batch_dependent_computation_and_proves_a_row_wise_one():
@@ -48,6 +49,57 @@ def test_a_refusal_at_startup_turns_mixing_off_and_decisions_are_kept_per_thread
     finally:
         torch.set_num_threads(threads)
     assert asked == [(16, 8), (24, 3), (16, 8)]
+
+
+def test_a_frozen_projection_can_take_its_input_gradient_from_a_transposed_copy():
+    """With the copy kept, the forward is the same call (same bits) and the input gradient is
+    `F.linear(gy, W.T contiguous)` -- the forward's layout -- equal to autograd's up to rounding."""
+    layer = tiny_runtime().layers["model.layers.0.mlp.down_proj"]  # 64 -> 32
+    W = layer.base.weight
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0))
+    gy = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(gy)
+        return y.detach(), xi.grad
+
+    plain_y, plain_gx = run()
+    assert layer.keep_transposed_weight(True) == W.numel() * 4 and layer.weight_t.is_contiguous()
+    y, gx = run()
+    assert same_bits(y, plain_y)
+    assert same_bits(gx, torch.nn.functional.linear(gy, W.t().contiguous()))
+    torch.testing.assert_close(gx, plain_gx)
+    assert layer.keep_transposed_weight(False) == 0 and layer.weight_t is None
+
+
+class _ProbedStub(TrainingRuntime):
+    """The real runtime and policy with a stand-in for what the mixing probe runs: whether the real
+    model keeps rows' bits depends on this CPU's kernels, so the test decides it. The stand-in's
+    rows change bits with the batch's row count unless `helped` says the layout in use helps."""
+
+    helped = staticmethod(lambda rt: False)
+
+    def _probe_run(self, embeds, targets, weights):
+        rows = embeds[:, :, 0].clone()
+        return (rows if self.helped(self) else rows + embeds.shape[0],)
+
+
+def test_where_the_plain_model_changes_rows_bits_the_runtime_tries_transposed_weight_copies():
+    """At start-up on CPU, a failed mixing probe is tried again with the frozen projections' input
+    gradients from transposed weight copies: kept where that passes, dropped where it does not."""
+    class TransposedHelps(_ProbedStub):
+        helped = staticmethod(lambda rt: all(layer.weight_t is not None for layer in rt.layers.values()))
+
+    rt = TransposedHelps(tiny_qwen3(0), "tiny-qwen3", device=torch.device("cpu"))
+    assert rt.policy.describe()["mix_tenants"] is True and rt.routing.policy is rt.policy
+    assert rt.policy.describe()["frozen_input_grads"].startswith("from transposed weight copies (+")
+
+    rt = _ProbedStub(tiny_qwen3(0), "tiny-qwen3", device=torch.device("cpu"))
+    assert all(layer.weight_t is None for layer in rt.layers.values())
+    assert rt.policy.describe()["mix_tenants"] is False and rt.policy.input_grads == "autograd"
+    assert rt.policy.mixing_refused.endswith("also with input gradients from transposed weight copies")
 
 
 def test_adapters_live_in_preallocated_slots_and_the_plan_is_built_once_per_batch():

@@ -140,6 +140,10 @@ class DecidedByRankZero(FusionPolicy):
 class RankRuntime(TrainingRuntime):
     """One rank's `TrainingRuntime`: its share of a pass, kept in step with the other ranks."""
 
+    # Every rank computes alike, and the other ranks never probe (a sharded base's weights are
+    # DTensors, with no transposed copy to keep): the plain layout everywhere.
+    may_transpose_frozen_weights = False
+
     def __init__(self, model, base_model_name: str, *, device: torch.device, group: RankGroup, shard: bool,
                  max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64):
         self.group = group

@@ -162,6 +162,8 @@ class FusionPolicy:
         self._group: dict[tuple, bool] = {}
         self._norms: dict[tuple, bool] = {}
         self.mixing_refused: str | None = None if mixing_probe is not None else "no model probe"
+        # How the frozen projections' input gradients are taken (TrainingRuntime.check_fusion).
+        self.input_grads = "autograd"
 
     def _threads(self) -> int:
         # CPU kernels split work by thread count (see the module docstring); a GPU's do not.
@@ -224,6 +226,7 @@ class FusionPolicy:
             "threads": self._threads(),
             "mix_tenants": self.mixing_refused is None,
             "mix_tenants_refused_because": self.mixing_refused,
+            "frozen_input_grads": self.input_grads,
             "mix_shapes_proven": sum(self._mix.values()),
             "mix_shapes_refused": len(self._mix) - sum(self._mix.values()),
             "grouped_lora_shapes_proven": sum(self._group.values()),

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import heapq
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -209,6 +210,29 @@ class GroupedLoRA(torch.autograd.Function):
         return (None if grad_x is None else grad_x[:n]), None, None, None, None
 
 
+class FrozenProjection(torch.autograd.Function):
+    """`F.linear(x, weight, bias)` of a frozen projection whose input gradient is read from
+    `weight_t`, a contiguous copy of `weight.T` (see `MultiLoRALinear.keep_transposed_weight`).
+
+    autograd takes the input gradient of `F.linear` as `gy @ weight`, reading `weight` [out, in]
+    as stored. On CPU, MKL picks its kernel for that layout by the row count: measured single-
+    threaded (torch 2.13, AVX-512), rows 0-63 of `gy @ weight` get other bits inside 192+ rows
+    than alone for [1024, 256], [1024, 512], [2048, 512] and [4096, 1024] weights -- the
+    256x4 benchmark model's `lm_head` among them -- and for every shape tried under AVX2.
+    `F.linear(gy, weight_t)` is the forward's own layout, `x @ W.T` with W contiguous, whose
+    rows kept their bits at every row count for all those shapes under both kernel settings.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_t):
+        ctx.weight_t = weight_t  # frozen: no version to check, nothing to save for autograd
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return F.linear(grad_out, ctx.weight_t), None, None, None
+
+
 # ---- the batch plan ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LoRACall:
@@ -358,6 +382,7 @@ class MultiLoRALinear(nn.Module):
         self.adapters: dict[str, LoRAWeights] = {}
         self.stacks: dict[int, SlotStack] = {}
         self.members = routing.member_set((), None)  # ids of the adapters attached here
+        self.weight_t: torch.Tensor | None = None  # see `keep_transposed_weight`
 
     @property
     def in_features(self) -> int:
@@ -385,8 +410,19 @@ class MultiLoRALinear(nn.Module):
         self.stacks[w.rank].take(w.slot, w, device)
         self.members = self.routing.member_set(self.adapters, self.members)
 
+    def keep_transposed_weight(self, keep: bool) -> int:
+        """Take the input gradient of the frozen projection from a transposed copy of its weight
+        (`FrozenProjection`), or not; returns the bytes the copy holds. The runtime turns this on
+        where it lets rows keep their bits in any batch (`TrainingRuntime.check_fusion`)."""
+        with torch.no_grad():
+            self.weight_t = self.base.weight.t().contiguous() if keep else None
+        return 0 if self.weight_t is None else self.weight_t.numel() * self.weight_t.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = self.base(x)
+        if self.weight_t is not None and x.requires_grad:
+            result = FrozenProjection.apply(x, self.base.weight, self.base.bias, self.weight_t)
+        else:
+            result = self.base(x)
         plan = self.routing.plan_for(self, x)
         if plan is None:
             return result

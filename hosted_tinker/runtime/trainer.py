@@ -135,9 +135,34 @@ class TrainingRuntime:
     def check_fusion(self) -> None:
         """Whether tenants may share micro-batches, decided on this machine before any request, on
         64 rows of the shortest bucket (0.1-0.4 s on the embedded model, 1 CPU thread); if that
-        fails, they never do; each other shape is probed when first used."""
+        fails, they never do; each other shape is probed when first used.
+
+        On CPU, where the plain model fails, the probe is tried once more with the input gradients
+        of the frozen projections taken from transposed copies of their weights
+        (`FrozenProjection`): on the 256x4 benchmark model that is what made the probe pass (its
+        `lm_head` gradient was the one call whose rows changed bits), at the cost of one more copy
+        of the projections' weights. If it fails that way too, the copies are dropped."""
         width = bucket_width(1)
-        self.policy.check_at_startup(width, max(2, min(64, self.max_tokens_per_micro_batch // width)))
+        rows = max(2, min(64, self.max_tokens_per_micro_batch // width))
+        if (self.policy.check_at_startup(width, rows) or self.device.type != "cpu"
+                or not self.may_transpose_frozen_weights):
+            return
+        extra = self._keep_transposed_weights(True)
+        log.info("probing again with the input gradients of frozen projections from transposed weight copies "
+                 "(+%.1f MiB)", extra / 2**20)
+        retry = self._fusion_policy()
+        retry.input_grads = f"from transposed weight copies (+{extra / 2**20:.1f} MiB)"
+        if retry.check_at_startup(width, rows):
+            self.policy = self.routing.policy = retry
+        else:
+            self._keep_transposed_weights(False)
+            self.policy.mixing_refused += "; also with input gradients from transposed weight copies"
+
+    # A pool's ranks must all compute alike and rank 0 alone decides (runtime/distributed.py).
+    may_transpose_frozen_weights = True
+
+    def _keep_transposed_weights(self, keep: bool) -> int:
+        return sum(layer.keep_transposed_weight(keep) for layer in self.layers.values())
 
     def close(self) -> None:
         """Nothing to release: everything lives in this process."""
