@@ -270,20 +270,28 @@ def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[
     """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' sums of squares.
 
     A tensor's sum of squares is `squared_norms` of its canonical pair; where the policy has
-    proven it for the shape, every live tensor's comes from one reduction over its layer's
-    gradient stack (a few ops per stack, not per tenant and tensor). All values reach the host
-    in one sync, and each adapter adds its own in its own order.
+    proven it for the shape, every stepping tensor's comes from one reduction over the rows of its
+    layer's gradient stack that the stepping adapters span (a few ops per stack, not per tenant
+    and tensor; not the whole stack, whose other slots belong to tenants not stepping now: with
+    16 live tenants, one stepping alone summed 16 slots). All values reach the host in one sync,
+    and each adapter adds its own in its own order.
     """
-    sources: dict[int, torch.Tensor] = {}  # id -> [rows] squared norms, computed below
-    inputs: dict[int, torch.Tensor] = {}
-    refs: list[list[tuple[int, int]]] = []  # per adapter: (source id, row)
+    spans: dict[int, tuple[int, int]] = {}  # id(stack) -> the slot rows the stepping adapters span
+    for adapter in items:
+        for _, stack, slot in adapter.grad_tensors():
+            if stack is not None:
+                lo, hi = spans.get(id(stack), (slot, slot + 1))
+                spans[id(stack)] = (min(lo, slot), max(hi, slot + 1))
+    inputs: dict[int, torch.Tensor] = {}  # id -> tensor whose rows' squared norms are computed below
+    refs: list[list[tuple[int, int]]] = []  # per adapter: (input id, row)
     for adapter in items:
         mine = []
         for p, stack, slot in adapter.grad_tensors():
+            lo, hi = spans[id(stack)] if stack is not None else (0, 0)
             if stack is not None and policy is not None and policy.stacked_norms(
-                    stack.shape[0], tuple(stack.shape[1:]), stack.dtype):
-                inputs[id(stack)] = stack
-                mine.append((id(stack), slot))
+                    hi - lo, tuple(stack.shape[1:]), stack.dtype):
+                inputs[id(stack)] = stack[lo:hi]
+                mine.append((id(stack), slot - lo))
             else:
                 inputs[id(p)] = torch.stack([p.grad, p.grad])
                 mine.append((id(p), 0))

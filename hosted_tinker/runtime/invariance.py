@@ -129,7 +129,7 @@ def grouped_lora_matches_pairs(tokens: int, in_features: int, out_features: int,
 
 
 def squared_norms(t: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of each row of t [n >= 2, ...] -> [n] (float32 on the tensor's device).
+    """Sum of squares of each row of t [n, ...] -> [n] (float32 on the tensor's device).
 
     Canonical for one tensor: a batch of two, the tensor and a copy (a one-row reduction may
     split its row across threads, see `stacked_norms`)."""

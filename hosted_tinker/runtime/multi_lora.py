@@ -137,8 +137,21 @@ class SlotStack:
         del self.owners[slot]
         w.slot = w.stack = w.grad_views = None
 
-    def accumulate(self, slots: torch.Tensor, grad_A: torch.Tensor, grad_B: torch.Tensor) -> None:
-        """Add one group's weight gradients to its slots' gradient rows."""
+    def factors(self, call: "LoRACall") -> tuple[torch.Tensor, torch.Tensor]:
+        """A [entries, r, in] and B [entries, out, r] of a call: views of consecutive slots, else
+        gathered (a canonical pair, or slots out of order)."""
+        if call.first is not None:
+            return self.A[call.first:call.first + call.n], self.B[call.first:call.first + call.n]
+        return self.A.index_select(0, call.slots), self.B.index_select(0, call.slots)
+
+    def accumulate(self, call: "LoRACall", grad_A: torch.Tensor, grad_B: torch.Tensor) -> None:
+        """Add a call's weight gradients ([n, ...], one per tenant) to its slots' gradient rows:
+        in place where the slots are consecutive, else by index (the same elementwise adds)."""
+        if call.first is not None:
+            self.grad_A[call.first:call.first + call.n].add_(grad_A)
+            self.grad_B[call.first:call.first + call.n].add_(grad_B)
+            return
+        slots = call.slots[:call.n]
         self.grad_A.index_add_(0, slots, grad_A.to(self.grad_A.dtype))
         self.grad_B.index_add_(0, slots, grad_B.to(self.grad_B.dtype))
 
@@ -182,32 +195,34 @@ def _canonical_batch(t: torch.Tensor, entries: int) -> torch.Tensor:
 class GroupedLoRA(torch.autograd.Function):
     """Deltas of `x.shape[0]` tenants (equal row blocks) through their slots of one `SlotStack`.
 
-    forward(x [n, M, in], anchor, stack, slots, scaling) -> [n, M, out]: `slots` has n entries,
-    or two (the same slot twice) where one tenant runs as its canonical pair. The weight
-    gradients go straight into the stack's gradient rows (nothing is returned for them);
-    `anchor` is a leaf that requires grad, so the backward runs even where x needs no gradient.
+    forward(x [n, M, in], anchor, stack, call) -> [n, M, out]: `call.slots` has n entries, or
+    two (the same slot twice) where one tenant runs as its canonical pair. The weight gradients
+    go straight into the stack's gradient rows (nothing is returned for them); `anchor` is a leaf
+    that requires grad, so the backward runs even where x needs no gradient. Where the slots are
+    consecutive (tenants created one after another), the factors are views of the stack and the
+    gradients are added in place: measured on the embedded model, that took a lone tenant's
+    call from ~330 to ~200 us (forward and backward) against gathering and index-adding.
     """
 
     @staticmethod
-    def forward(ctx, x, anchor, stack: SlotStack, slots: torch.Tensor, scaling: float):
-        A = stack.A.index_select(0, slots)
-        B = stack.B.index_select(0, slots)
+    def forward(ctx, x, anchor, stack: SlotStack, call: "LoRACall"):
+        A, B = stack.factors(call)
         if A.dtype != x.dtype:  # bf16 base on GPU: fp32 master weights, cast per call
             A, B = A.to(x.dtype), B.to(x.dtype)
-        h, d = lora_forward(_canonical_batch(x, slots.shape[0]), A, B, scaling)
+        h, d = lora_forward(_canonical_batch(x, call.slots.shape[0]), A, B, call.scaling)
         ctx.save_for_backward(x, A, B, h)
-        ctx.stack, ctx.slots, ctx.scaling = stack, slots, scaling
+        ctx.stack, ctx.call = stack, call
         return d[:x.shape[0]]
 
     @staticmethod
     def backward(ctx, gd):
         x, A, B, h = ctx.saved_tensors
-        n = x.shape[0]
-        entries = ctx.slots.shape[0]
+        call = ctx.call
+        entries = call.slots.shape[0]
         grad_x, grad_A, grad_B = lora_backward(_canonical_batch(gd.contiguous(), entries), _canonical_batch(x, entries),
-                                               A, B, h, ctx.scaling, ctx.needs_input_grad[0])
-        ctx.stack.accumulate(ctx.slots[:n], grad_A[:n], grad_B[:n])
-        return (None if grad_x is None else grad_x[:n]), None, None, None, None
+                                               A, B, h, call.scaling, ctx.needs_input_grad[0])
+        ctx.stack.accumulate(call, grad_A[:call.n], grad_B[:call.n])
+        return (None if grad_x is None else grad_x[:call.n]), None, None, None
 
 
 class FrozenProjection(torch.autograd.Function):
@@ -243,6 +258,7 @@ class LoRACall:
     rows: int
     slots: torch.Tensor  # [n] on the device, or [2] (one slot twice) for a canonical pair
     scaling: float
+    first: int | None  # the slots are first, first + 1, ..., first + n - 1 (see `SlotStack.factors`)
 
 
 @dataclass(frozen=True)
@@ -360,7 +376,9 @@ class LoRARouting:
                 sizes.append(per * len(group))
                 if len(slots) == 1 and not proven(1):
                     slots = slots * 2  # the canonical pair (see GroupedLoRA)
-                calls.append(LoRACall(rank, len(group), per, self._slot_tensor(slots, device), scaling))
+                consecutive = slots == list(range(slots[0], slots[0] + len(group)))
+                calls.append(LoRACall(rank, len(group), per, self._slot_tensor(slots, device), scaling,
+                                      slots[0] if consecutive else None))
         return LayerPlan(sizes, calls)
 
     def _slot_tensor(self, slots: list[int], device: torch.device) -> torch.Tensor:
@@ -438,7 +456,7 @@ class MultiLoRALinear(nn.Module):
 
     def _delta(self, x: torch.Tensor, call: LoRACall) -> torch.Tensor:
         xs = x.reshape(call.n, -1, x.shape[-1])  # a view: the call's row blocks are contiguous
-        d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), self.stacks[call.rank], call.slots, call.scaling)
+        d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), self.stacks[call.rank], call)
         return d.reshape(x.shape[:-1] + (self.out_features,))
 
 
