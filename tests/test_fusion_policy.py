@@ -157,6 +157,40 @@ def test_lora_kernel_calls_do_not_grow_with_same_shape_tenants():
     assert layer.stacks[4].capacity >= 8
 
 
+def test_a_tenant_run_as_its_canonical_pair_gets_the_gradients_of_a_plain_run():
+    """Where a one-entry batched matmul is not proven to give a tenant its pair's bits, the tenant
+    runs as its canonical pair (itself and a copy): same logprobs and gradients as the plain
+    path up to rounding, and its gradient rows take one copy's share, not both."""
+    class PairsOnly(TrainingRuntime):
+        def _fusion_policy(self):
+            return FusionPolicy(self.device, mixing_probe=None, grouping_probe=lambda *shape: False)
+
+    paired, plain = PairsOnly(tiny_qwen3(0), "tiny-qwen3", device=torch.device("cpu")), tiny_runtime()
+    calls = []
+    build = LoRARouting._build
+
+    def recording(self, *args):
+        plan = build(self, *args)
+        calls.extend(c for c in (plan.calls if plan else []) if c is not None)
+        return plan
+
+    outs = {}
+    for name, rt in (("paired", paired), ("plain", plain)):
+        randomize_b(rt.create_adapter("a", LoRAConfig(rank=4, seed=1)), seed=1)
+        LoRARouting._build = recording
+        try:
+            outs[name] = rt.forward_backward([ce_work("a", random_seqs(3, 7))])[0]
+        finally:
+            LoRARouting._build = build
+        if name == "paired":
+            assert calls and all(c.pair for c in calls)
+    for p, q in zip(outs["paired"].outputs, outs["plain"].outputs):
+        np.testing.assert_allclose(p["logprobs"], q["logprobs"], rtol=1e-5, atol=1e-5)
+    g_paired, g_plain = grads(paired.adapter("a")), grads(plain.adapter("a"))
+    for k in g_plain:
+        torch.testing.assert_close(g_paired[k], g_plain[k], rtol=1e-4, atol=1e-6)
+
+
 def test_a_failed_pass_leaves_earlier_gradients_as_they_were():
     """A forward_backward that raises part way (here: in its second micro-batch, after the first
     one's backward has added to the gradients) leaves every adapter's gradients as the earlier,

@@ -276,26 +276,27 @@ def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[
     16 live tenants, one stepping alone summed 16 slots). All values reach the host in one sync,
     and each adapter adds its own in its own order.
     """
-    spans: dict[int, tuple[int, int]] = {}  # id(stack) -> the slot rows the stepping adapters span
-    for adapter in items:
-        for _, stack, slot in adapter.grad_tensors():
+    tensors = [list(adapter.grad_tensors()) for adapter in items]
+    spans: dict[int, tuple[torch.Tensor, int, int]] = {}  # id(stack) -> (stack, first row, end row)
+    for mine in tensors:
+        for _, stack, slot in mine:
             if stack is not None:
-                lo, hi = spans.get(id(stack), (slot, slot + 1))
-                spans[id(stack)] = (min(lo, slot), max(hi, slot + 1))
+                _, lo, hi = spans.get(id(stack), (stack, slot, slot + 1))
+                spans[id(stack)] = (stack, min(lo, slot), max(hi, slot + 1))
     inputs: dict[int, torch.Tensor] = {}  # id -> tensor whose rows' squared norms are computed below
+    first_row: dict[int, int] = {}
+    for key, (stack, lo, hi) in spans.items():
+        if policy is not None and policy.stacked_norms(hi - lo, tuple(stack.shape[1:]), stack.dtype):
+            inputs[key], first_row[key] = stack[lo:hi], lo
     refs: list[list[tuple[int, int]]] = []  # per adapter: (input id, row)
-    for adapter in items:
-        mine = []
-        for p, stack, slot in adapter.grad_tensors():
-            lo, hi = spans[id(stack)] if stack is not None else (0, 0)
-            if stack is not None and policy is not None and policy.stacked_norms(
-                    hi - lo, tuple(stack.shape[1:]), stack.dtype):
-                inputs[id(stack)] = stack[lo:hi]
-                mine.append((id(stack), slot - lo))
+    for mine in tensors:
+        refs.append([])
+        for p, stack, slot in mine:
+            if id(stack) in first_row:
+                refs[-1].append((id(stack), slot - first_row[id(stack)]))
             else:
                 inputs[id(p)] = torch.stack([p.grad, p.grad])
-                mine.append((id(p), 0))
-        refs.append(mine)
+                refs[-1].append((id(p), 0))
     if not inputs:
         return [0.0] * len(items)
     keys = list(inputs)

@@ -186,12 +186,6 @@ def lora_backward(gd: torch.Tensor, xs: torch.Tensor, A: torch.Tensor, B: torch.
     return grad_x, grad_A, grad_B
 
 
-def _canonical_batch(t: torch.Tensor, entries: int) -> torch.Tensor:
-    """A one-entry batch as the two-entry batch it is computed in, where `entries` says so (see
-    the module docstring)."""
-    return torch.cat([t, t]) if entries > t.shape[0] else t
-
-
 class GroupedLoRA(torch.autograd.Function):
     """Deltas of `x.shape[0]` tenants (equal row blocks) through their slots of one `SlotStack`.
 
@@ -209,20 +203,23 @@ class GroupedLoRA(torch.autograd.Function):
         A, B = stack.factors(call)
         if A.dtype != x.dtype:  # bf16 base on GPU: fp32 master weights, cast per call
             A, B = A.to(x.dtype), B.to(x.dtype)
-        h, d = lora_forward(_canonical_batch(x, call.slots.shape[0]), A, B, call.scaling)
+        h, d = lora_forward(torch.cat([x, x]) if call.pair else x, A, B, call.scaling)
         ctx.save_for_backward(x, A, B, h)
         ctx.stack, ctx.call = stack, call
-        return d[:x.shape[0]]
+        return d[:1] if call.pair else d
 
     @staticmethod
     def backward(ctx, gd):
         x, A, B, h = ctx.saved_tensors
         call = ctx.call
-        entries = call.slots.shape[0]
-        grad_x, grad_A, grad_B = lora_backward(_canonical_batch(gd.contiguous(), entries), _canonical_batch(x, entries),
-                                               A, B, h, call.scaling, ctx.needs_input_grad[0])
-        ctx.stack.accumulate(call, grad_A[:call.n], grad_B[:call.n])
-        return (None if grad_x is None else grad_x[:call.n]), None, None, None
+        gd = gd.contiguous()
+        if call.pair:
+            gd, x = torch.cat([gd, gd]), torch.cat([x, x])
+        grad_x, grad_A, grad_B = lora_backward(gd, x, A, B, h, call.scaling, ctx.needs_input_grad[0])
+        if call.pair:
+            grad_x, grad_A, grad_B = (None if grad_x is None else grad_x[:1]), grad_A[:1], grad_B[:1]
+        ctx.stack.accumulate(call, grad_A, grad_B)
+        return grad_x, None, None, None
 
 
 class FrozenProjection(torch.autograd.Function):
@@ -259,6 +256,11 @@ class LoRACall:
     slots: torch.Tensor  # [n] on the device, or [2] (one slot twice) for a canonical pair
     scaling: float
     first: int | None  # the slots are first, first + 1, ..., first + n - 1 (see `SlotStack.factors`)
+
+    @property
+    def pair(self) -> bool:
+        """One tenant computed as its canonical pair (itself and a copy; module docstring)."""
+        return self.slots.shape[0] != self.n
 
 
 @dataclass(frozen=True)
