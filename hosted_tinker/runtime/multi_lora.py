@@ -17,8 +17,9 @@ runs turns it into a `LayerPlan` -- which row blocks go through which slots, wit
 indices already on the device -- that every other layer of that kind reuses. Consecutive
 segments of the same rank, scaling and row count form one group: two batched matmuls for the
 group (`GroupedLoRA`) instead of ops per tenant, and the backward adds the group's weight
-gradients straight into the layer's gradient stack (one `index_add_`, no per-tenant
-AccumulateGrad), as Megatron's fused gradient accumulation writes `main_grad` in its backward.
+gradients straight into the layer's gradient stack (one in-place add over the group's slots, no
+per-tenant AccumulateGrad), as Megatron's fused gradient accumulation writes `main_grad` in its
+backward.
 
 Exactness: a tenant's bits may not depend on who shares a call with it. Measured on CPU (torch
 2.13, MKL): a `bmm` gives entry 0 different bits when it holds 1 entry than when it holds 2 or
@@ -256,11 +257,7 @@ class LoRACall:
     slots: torch.Tensor  # [n] on the device, or [2] (one slot twice) for a canonical pair
     scaling: float
     first: int | None  # the slots are first, first + 1, ..., first + n - 1 (see `SlotStack.factors`)
-
-    @property
-    def pair(self) -> bool:
-        """One tenant computed as its canonical pair (itself and a copy; module docstring)."""
-        return self.slots.shape[0] != self.n
+    pair: bool  # one tenant computed as its canonical pair (itself and a copy; module docstring)
 
 
 @dataclass(frozen=True)
@@ -380,7 +377,7 @@ class LoRARouting:
                     slots = slots * 2  # the canonical pair (see GroupedLoRA)
                 consecutive = slots == list(range(slots[0], slots[0] + len(group)))
                 calls.append(LoRACall(rank, len(group), per, self._slot_tensor(slots, device), scaling,
-                                      slots[0] if consecutive else None))
+                                      slots[0] if consecutive else None, len(slots) != len(group)))
         return LayerPlan(sizes, calls)
 
     def _slot_tensor(self, slots: list[int], device: torch.device) -> torch.Tensor:
