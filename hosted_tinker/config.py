@@ -114,6 +114,11 @@ class ServerConfig(BaseSettings):
         0, ge=0, description="padded tokens per fused forward/backward micro-batch (bounds activation memory); "
                              "0 = auto: 8192 on GPU; on CPU 512-8192 by the model's MLP width, since passes whose "
                              "activations outgrow the caches run slower per token")
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        "auto", description="decoder layers recompute their activations in the backward instead of keeping them "
+                            "(about a third more compute for a fraction of the activation memory); auto = on "
+                            "where a full micro-batch's activations would outgrow half the GPU's free memory, "
+                            "off on CPU")
     max_tokens_per_cycle: int = Field(
         65536, ge=1, description="tokens of forward/backward work packed into one clock cycle, shared fairly "
                                  "across models")
@@ -260,6 +265,14 @@ class ServerConfig(BaseSettings):
     @field_validator("log_level", "log_format", "dtype", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _on_off(cls, value: Any) -> Any:
+        # YAML reads a bare `on` / `off` as a boolean.
+        if isinstance(value, bool):
+            return "on" if value else "off"
         return value.lower() if isinstance(value, str) else value
 
     @classmethod

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from .runtime.adapters import AdamParams, LoRAConfig
 from .checkpoints.format import LoadedCheckpoint
+from .runtime.recompute import RecomputeChoice
 from .runtime.trainer import FBOutcome, FBWork, PassStats
 
 
@@ -26,6 +27,7 @@ class ModelRuntime(Protocol):
     layers: Mapping[str, Any]  # adaptable projections by module path
     adapters: Mapping[str, Any]  # model id -> its adapter (read: membership, `.step`)
     last_pass: PassStats  # what the last forward_backward did
+    recompute: RecomputeChoice  # whether decoder layers recompute activations in the backward, and why
 
     def create_adapter(self, model_id: str, config: LoRAConfig) -> Any: ...
 

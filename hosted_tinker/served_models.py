@@ -10,6 +10,7 @@ model: a name that is not served is refused, naming the ones that are.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ from .device_loop import DeviceLoop
 from .errors import UserError
 from .model_loading import load_base_model, pick_dtype
 from .model_runtime import ModelRuntime
-from .runtime.trainer import TrainingRuntime
+from .runtime.recompute import RecomputeChoice, choose_recompute
+from .runtime.trainer import TrainingRuntime, default_micro_batch_tokens
 from .sampling.backend import SamplingBackend
 from .sampling.kv_budget import KVBudget
 from .sampling.service import SamplingService
@@ -53,7 +55,8 @@ def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir
     if config.workers * config.nnodes == 1:
         model, tokenizer = load_base_model(name, data_dir, device, dtype)
         return TrainingRuntime(model, name, device=device, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                               max_live_adapters=config.max_live_adapters), tokenizer
+                               max_live_adapters=config.max_live_adapters,
+                               recompute=recompute_choice(config, model, device)), tokenizer
     from .runtime.distributed import PoolRuntime
     from .runtime.pool_launch import PoolSettings, RankPool, cpu_threads_per_rank
 
@@ -71,6 +74,8 @@ def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir
     # A sharded base is loaded on the CPU: fully_shard moves each rank's shards to its device.
     cpu = torch.device("cpu")
     model, tokenizer = load_base_model(name, data_dir, cpu if config.shard_base else device, dtype)
+    recompute = recompute_choice(config, model, device)
+    settings = dataclasses.replace(settings, recompute=recompute.on)
     pool = RankPool(settings, master_addr=config.master_addr, master_port=config.master_port, device=device,
                     data_dir=data_dir)
     try:
@@ -78,11 +83,17 @@ def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir
         runtime = PoolRuntime(model, name, device=device, pool=pool,
                               reload_base=lambda: load_base_model(name, data_dir, cpu, dtype)[0],
                               max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                              max_live_adapters=config.max_live_adapters)
+                              max_live_adapters=config.max_live_adapters, recompute=recompute)
     except BaseException:
         pool.close()
         raise
     return runtime, tokenizer
+
+
+def recompute_choice(config: ServerConfig, model: torch.nn.Module, device: torch.device) -> RecomputeChoice:
+    """--activation-checkpointing for `model`, loaded on `device` (runtime/recompute.py)."""
+    tokens = config.max_tokens_per_micro_batch or default_micro_batch_tokens(model, device)
+    return choose_recompute(config.activation_checkpointing, model, device, tokens)
 
 
 class ModelRegistry:

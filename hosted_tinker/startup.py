@@ -293,7 +293,8 @@ def _model_line(served) -> str:
     params = sum(p.numel() for p in runtime.model.parameters())
     return (f"{served.name} on {runtime.device} ({dtype}, {params / 1e6:.1f}M parameters, "
             f"context {runtime.max_context}); sampling KV cache <= {served.kv_budget.tokens} tokens "
-            f"({served.kv_budget.how})")
+            f"({served.kv_budget.how}); activation checkpointing {'on' if runtime.recompute.on else 'off'} "
+            f"({runtime.recompute.how})")
 
 
 def summary_lines(server, config: ServerConfig, url: str) -> list[str]:

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.e2e
     (("--dtype", "fp16"), {}, r"--dtype fp16: expected one of auto, float32, float, bfloat16, float16, half"),
     (("--log-level", "verbose"), {}, r"--log-level verbose: expected one of debug, info, warning, error, critical"),
     (("--port", "70000"), {}, r"--port 70000: .*65535"),
+    (("--activation-checkpointing", "maybe"), {}, r"--activation-checkpointing maybe: expected one of auto, on, off"),
     (("--device", "gpu"), {}, r"--device gpu: 'gpu' is not a device: use auto, cpu, cuda, cuda:N, mps or xpu"),
     ((), {"HOSTED_TINKER_DTYPE": "fp8"}, r"\$HOSTED_TINKER_DTYPE=fp8: expected one of .*"),
     ((), {"HOSTED_TINKER_MAX_LORA_RANK": "many"}, r"\$HOSTED_TINKER_MAX_LORA_RANK=many: .*integer.*"),
@@ -70,7 +71,7 @@ def test_help_lists_every_setting_dtype_and_env_var():
 def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
     """file < environment < flag; the start-up summary shows the values that won."""
     config = tmp_path / "server.yaml"
-    config.write_text("max-lora-rank: 8\nmax_models_per_key: 3\nmax_num_samples: 5\n")
+    config.write_text("max-lora-rank: 8\nmax_models_per_key: 3\nmax_num_samples: 5\nactivation_checkpointing: on\n")
     srv = ServerProcess(tmp_path / "srv", args=("--config", str(config), "--max-num-samples", "7"),
                         env={"HOSTED_TINKER_MAX_MODELS_PER_KEY": "4"})
     srv.start()
@@ -85,6 +86,7 @@ def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
     assert re.search(r"model +hosted-tinker/tiny-qwen3-embedded on cpu \(float32, ", summary)
     assert "auth       DEV MODE" in summary
     assert "LoRA rank <= 8; per key 4 live models" in summary and "7 samples per request" in summary
+    assert "activation checkpointing on (set to on)" in summary
 
 
 def test_a_toml_config_file_with_an_unknown_setting_is_refused(tmp_path):

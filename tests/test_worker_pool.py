@@ -113,9 +113,11 @@ def one_rank(tmp_path_factory) -> dict:
         srv.stop()
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2_sharded"])
-def test_two_ranks_give_what_one_rank_gives(tmp_path, one_rank, sharded):
-    srv = served(tmp_path / "pool", "--workers", "2", *(["--shard-base"] if sharded else []))
+@pytest.mark.parametrize("sharded, recompute", [(False, False), (True, False), (True, True)],
+                         ids=["replicated", "fsdp2_sharded", "fsdp2_sharded_recomputed"])
+def test_two_ranks_give_what_one_rank_gives(tmp_path, one_rank, sharded, recompute):
+    srv = served(tmp_path / "pool", "--workers", "2", *(["--shard-base"] if sharded else []),
+                 *(["--activation-checkpointing", "on"] if recompute else []))
     try:
         got = run_workload(srv)
     finally:
@@ -124,6 +126,7 @@ def test_two_ranks_give_what_one_rank_gives(tmp_path, one_rank, sharded):
     log = srv.log_path.read_text()
     assert "worker pool epoch 1: 2 rank(s) on 1 machine(s) joined (gloo)" in log
     assert f"base {'sharded (FSDP2)' if sharded else 'replicated'}" in log
+    assert ("rank 1 of 2 ready (epoch 1, cpu, activation checkpointing on)" in log) == recompute
     assert "rank 1 stopped" in log  # told to stop at shutdown, not killed
 
 

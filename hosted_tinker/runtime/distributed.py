@@ -43,6 +43,7 @@ from .invariance import FusionPolicy
 from .losses import merge_metrics
 from .pool_launch import RankPool
 from .rank_group import PoolBroken, RankGroup
+from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from .sharding import root_unsharded, shard_base, transplant_lora_layers
 from .trainer import FBOutcome, FBWork, PassStats, TrainingRuntime, bucket_width
 
@@ -145,17 +146,14 @@ class RankRuntime(TrainingRuntime):
     may_transpose_frozen_weights = False
 
     def __init__(self, model, base_model_name: str, *, device: torch.device, group: RankGroup, shard: bool,
-                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64):
+                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64,
+                 recompute: RecomputeChoice = RECOMPUTE_OFF):
         self.group = group
         self.sharded = shard
         super().__init__(model, base_model_name, device=device, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                         max_live_adapters=max_live_adapters, check_fusion=False)
+                         max_live_adapters=max_live_adapters, check_fusion=False, recompute=recompute)
         if shard:
             shard_base(self.base_module, group.mesh())
-
-    @property
-    def base_module(self) -> nn.Module:
-        return self.model
 
     def run_share(self, works: list[FBWork], pad: tuple[int, int], model_ids: list[str]) -> list[FBOutcome]:
         """This rank's share of a pass. Every rank says whether its share worked (one
@@ -308,7 +306,7 @@ class PoolRuntime(RankRuntime):
 
     def __init__(self, model: nn.Module, base_model_name: str, *, device: torch.device, pool: RankPool,
                  reload_base: Callable[[], nn.Module], max_tokens_per_micro_batch: int = 0,
-                 max_live_adapters: int = 64):
+                 max_live_adapters: int = 64, recompute: RecomputeChoice = RECOMPUTE_OFF):
         self.pool = pool
         self.reload_base = reload_base  # the base model from disk, on the CPU: a relaunch re-shards it
         self.relaunches = 0
@@ -318,7 +316,8 @@ class PoolRuntime(RankRuntime):
         shard = pool.settings.shard_base
         super().__init__(ShardedBase(model, self._mirror_forward) if shard else model, base_model_name,
                          device=device, group=pool.group, shard=shard,
-                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, max_live_adapters=max_live_adapters)
+                         max_tokens_per_micro_batch=max_tokens_per_micro_batch, max_live_adapters=max_live_adapters,
+                         recompute=recompute)
         with self._own_calls():
             self.check_fusion()
 
@@ -361,6 +360,8 @@ class PoolRuntime(RankRuntime):
         for p in fresh.parameters():
             p.requires_grad_(False)
         fresh.eval()
+        if self.recompute.on:
+            recompute_activations(fresh)
         shard_base(fresh, self.group.mesh())
         self.model.module = fresh
 

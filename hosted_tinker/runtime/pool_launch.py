@@ -61,6 +61,7 @@ class PoolSettings:
     max_live_adapters: int
     timeout_s: float  # collectives and joins
     threads: int  # CPU threads per rank; 0 = torch's default (GPU ranks)
+    recompute: bool = False  # activation checkpointing (runtime/recompute.py)
     log_level: str = "info"
     log_format: str = "text"
 

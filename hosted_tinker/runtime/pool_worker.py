@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import FollowerRuntime
     from .pool_launch import POOL_ID, READY, REJOIN_WAIT_S, SETTINGS, PoolSettings
     from .rank_group import PoolBroken, RankGroup
+    from .recompute import RecomputeChoice
 
     args = _parse(argv)
     local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun
@@ -97,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         runtime = FollowerRuntime(model, settings.base_model, device=device, group=group, shard=settings.shard_base,
                                   epoch=epoch,
                                   max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
-                                  max_live_adapters=settings.max_live_adapters)
-        log.info("rank %d of %d ready (epoch %d, %s)", rank, settings.world, epoch, device)
+                                  max_live_adapters=settings.max_live_adapters,
+                                  recompute=RecomputeChoice(settings.recompute, "as rank 0 chose"))
+        log.info("rank %d of %d ready (epoch %d, %s%s)", rank, settings.world, epoch, device,
+                 ", activation checkpointing on" if settings.recompute else "")
         runtime.serve()
     except PoolBroken as e:
         log.warning("rank %d leaves the worker pool (epoch %d): %s", rank, epoch, e)

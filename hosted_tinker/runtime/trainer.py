@@ -33,6 +33,7 @@ from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpo
 from .invariance import FusionPolicy, RowIndependenceProbe
 from .losses import LOSS_INPUT_KEYS, LOSSES, merge_metrics, run_losses
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, segments_of
+from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> 
 
 class TrainingRuntime:
     def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
-                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64, check_fusion: bool = True):
+                 max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64, check_fusion: bool = True,
+                 recompute: RecomputeChoice = RECOMPUTE_OFF):
         self.model = model
         self.base_model_name = base_model_name
         self.device = device
@@ -114,6 +116,10 @@ class TrainingRuntime:
         for p in model.parameters():
             p.requires_grad_(False)
         model.eval()  # no dropout: training through LoRA must be deterministic
+        # Whether decoder layers recompute their activations in the backward (runtime/recompute.py).
+        self.recompute = recompute
+        if recompute.on:
+            recompute_activations(self.base_module)
         self.policy = self._fusion_policy()
         self.routing = LoRARouting(self.policy)
         self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing)
@@ -128,6 +134,11 @@ class TrainingRuntime:
         self.last_pass = PassStats()
         if check_fusion:  # a rank of a pool checks once its model is sharded (runtime/distributed.py)
             self.check_fusion()
+
+    @property
+    def base_module(self) -> torch.nn.Module:
+        """The transformers model itself (a pool's rank 0 wraps it: runtime/distributed.py)."""
+        return self.model
 
     def _fusion_policy(self) -> FusionPolicy:
         return FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
