@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .multi_lora import LoRAWeights, MultiLoRALinear, SlotStack, attach_adapter, detach_adapter, module_kind
-from .invariance import squared_norms
-from .torch_compat import adamw_update_, scale_
+from .invariance import row_norms
+from .torch_compat import adamw_update_, scale_, zero_
 
 if TYPE_CHECKING:
     from .invariance import FusionPolicy
@@ -155,15 +155,15 @@ class LoRAAdapter:
         self.device = device
 
     def grad_tensors(self):
-        """(tensor, its gradient stack or None) for every tensor with a gradient, in `parameters()`
-        order; the stack (the layer's gradient rows, the tensor's at row `slot`) while live."""
+        """(tensor, its slot stack or None, 0 for A / 1 for B, slot) for every tensor with a
+        gradient, in `parameters()` order; while live, the gradient is row `slot` of the stack's
+        gradient rows (`grad_A` / `grad_B`)."""
         for path in sorted(self.weights):
             w = self.weights[path]
             if w.A.grad is None:
                 continue
-            live = w.stack is not None
-            yield w.A, (w.stack.grad_A if live else None), w.slot
-            yield w.B, (w.stack.grad_B if live else None), w.slot
+            yield w.A, w.stack, 0, w.slot
+            yield w.B, w.stack, 1, w.slot
 
     # -- gradients ---------------------------------------------------------------------------
     def has_gradients(self) -> bool:
@@ -175,7 +175,8 @@ class LoRAAdapter:
 
 def zero_grads(adapters: list[LoRAAdapter]) -> None:
     """Drop the adapters' gradients: live ones' gradient rows are zeroed with one op per stack
-    (not per adapter and tensor), so stepping many tenants costs what stepping one does."""
+    (not per adapter and tensor), so stepping many tenants costs what stepping one does; where
+    their slots are consecutive (tenants created one after another) in one multi-tensor op."""
     by_stack: dict[int, tuple[SlotStack, list[int]]] = {}
     for adapter in adapters:
         for w in adapter.weights.values():
@@ -184,7 +185,18 @@ def zero_grads(adapters: list[LoRAAdapter]) -> None:
             if w.stack is not None:
                 by_stack.setdefault(id(w.stack), (w.stack, []))[1].append(w.slot)
             w.A.grad = w.B.grad = None
-    _fill_slots([(stack, slots) for stack, slots in by_stack.values()], 0.0)
+    spans: list[torch.Tensor] = []
+    scattered: list[tuple[SlotStack, list[int]]] = []
+    for stack, slots in by_stack.values():
+        lo, hi = min(slots), max(slots) + 1
+        if hi - lo == len(slots):
+            spans += stack.grad_span(lo, hi)
+        else:
+            scattered.append((stack, slots))
+    if spans:
+        with torch.no_grad():
+            zero_(spans)
+    _fill_slots(scattered, 0.0)
 
 
 def _fill_slots(rows: list[tuple[SlotStack, list[int]]], value: float) -> None:
@@ -253,9 +265,10 @@ class AdamWState:
     def __init__(self) -> None:
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
-    def state_for(self, p: torch.Tensor, new_step: torch.Tensor) -> dict[str, torch.Tensor]:
+    def state_for(self, p: torch.Tensor, new_step: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """p's state; a new one counts its steps in `new_step`, which the caller shares among the
-        tensors that start together (one increment per adapter and step, not one per tensor)."""
+        tensors that start together (one increment per adapter and step, not one per tensor), and
+        leaves None where every tensor has its state already (a tensor op less per step)."""
         st = self.state.get(p)
         if st is None:
             st = self.state[p] = {
@@ -267,9 +280,9 @@ class AdamWState:
 
 
 def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[float]:
-    """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' sums of squares.
+    """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' squared norms.
 
-    A tensor's sum of squares is `squared_norms` of its canonical pair; where the policy has
+    A tensor's norm is `row_norms` of its canonical pair; where the policy has
     proven it for the shape, every stepping tensor's comes from one reduction over the rows of its
     layer's gradient stack that the stepping adapters span (a few ops per stack, not per tenant
     and tensor; not the whole stack, whose other slots belong to tenants not stepping now: with
@@ -277,33 +290,45 @@ def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[
     and each adapter adds its own in its own order.
     """
     tensors = [list(adapter.grad_tensors()) for adapter in items]
-    spans: dict[int, tuple[torch.Tensor, int, int]] = {}  # id(stack) -> (stack, first row, end row)
+    spans: dict[int, tuple[SlotStack, int, int]] = {}  # id(stack) -> (stack, first row, end row)
     for mine in tensors:
-        for _, stack, slot in mine:
+        for _, stack, _, slot in mine:
             if stack is not None:
                 _, lo, hi = spans.get(id(stack), (stack, slot, slot + 1))
                 spans[id(stack)] = (stack, min(lo, slot), max(hi, slot + 1))
-    inputs: dict[int, torch.Tensor] = {}  # id -> tensor whose rows' squared norms are computed below
+    # id -> tensor whose rows' squared norms are computed below; (id(stack), 0 | 1) for a stack's
+    # gradient rows of A / B.
+    inputs: dict[object, torch.Tensor] = {}
     first_row: dict[int, int] = {}
+    proven: dict[tuple, bool] = {}  # a model's stacks come in a few shapes: ask the policy once per shape
     for key, (stack, lo, hi) in spans.items():
-        if policy is not None and policy.stacked_norms(hi - lo, tuple(stack.shape[1:]), stack.dtype):
-            inputs[key], first_row[key] = stack[lo:hi], lo
-    refs: list[list[tuple[int, int]]] = []  # per adapter: (input id, row)
+        rows_A, rows_B = stack.grad_span(lo, hi)
+        for which, rows in enumerate((rows_A, rows_B)):
+            shape = (hi - lo, rows.shape[1:], rows.dtype)
+            ok = proven.get(shape)
+            if ok is None:
+                ok = proven[shape] = policy is not None and policy.stacked_norms(hi - lo, tuple(shape[1]), rows.dtype)
+            if ok:
+                inputs[(key, which)] = rows
+                first_row[key] = lo
+    refs: list[list[tuple[object, int]]] = []  # per adapter: (input key, row)
     for mine in tensors:
         refs.append([])
-        for p, stack, slot in mine:
-            if id(stack) in first_row:
-                refs[-1].append((id(stack), slot - first_row[id(stack)]))
+        for p, stack, which, slot in mine:
+            if (id(stack), which) in inputs:
+                refs[-1].append(((id(stack), which), slot - first_row[id(stack)]))
             else:
                 inputs[id(p)] = torch.stack([p.grad, p.grad])
                 refs[-1].append((id(p), 0))
     if not inputs:
         return [0.0] * len(items)
     keys = list(inputs)
-    lengths = [inputs[k].shape[0] for k in keys]
-    flat = torch.cat([squared_norms(inputs[k]) for k in keys]).tolist()  # the one host sync
-    offset = dict(zip(keys, [sum(lengths[:i]) for i in range(len(keys))]))
-    return [math.sqrt(math.fsum(flat[offset[k] + row] for k, row in mine)) for mine in refs]
+    flat = torch.cat([row_norms(inputs[k]) for k in keys]).tolist()  # the one host sync
+    offset, start = {}, 0
+    for k in keys:
+        offset[k] = start
+        start += inputs[k].shape[0]
+    return [math.sqrt(math.fsum(flat[offset[k] + row] ** 2 for k, row in mine)) for mine in refs]
 
 
 def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None
@@ -343,7 +368,8 @@ def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolic
             counters: dict[int, torch.Tensor] = {}  # each step counter once, however many tensors share it
             for k in members:
                 adapter = items[k][0]
-                new_step = torch.zeros((), dtype=torch.float32, device=device)
+                new_step = None if all(p in adapter.optimizer.state for p in per_adapter[k]) else \
+                    torch.zeros((), dtype=torch.float32, device=device)
                 for p in per_adapter[k]:
                     st = adapter.optimizer.state_for(p, new_step)
                     ps.append(p)

@@ -30,7 +30,7 @@ construction, slower). Each decision is proven lazily per shape and cached:
   matmul (`multi_lora.GroupedLoRA`)? Probed on the kernel itself with random data: entries 0 and
   n-1 of an n-entry batch must equal their canonical two-entry batch (output and all gradients).
 - `stacked_norms(rows, inner, dtype)`: may the optimizer take every tenant's gradient norms
-  from one reduction per slot stack? Probed the same way (`squared_norms`).
+  from one reduction per slot stack? Probed the same way (`row_norms`).
 
 Loss blocks are never merged across tenants (`exp` runs in the same vector/scalar loops as
 sigmoid and gains little from merging), and the optimizer works tensor by tensor.
@@ -128,20 +128,21 @@ def grouped_lora_matches_pairs(tokens: int, in_features: int, out_features: int,
     return True
 
 
-def squared_norms(t: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of each row of t [n, ...] -> [n] (float32 on the tensor's device).
+def row_norms(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm of each row of t [n, ...] -> [n] (float32 on the tensor's device): one reduction op
+    (a product and a sum were two, per stack and step).
 
     Canonical for one tensor: a batch of two, the tensor and a copy (a one-row reduction may
     split its row across threads, see `stacked_norms`)."""
-    return (t * t).sum(dim=tuple(range(1, t.dim())))
+    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())))
 
 
-def squared_norms_match_pairs(rows: int, inner: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
-    """Do rows 0 and rows-1 of `squared_norms` over `rows` rows get their canonical pair's bits?"""
+def row_norms_match_pairs(rows: int, inner: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    """Do rows 0 and rows-1 of `row_norms` over `rows` rows get their canonical pair's bits?"""
     gen = torch.Generator(device="cpu").manual_seed(4321 + rows)
     t = torch.randn(rows + 1, *inner, generator=gen).to(device=device, dtype=dtype)[1:]
-    whole = squared_norms(t)
-    return all(same_bits(whole[e], squared_norms(t[[e, e]])[0]) for e in {0, rows - 1})
+    whole = row_norms(t)
+    return all(same_bits(whole[e], row_norms(t[[e, e]])[0]) for e in {0, rows - 1})
 
 
 class FusionPolicy:
@@ -153,7 +154,7 @@ class FusionPolicy:
 
     def __init__(self, device: torch.device, *, mixing_probe: Callable[[int, int], bool] | None,
                  grouping_probe: Callable[..., bool] = grouped_lora_matches_pairs,
-                 norms_probe: Callable[..., bool] = squared_norms_match_pairs):
+                 norms_probe: Callable[..., bool] = row_norms_match_pairs):
         self.device = device
         self._mixing_probe = mixing_probe
         self._grouping_probe = grouping_probe

@@ -14,12 +14,16 @@ see) are views of its slot while it is live, and plain tensors while it is paged
 The plan (as vLLM's punica wrapper computes it in `update_metadata`): the runtime sets the row
 layout of a batch once (`LoRARouting.batch(segments)`), and the first layer of each kind that
 runs turns it into a `LayerPlan` -- which row blocks go through which slots, with the slot
-indices already on the device -- that every other layer of that kind reuses. Consecutive
-segments of the same rank, scaling and row count form one group: two batched matmuls for the
-group (`GroupedLoRA`) instead of ops per tenant, and the backward adds the group's weight
-gradients straight into the layer's gradient stack (one in-place add over the group's slots, no
-per-tenant AccumulateGrad), as Megatron's fused gradient accumulation writes `main_grad` in its
-backward.
+indices already on the device -- that every other layer of that kind reuses; plans are kept
+per row layout, so the next step of a training loop builds none. Consecutive segments of the
+same rank, scaling and row count form one group: two batched matmuls for the group instead of
+ops per tenant, and the backward adds the group's weight gradients straight into the layer's
+gradient stack (one in-place add over the group's slots, not one per tenant), as Megatron's
+fused gradient accumulation writes `main_grad` in its backward. Where the group's slots are
+consecutive (the usual case) the matmuls are autograd's own nodes on views of the stack
+(`lora_delta`, `SlotStack.leaves`) and that add is autograd's AccumulateGrad; otherwise (a
+canonical pair, slots out of order) the `GroupedLoRA` function gathers the factors and
+index-adds the gradients. Both run the same kernels on the same layouts.
 
 Exactness: a tenant's bits may not depend on who shares a call with it. Measured on CPU (torch
 2.13, MKL): a `bmm` gives entry 0 different bits when it holds 1 entry than when it holds 2 or
@@ -83,6 +87,8 @@ class SlotStack:
         self.capacity = 0
         self.A = self.B = self.grad_A = self.grad_B = torch.empty(0)
         self.owners: dict[int, LoRAWeights] = {}
+        self._leaves: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grad_spans: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._grow(4)
 
     def _grow(self, capacity: int) -> None:
@@ -97,6 +103,8 @@ class SlotStack:
             self.A, self.B = bigger(self.A, r, i), bigger(self.B, o, r)
             self.grad_A, self.grad_B = bigger(self.grad_A, r, i), bigger(self.grad_B, o, r)
         self.capacity = capacity
+        self._leaves.clear()  # views of the old tensors
+        self._grad_spans.clear()
         for slot, w in self.owners.items():
             self._alias(slot, w)
 
@@ -145,6 +153,29 @@ class SlotStack:
             return self.A[call.first:call.first + call.n], self.B[call.first:call.first + call.n]
         return self.A.index_select(0, call.slots), self.B.index_select(0, call.slots)
 
+    def leaves(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A.T [n, in, r] and B.T [n, r, out] of slots first..first+n-1 as autograd leaves whose
+        `.grad` is those slots' gradient rows: autograd's own AccumulateGrad adds each backward's
+        weight gradients into the rows in place (it adds into a `.grad` that is already there).
+        Made once per slot span and kept: they are views, valid until the stack grows."""
+        got = self._leaves.get((first, n))
+        if got is None:
+            end = first + n
+            At = self.A[first:end].transpose(1, 2).detach().requires_grad_()
+            Bt = self.B[first:end].transpose(1, 2).detach().requires_grad_()
+            At.grad = self.grad_A[first:end].transpose(1, 2)
+            Bt.grad = self.grad_B[first:end].transpose(1, 2)
+            got = self._leaves[(first, n)] = (At, Bt)
+        return got
+
+    def grad_span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradient rows of slots lo..hi-1 (views, kept until the stack grows): the optimizer
+        reduces and zeroes the slots of the adapters it steps through them every step."""
+        got = self._grad_spans.get((lo, hi))
+        if got is None:
+            got = self._grad_spans[(lo, hi)] = (self.grad_A[lo:hi], self.grad_B[lo:hi])
+        return got
+
     def accumulate(self, call: "LoRACall", grad_A: torch.Tensor, grad_B: torch.Tensor) -> None:
         """Add a call's weight gradients ([n, ...], one per tenant) to its slots' gradient rows:
         in place where the slots are consecutive, else by index (the same elementwise adds)."""
@@ -174,6 +205,28 @@ def lora_forward(xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: fl
     """n adapters' deltas in two batched matmuls: xs [n, M, in], A [n, r, in], B [n, out, r]."""
     h = torch.bmm(xs, A.transpose(1, 2))  # [n, M, r]
     return h, torch.bmm(h, B.transpose(1, 2)) * scaling  # [n, M, out]
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
+
+
+def lora_delta(xs: torch.Tensor, At: torch.Tensor, Bt: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`lora_forward`'s delta recorded by autograd, from `SlotStack.leaves` (A.T, B.T).
+
+    The same kernels on the same layouts as `GroupedLoRA` (and so as the fusion probe, which runs
+    `lora_forward`/`lora_backward`): autograd's bmm backward takes grad_h = g @ B, grad_Bt =
+    h.T @ g, grad_xs = grad_h @ A, grad_At = xs.T @ grad_h, and the hook makes the incoming
+    gradient contiguous first, as `GroupedLoRA.backward` does. Without a Python autograd
+    Function a layer's LoRA costs about 80 us less per forward and backward on the embedded
+    model (2 cores), and the weight gradients are added by AccumulateGrad in C++.
+    """
+    if At.dtype != xs.dtype:  # bf16 base on GPU: fp32 master weights, cast per call (strides kept)
+        At, Bt = At.to(xs.dtype), Bt.to(xs.dtype)
+    d = torch.bmm(torch.bmm(xs, At), Bt) * scaling
+    if d.requires_grad:
+        d.register_hook(_contiguous)
+    return d
 
 
 def lora_backward(gd: torch.Tensor, xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, h: torch.Tensor,
@@ -269,6 +322,10 @@ class LayerPlan:
     calls: list[LoRACall | None]
 
 
+# Row layouts whose plans `LoRARouting` keeps at most (then it starts over).
+PLAN_CACHE_LAYOUTS = 256
+
+
 class LoRARouting:
     """Shared by every `MultiLoRALinear` of a model: slot allocation and the current batch's plan.
 
@@ -279,6 +336,10 @@ class LoRARouting:
     def __init__(self, policy: "FusionPolicy | None" = None):
         self.policy = policy  # None: never group tenants (always each tenant's canonical pair)
         self.segments: list[tuple[str | None, int, int]] = []
+        # Plans are kept across batches, per row layout (a training loop repeats its layouts every
+        # step): {(segments, CPU threads): {layer key: plan}}. A plan reads the adapters' slots,
+        # so allocating or freeing a slot drops them all.
+        self._plan_cache: dict[tuple, dict[tuple, LayerPlan | None]] = {}
         self._plans: dict[tuple, LayerPlan | None] = {}
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self._free: dict[int, list[int]] = {}  # rank -> freed slots (a heap: lowest first)
@@ -291,6 +352,7 @@ class LoRARouting:
 
     # -- slots -------------------------------------------------------------------------------
     def allocate(self, rank: int) -> int:
+        self._plan_cache.clear()
         free = self._free.setdefault(rank, [])
         if free:
             return heapq.heappop(free)
@@ -299,6 +361,7 @@ class LoRARouting:
         return slot
 
     def release(self, rank: int, slot: int) -> None:
+        self._plan_cache.clear()
         heapq.heappush(self._free.setdefault(rank, []), slot)
 
     def grad_anchor(self, device: torch.device) -> torch.Tensor:
@@ -326,21 +389,31 @@ class LoRARouting:
         """Route rows to adapters while the body runs: segments are (adapter id or None, start, end)
         over dim 0 of every projection input ([rows, seq, features] or [rows, features])."""
         self.segments = segments
+        # The fusion policy's answers depend on the CPU thread count (see invariance.py).
+        layout = (tuple(segments), torch.get_num_threads())
+        plans = self._plan_cache.get(layout)
+        if plans is None:
+            if len(self._plan_cache) >= PLAN_CACHE_LAYOUTS:  # the sampler's layouts vary every step
+                self._plan_cache.clear()
+                self._slot_tensors.clear()
+            plans = self._plan_cache[layout] = {}
+        self._plans = plans
         try:
             yield
         finally:
             self.segments = []
-            self._plans.clear()
-            self._slot_tensors.clear()
+            self._plans = {}
 
     def plan_for(self, layer: "MultiLoRALinear", x: torch.Tensor) -> LayerPlan | None:
         if not self.segments or not layer.adapters:
             return None
         tokens_per_row = x.numel() // max(1, x.shape[0] * x.shape[-1])
         key = (layer.members, layer.in_features, layer.out_features, tokens_per_row, x.dtype)
-        if key not in self._plans:
-            self._plans[key] = self._build(layer, tokens_per_row, x.dtype, x.device)
-        return self._plans[key]
+        try:
+            return self._plans[key]
+        except KeyError:
+            plan = self._plans[key] = self._build(layer, tokens_per_row, x.dtype, x.device)
+            return plan
 
     def _build(self, layer: "MultiLoRALinear", tokens_per_row: int, dtype: torch.dtype,
                device: torch.device) -> LayerPlan | None:
@@ -395,19 +468,16 @@ class MultiLoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.routing = routing
+        # Plain attributes, not properties reading `base` (a submodule: nn.Module.__getattr__ per
+        # read), as the plan lookup reads them in every layer's forward.
+        self.in_features = base.in_features
+        self.out_features = base.out_features
         # Not registered as parameters or buffers: `model.parameters()` stays the frozen base.
         self.adapters: dict[str, LoRAWeights] = {}
         self.stacks: dict[int, SlotStack] = {}
         self.members = routing.member_set((), None)  # ids of the adapters attached here
         self.weight_t: torch.Tensor | None = None  # see `keep_transposed_weight`
 
-    @property
-    def in_features(self) -> int:
-        return self.base.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.base.out_features
 
     @property
     def weight(self) -> torch.Tensor:  # some HF code (tied embeddings, dtype probes) reads .weight
@@ -455,7 +525,11 @@ class MultiLoRALinear(nn.Module):
 
     def _delta(self, x: torch.Tensor, call: LoRACall) -> torch.Tensor:
         xs = x.reshape(call.n, -1, x.shape[-1])  # a view: the call's row blocks are contiguous
-        d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), self.stacks[call.rank], call)
+        stack = self.stacks[call.rank]
+        if call.first is not None:  # consecutive slots: views of the stack, autograd's own nodes
+            d = lora_delta(xs, *stack.leaves(call.first, call.n), call.scaling)
+        else:  # a canonical pair, or slots out of order
+            d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), stack, call)
         return d.reshape(x.shape[:-1] + (self.out_features,))
 
 

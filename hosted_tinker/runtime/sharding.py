@@ -77,5 +77,8 @@ def transplant_lora_layers(model: nn.Module, layers: dict[str, MultiLoRALinear])
         fresh = getattr(parent, name)
         if not isinstance(fresh, nn.Linear):
             raise ValueError(f"{path} is a {type(fresh).__name__} in the reloaded model, not a Linear")
+        if (fresh.in_features, fresh.out_features) != (layer.in_features, layer.out_features):
+            raise ValueError(f"{path} is {fresh.in_features} -> {fresh.out_features} in the reloaded model, "
+                             f"not {layer.in_features} -> {layer.out_features}")
         layer.base = fresh
         setattr(parent, name, layer)

@@ -19,6 +19,7 @@ from torch.optim.adamw import adamw as _public_adamw
 _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 _FOREACH_MUL = getattr(torch, "_foreach_mul_", None)
 _FOREACH_ADD = getattr(torch, "_foreach_add_", None)
+_FOREACH_ZERO = getattr(torch, "_foreach_zero_", None)
 
 
 def adamw_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -56,3 +57,12 @@ def scale_(tensors: list[torch.Tensor], factors: list[float]) -> None:
         return
     for t, f in zip(tensors, factors):
         t.mul_(f)
+
+
+def zero_(tensors: list[torch.Tensor]) -> None:
+    """Zero every tensor in place, in one multi-tensor op where torch has it."""
+    if _FOREACH_ZERO is not None:
+        _FOREACH_ZERO(tensors)
+        return
+    for t in tensors:
+        t.zero_()
