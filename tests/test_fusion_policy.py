@@ -377,3 +377,24 @@ def test_optimizer_without_torchs_private_kernels_matches_and_stays_exact(monkey
             np.testing.assert_allclose(p.detach().numpy(), r.detach().numpy(), rtol=1e-5, atol=1e-6)
         st = together.adapter(mid).optimizer.state[together.adapter(mid).parameters()[0]]
         assert float(st["step"]) == 2.0
+
+
+def test_the_grouping_probe_also_checks_a_transposed_incoming_gradient(monkeypatch):
+    """The LoRA backward takes the incoming gradient in the layout autograd hands over (no copy to
+    make it contiguous: that was a Python hook per layer). So the grouping probe checks a
+    transposed gradient too: a kernel that changes an entry's bits only when the gradient is
+    transposed and the batch holds more than two entries is refused."""
+    from hosted_tinker.runtime import invariance
+
+    honest = invariance.lora_backward
+
+    def transposed_batches_differ(gd, xs, A, B, h, scaling, need_x):
+        grad_x, grad_A, grad_B = honest(gd, xs, A, B, h, scaling, need_x)
+        if not gd.is_contiguous() and gd.shape[0] > 2:
+            grad_A = grad_A * (1 + 2 ** -20)
+        return grad_x, grad_A, grad_B
+
+    assert invariance.grouped_lora_matches_pairs(24, 32, 16, 4, 4, torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(invariance, "lora_backward", transposed_batches_differ)
+    assert invariance.grouped_lora_matches_pairs(24, 32, 16, 4, 2, torch.float32, torch.device("cpu"))
+    assert not invariance.grouped_lora_matches_pairs(24, 32, 16, 4, 4, torch.float32, torch.device("cpu"))

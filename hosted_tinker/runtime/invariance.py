@@ -27,8 +27,9 @@ construction, slower). Each decision is proven lazily per shape and cached:
   shortest bucket and a full micro-batch; if it fails there, mixing is off for the whole run.
   Covered: the base model's projections, attention, norms, activations and the log-softmax.
 - `group_lora(tokens, in, out, rank, n, dtype)`: may n tenants' LoRA deltas share one batched
-  matmul (`multi_lora.GroupedLoRA`)? Probed on the kernel itself with random data: entries 0 and
-  n-1 of an n-entry batch must equal their canonical two-entry batch (output and all gradients).
+  matmul (`multi_lora.lora_delta` / `GroupedLoRA`)? Probed on the kernel itself with random data:
+  entries 0 and n-1 of an n-entry batch must equal their canonical two-entry batch (output and
+  all gradients), with the incoming gradient row-major and transposed.
 - `stacked_norms(rows, inner, dtype)`: may the optimizer take every tenant's gradient norms
   from one reduction per slot stack? Probed the same way (`row_norms`).
 
@@ -115,16 +116,22 @@ def grouped_lora_matches_pairs(tokens: int, in_features: int, out_features: int,
     # The n entries as a view into a larger buffer, as a group's rows sit inside a micro-batch.
     xs = rand(n + 1, tokens, in_features)[1:]
     A, B = rand(n, rank, in_features), rand(n, out_features, rank)
-    gd = rand(n, tokens, out_features)
     h, d = lora_forward(xs, A, B, 2.0)
-    gx, gA, gB = lora_backward(gd, xs, A, B, h, 2.0, True)
-    for e in {0, n - 1}:
-        pair = [e, e]
-        xs2 = xs[pair]
-        h2, d2 = lora_forward(xs2, A[pair], B[pair], 2.0)
-        gx2, gA2, gB2 = lora_backward(gd[pair], xs2, A[pair], B[pair], h2, 2.0, True)
-        if not all(same_bits(a[e], b[0]) for a, b in ((d, d2), (gx, gx2), (gA, gA2), (gB, gB2))):
-            return False
+    # The gradient arrives in the layout autograd hands over: row-major, or (one row per tenant
+    # under a consumer that transposes its input, e.g. attention's heads) transposed. The
+    # canonical pair (`GroupedLoRA` concatenates the entry with itself) is row-major either way.
+    gd_rows = rand(n, tokens, out_features)
+    gd_cols = rand(n, out_features, tokens)
+    for gd, pair_gd in ((gd_rows, lambda pair: gd_rows[pair]),
+                        (gd_cols.transpose(1, 2), lambda pair: gd_cols[pair].transpose(1, 2).contiguous())):
+        gx, gA, gB = lora_backward(gd, xs, A, B, h, 2.0, True)
+        for e in {0, n - 1}:
+            pair = [e, e]
+            xs2 = xs[pair]
+            h2, d2 = lora_forward(xs2, A[pair], B[pair], 2.0)
+            gx2, gA2, gB2 = lora_backward(pair_gd(pair), xs2, A[pair], B[pair], h2, 2.0, True)
+            if not all(same_bits(a[e], b[0]) for a, b in ((d, d2), (gx, gx2), (gA, gA2), (gB, gB2))):
+                return False
     return True
 
 
