@@ -19,6 +19,11 @@ from pathlib import Path
 
 import httpx
 
+# `python -m hosted_tinker` imports the package of the working directory first: the server runs
+# this checkout's code whatever directory the caller (a test, a benchmark of another checkout)
+# runs in.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 START_WITHIN = 300.0  # hang guard for a start (~5 s idle, far more on a loaded 2-core CI box)
 STOP_WITHIN = 120.0  # hang guard for a graceful stop (it finishes the running cycle first)
 CLOSE_WITHIN = 120.0  # hang guard for a client's close (one request: finish its session)
@@ -56,7 +61,7 @@ class ServerProcess:
         if self.base_model:
             cmd += ["--base-model", self.base_model]
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
