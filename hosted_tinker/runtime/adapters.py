@@ -300,15 +300,9 @@ def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[
     # gradient rows of A / B.
     inputs: dict[object, torch.Tensor] = {}
     first_row: dict[int, int] = {}
-    proven: dict[tuple, bool] = {}  # a model's stacks come in a few shapes: ask the policy once per shape
     for key, (stack, lo, hi) in spans.items():
-        rows_A, rows_B = stack.grad_span(lo, hi)
-        for which, rows in enumerate((rows_A, rows_B)):
-            shape = (hi - lo, rows.shape[1:], rows.dtype)
-            ok = proven.get(shape)
-            if ok is None:
-                ok = proven[shape] = policy is not None and policy.stacked_norms(hi - lo, tuple(shape[1]), rows.dtype)
-            if ok:
+        for which, rows in enumerate(stack.grad_span(lo, hi)):
+            if policy is not None and policy.stacked_norms(hi - lo, tuple(rows.shape[1:]), rows.dtype):
                 inputs[(key, which)] = rows
                 first_row[key] = lo
     refs: list[list[tuple[object, int]]] = []  # per adapter: (input key, row)

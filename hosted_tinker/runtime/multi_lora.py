@@ -147,10 +147,8 @@ class SlotStack:
         w.slot = w.stack = w.grad_views = None
 
     def factors(self, call: "LoRACall") -> tuple[torch.Tensor, torch.Tensor]:
-        """A [entries, r, in] and B [entries, out, r] of a call: views of consecutive slots, else
-        gathered (a canonical pair, or slots out of order)."""
-        if call.first is not None:
-            return self.A[call.first:call.first + call.n], self.B[call.first:call.first + call.n]
+        """A [entries, r, in] and B [entries, out, r] of a `GroupedLoRA` call, gathered (a canonical
+        pair, or slots out of order; consecutive slots take `leaves`)."""
         return self.A.index_select(0, call.slots), self.B.index_select(0, call.slots)
 
     def leaves(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,12 +175,8 @@ class SlotStack:
         return got
 
     def accumulate(self, call: "LoRACall", grad_A: torch.Tensor, grad_B: torch.Tensor) -> None:
-        """Add a call's weight gradients ([n, ...], one per tenant) to its slots' gradient rows:
-        in place where the slots are consecutive, else by index (the same elementwise adds)."""
-        if call.first is not None:
-            self.grad_A[call.first:call.first + call.n].add_(grad_A)
-            self.grad_B[call.first:call.first + call.n].add_(grad_B)
-            return
+        """Add a `GroupedLoRA` call's weight gradients ([n, ...], one per tenant) to its slots'
+        gradient rows, by index (consecutive slots' are added by AccumulateGrad, see `leaves`)."""
         slots = call.slots[:call.n]
         self.grad_A.index_add_(0, slots, grad_A.to(self.grad_A.dtype))
         self.grad_B.index_add_(0, slots, grad_B.to(self.grad_B.dtype))
@@ -240,10 +234,9 @@ class GroupedLoRA(torch.autograd.Function):
     forward(x [n, M, in], anchor, stack, call) -> [n, M, out]: `call.slots` has n entries, or
     two (the same slot twice) where one tenant runs as its canonical pair. The weight gradients
     go straight into the stack's gradient rows (nothing is returned for them); `anchor` is a leaf
-    that requires grad, so the backward runs even where x needs no gradient. Where the slots are
-    consecutive (tenants created one after another), the factors are views of the stack and the
-    gradients are added in place: measured on the embedded model, that took a lone tenant's
-    call from ~330 to ~200 us (forward and backward) against gathering and index-adding.
+    that requires grad, so the backward runs even where x needs no gradient. Only for calls whose
+    slots are not consecutive (a canonical pair, or tenants whose slots are out of order): the
+    others run as `lora_delta` on views of the stack, without this Python function.
     """
 
     @staticmethod
@@ -332,7 +325,7 @@ class LoRARouting:
         # Plans are kept across batches, per row layout (a training loop repeats its layouts every
         # step): {(segments, CPU threads): {layer key: plan}}. A plan reads the adapters' slots,
         # so allocating or freeing a slot drops them all.
-        self._plan_cache: dict[tuple, dict[tuple, LayerPlan | None]] = {}
+        self._plan_cache: dict[tuple, dict[tuple, LayerPlan | None]] = {}  # see `_drop_plans`
         self._plans: dict[tuple, LayerPlan | None] = {}
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self._free: dict[int, list[int]] = {}  # rank -> freed slots (a heap: lowest first)
@@ -344,8 +337,13 @@ class LoRARouting:
         self._anchors: dict[torch.device, torch.Tensor] = {}
 
     # -- slots -------------------------------------------------------------------------------
-    def allocate(self, rank: int) -> int:
+    def _drop_plans(self) -> None:
+        """Forget every kept plan and the slot index tensors they used (both bounded so)."""
         self._plan_cache.clear()
+        self._slot_tensors.clear()
+
+    def allocate(self, rank: int) -> int:
+        self._drop_plans()
         free = self._free.setdefault(rank, [])
         if free:
             return heapq.heappop(free)
@@ -354,7 +352,7 @@ class LoRARouting:
         return slot
 
     def release(self, rank: int, slot: int) -> None:
-        self._plan_cache.clear()
+        self._drop_plans()
         heapq.heappush(self._free.setdefault(rank, []), slot)
 
     def grad_anchor(self, device: torch.device) -> torch.Tensor:
@@ -387,8 +385,7 @@ class LoRARouting:
         plans = self._plan_cache.get(layout)
         if plans is None:
             if len(self._plan_cache) >= PLAN_CACHE_LAYOUTS:  # the sampler's layouts vary every step
-                self._plan_cache.clear()
-                self._slot_tensors.clear()
+                self._drop_plans()
             plans = self._plan_cache[layout] = {}
         self._plans = plans
         try:
@@ -470,7 +467,6 @@ class MultiLoRALinear(nn.Module):
         self.stacks: dict[int, SlotStack] = {}
         self.members = routing.member_set((), None)  # ids of the adapters attached here
         self.weight_t: torch.Tensor | None = None  # see `keep_transposed_weight`
-
 
     @property
     def weight(self) -> torch.Tensor:  # some HF code (tied embeddings, dtype probes) reads .weight
