@@ -37,11 +37,12 @@ def _serve(config: ServerConfig) -> int:
     from .api.metrics import Metrics
     from .data_dir_lock import DataDirInUse
     from .server import Server
+    from .store import StoreUnavailable
 
     metrics = Metrics()
     try:
         srv = Server(config, observer=metrics)  # the data-dir lock first, then the store, then the model load
-    except DataDirInUse as e:
+    except (DataDirInUse, StoreUnavailable) as e:
         checked.sock.close()
         return _fail("serve", [str(e)])
     # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:

@@ -13,6 +13,7 @@ resubmitted chunk finds its original request id here, which is what makes retrie
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import threading
 import time
@@ -159,22 +160,39 @@ class FutureRecord:
     completed_at: float | None
 
 
+class StoreUnavailable(RuntimeError):
+    """The database cannot be opened or written at start-up; the message says where and why."""
+
+
+def _free_space(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:,.0f} MiB free there"
+    except OSError as e:
+        return f"free space unknown: {e}"
+
+
 class Store:
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
-        with self._lock:
-            self._db.executescript(SCHEMA)
-            self._db.executescript(SAMPLING_SCHEMA)
-            self._db.executescript(SAMPLE_RECORDS_SCHEMA)
-            self._db.executescript(LOSS_SCHEMA)
-        self._migrate_rest()
+        try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=30000")
+            with self._lock:
+                self._db.executescript(SCHEMA)
+                self._db.executescript(SAMPLING_SCHEMA)
+                self._db.executescript(SAMPLE_RECORDS_SCHEMA)
+                self._db.executescript(LOSS_SCHEMA)
+            self._migrate_rest()
+        except sqlite3.Error as e:
+            # SQLite reports a full disk in WAL mode as a bare "disk I/O error" (its -shm file cannot
+            # grow): name the file and the free space, the two things an operator checks next.
+            raise StoreUnavailable(f"cannot open the database {path}: {e} ({_free_space(path.parent)}; "
+                                   "a full disk or a file-size limit gives this error)") from e
 
     def close(self) -> None:
         with self._lock:

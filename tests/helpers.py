@@ -119,13 +119,15 @@ def tar_bytes(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> byt
 
 
 # -- `hosted_tinker serve` as a command: start-up checks ------------------------------------------
-def serve(tmp_path: Path, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def serve(tmp_path: Path, *args: str, env: dict | None = None, cwd: Path | None = None,
+          preexec_fn=None) -> subprocess.CompletedProcess:
     # An empty Hugging Face home: nothing cached, so model look-ups show what a fresh machine sees.
     base = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     base = {k: v for k, v in base.items() if not k.startswith("HOSTED_TINKER_") and k != "HF_HUB_OFFLINE"}
     return subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path / "data"),
                            "--port", str(free_port()), *args], env={**base, **(env or {})},
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
+                          capture_output=True, text=True, timeout=300, cwd=cwd,
+                          preexec_fn=preexec_fn)
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -135,6 +137,20 @@ def test_an_unreadable_keys_file_is_one_line(tmp_path):
     keys.write_text("alice: not-a-tinker-key\n")
     assert_one_line_error(serve(tmp_path, "--api-keys-file", str(keys)),
                           rf"--api-keys-file: {re.escape(str(keys))}:1: API keys must start with 'tml-' .*")
+
+
+def _no_file_may_grow_past_4_kib():
+    # A real write failure without root or a small filesystem: past the limit write() fails with EFBIG
+    # (SIGXFSZ ignored), which SQLite reports exactly as it reports a full disk ("disk I/O error").
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+
+def test_a_database_that_cannot_be_written_is_one_line_naming_file_and_free_space(tmp_path):
+    out = serve(tmp_path, preexec_fn=_no_file_may_grow_past_4_kib)
+    assert_one_line_error(out, rf"cannot open the database {re.escape(str(database(tmp_path / 'data')))}: "
+                               r"disk I/O error \([\d,]+ MiB free there; a full disk or a file-size limit gives this "
+                               r"error\)")
 
 
 @pytest.mark.parametrize("args, pattern", [
