@@ -37,8 +37,9 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, data_dir: Path, *, base_model: str | None = None, env: dict | None = None,
-                 args: tuple[str, ...] = ()):
+                 args: tuple[str, ...] = (), checkout: Path = REPO_ROOT):
         self.data_dir = Path(data_dir)
+        self.checkout = checkout  # `python -m hosted_tinker` runs the package of its working directory
         self.base_model = base_model
         self.env = {**os.environ, **(env or {})}
         self.args = args
@@ -61,7 +62,7 @@ class ServerProcess:
         if self.base_model:
             cmd += ["--base-model", self.base_model]
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.checkout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,241 @@
+"""This checkout against an older revision, side by side in ONE run: training ratios and SDK overhead.
+
+Comparing two separate runs of multi_tenant.py or overhead.py on a shared 2-core box compares the
+box's moods: its speed drifts 10-20% over minutes, more than the changes being judged (two
+revisions' overhead ratios, 5 separate runs each, differed by 4%; side by side they are equal).
+Here both revisions' code runs in every round, in rotating order:
+
+  training   one process holds both runtimes (the old revision's package imported under another
+             name) and ONE plain-PEFT ideal shared by both; per (size, N) a round times the
+             fused and the serial step of each revision and the ideal, as multi_tenant.py does.
+             Prints a/c and a/b of each revision (medians of per-round ratios), and the fused
+             step's speed new/old measured directly; then Table 2 (one tenant x 16 rows: runtime
+             of each vs PEFT).
+  overhead   one server per revision (each runs its own checkout's code) on one model, and both
+             in-process runtimes here; a round is one step each of (a) in-process and (b) SDK
+             pipelined for each revision. Prints each revision's ratio median(b)/median(a), as
+             overhead.py does, and the paired differences new - old.
+
+    .venv/bin/python benchmarks/compare_revisions.py training --old REV [--sizes tiny,small,medium]
+        [--rounds-scale 1.0] [--threads 1]
+    .venv/bin/python benchmarks/compare_revisions.py overhead --old REV [--rounds 150]
+
+REV is any git revision of this repository (its code is taken with `git archive`). A benchmark,
+not a test: it asserts nothing about time and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+PACKAGE = "hosted_tinker"
+OLD_PACKAGE = "hosted_tinker_at_old_revision"
+
+
+def checkout(rev: str, tmp: Path) -> Path:
+    """REV's tree under tmp/src (to start its server from), and its package renamed under tmp/renamed."""
+    src = tmp / "src"
+    src.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    renamed = tmp / "renamed" / OLD_PACKAGE
+    shutil.copytree(src / PACKAGE, renamed)
+    word = re.compile(rf"\b{PACKAGE}\b")
+    for py in renamed.rglob("*.py"):
+        py.write_text(word.sub(OLD_PACKAGE, py.read_text()))
+    sys.path.insert(0, str(tmp / "renamed"))
+    return src
+
+
+def modules(package: str):
+    names = ("runtime.trainer", "runtime.adapters", "runtime.losses", "model_loading")
+    return [importlib.import_module(f"{package}.{n}") for n in names]
+
+
+def cross_entropy_work(package: str, model_id: str, seqs: np.ndarray):
+    trainer, _, losses, _ = modules(package)
+    data = [trainer.DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
+                              {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
+                               "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
+    return trainer.FBWork(model_id=model_id, data=data, loss_fn="cross_entropy",
+                          loss_config=losses.resolve_loss_config("cross_entropy", {}), forward_only=False)
+
+
+REVISIONS = (("old", OLD_PACKAGE), ("new", PACKAGE))
+
+
+# ---- training -------------------------------------------------------------------------------------
+def training(args, tmp: Path) -> None:
+    import multi_tenant as mt
+    from bench_common import paired_ratio, tenant_rows
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    device, tenants = torch.device("cpu"), [1, 2, 4, 8, 16]
+    print(f"training: old = {args.old}, new = this checkout; torch threads {args.threads}; "
+          "a/c and a/b are medians of per-round ratios; 'fused new/old' is the fused step's speed ratio")
+    for size in args.sizes.split(","):
+        src = mt.build_tiny_model(tmp / size, mt.SIZES[size])
+        models = [AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32) for _ in range(3)]
+        runtimes, adams = {}, {}
+        for (tag, package), model in zip(REVISIONS, models):
+            trainer, adapters, _, _ = modules(package)
+            runtime = trainer.TrainingRuntime(model, size, device=device)
+            lora = adapters.LoRAConfig(rank=mt.RANK, alpha=mt.ALPHA, train_unembed=False)
+            for t in range(max(tenants)):
+                adapter = runtime.create_adapter(f"tenant-{t}", dataclasses.replace(lora, seed=t))
+                with torch.no_grad():  # non-zero B, as after a first step
+                    for w in adapter.weights.values():
+                        w.B.normal_(0, 1e-3)
+            runtimes[tag], adams[tag] = runtime, adapters.AdamParams(learning_rate=mt.LR)
+        peft_model, opt = mt.make_peft(models[2])
+        vocab = min(runtimes["new"].vocab_size, 1000)
+        rounds = max(3, int(mt.CPU_REPEATS[size] * args.rounds_scale))
+        rows = tenant_rows(max(tenants), 2, 128, vocab)
+        print(f"\n[{mt.LABELS[size]}] {rounds} rounds")
+        print(f"  {'N':<4}{'a/c old':>9}{'a/c new':>9}{'a/b old':>9}{'a/b new':>9}{'fused new/old':>15}")
+        for i, n in enumerate(sorted(tenants, reverse=True)):  # largest first: it grows the heap once
+            works = {tag: [cross_entropy_work(package, f"tenant-{t}", rows[t]) for t in range(n)]
+                     for tag, package in REVISIONS}
+            flat = np.concatenate(rows[:n])
+            ids, targets = torch.as_tensor(flat[:, :-1]), torch.as_tensor(flat[:, 1:])
+            variants = {}
+            for tag, _ in REVISIONS:
+                variants[f"fused {tag}"] = lambda tag=tag: mt.fused_step(runtimes[tag], works[tag], adams[tag])
+                variants[f"serial {tag}"] = lambda tag=tag: mt.serial_step(runtimes[tag], works[tag], adams[tag])
+            variants["ideal"] = lambda: mt.ideal_step(peft_model, opt, ids, targets)
+            times = mt.measure(variants, 1 if i == 0 else 0, rounds, device)
+            cells = [paired_ratio(times, f"fused {tag}", "ideal") for tag, _ in REVISIONS]
+            cells += [paired_ratio(times, f"fused {tag}", f"serial {tag}") for tag, _ in REVISIONS]
+            print(f"  {n:<4}" + "".join(f"{c:>9.3f}" for c in cells)
+                  + f"{paired_ratio(times, 'fused new', 'fused old'):>15.3f}", flush=True)
+        seqs = tenant_rows(1, 16, 128, vocab, seed=1)[0]
+        works = {tag: [cross_entropy_work(package, "tenant-0", seqs)] for tag, package in REVISIONS}
+        ids, targets = torch.as_tensor(seqs[:, :-1]), torch.as_tensor(seqs[:, 1:])
+        times = mt.measure({"runtime old": lambda: mt.fused_step(runtimes["old"], works["old"], adams["old"]),
+                            "runtime new": lambda: mt.fused_step(runtimes["new"], works["new"], adams["new"]),
+                            "peft": lambda: mt.ideal_step(peft_model, opt, ids, targets)}, 1, rounds, device)
+        print(f"  Table 2, 1 tenant x 16 rows, runtime/PEFT: old {paired_ratio(times, 'runtime old', 'peft'):.3f}, "
+              f"new {paired_ratio(times, 'runtime new', 'peft'):.3f}; "
+              f"runtime new/old {paired_ratio(times, 'runtime new', 'runtime old'):.3f}", flush=True)
+
+
+# ---- overhead -------------------------------------------------------------------------------------
+def overhead(args, tmp: Path, old_tree: Path) -> None:
+    import tinker
+    from tinker import types
+
+    from hosted_tinker.embedded_model import TinyModelSpec, build_tiny_model
+    from overhead import API_KEY, LR, RANK, make_batch
+    from server_process import ServerProcess
+
+    spec = TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                         intermediate_size=768)  # overhead.py's default model
+    base_model = str(build_tiny_model(tmp / "model", spec))
+    seqs = make_batch(4, 96, 1000)
+    datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                          loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)}) for s in seqs]
+    servers, steps = [], {}
+    try:
+        for tag, package in REVISIONS:
+            server = ServerProcess(tmp / f"server-{tag}", base_model=base_model,
+                                   checkout=old_tree if tag == "old" else ROOT)
+            servers.append(server.start())
+            trainer, adapters, _, loading = modules(package)
+            device = loading.pick_device("auto")
+            model, _ = loading.load_base_model(base_model, server.data_dir, device, loading.pick_dtype("auto", device))
+            runtime = trainer.TrainingRuntime(model, base_model, device=device)
+            runtime.create_adapter("bench", adapters.LoRAConfig(rank=RANK, seed=0))
+            works = [cross_entropy_work(package, "bench", np.asarray(seqs, dtype=np.int64))]
+            adam = adapters.AdamParams(learning_rate=LR)
+
+            def in_process(runtime=runtime, works=works, adam=adam) -> None:
+                runtime.forward_backward(works)
+                runtime.optim_step("bench", adam)
+
+            client = server.client(API_KEY).create_lora_training_client(
+                base_model=base_model, rank=RANK, seed=0).result()
+
+            def sdk_pipelined(client=client) -> None:
+                fb = client.forward_backward(datums, "cross_entropy")
+                opt = client.optim_step(types.AdamParams(learning_rate=LR))
+                fb.result()
+                opt.result()
+
+            steps[f"a {tag}"], steps[f"b {tag}"] = in_process, sdk_pipelined
+        for fn in steps.values():
+            for _ in range(3):
+                fn()
+        times: dict[str, list[float]] = {m: [] for m in steps}
+        order = list(steps)
+        for _ in range(args.rounds):
+            for m in order:
+                t = time.perf_counter()
+                steps[m]()
+                times[m].append(1000 * (time.perf_counter() - t))
+            order.append(order.pop(0))
+    finally:
+        for server in servers:
+            server.stop()
+    med = {m: statistics.median(v) for m, v in times.items()}
+    print(f"overhead: old = {args.old}, new = this checkout; {args.rounds} rounds; (a) in-process, "
+          "(b) SDK pipelined")
+    for tag, _ in REVISIONS:
+        print(f"  {tag}: (a) {med['a ' + tag]:.1f} ms, (b) {med['b ' + tag]:.1f} ms, "
+              f"ratio median(b)/median(a) {med['b ' + tag] / med['a ' + tag]:.3f}, "
+              f"overhead {med['b ' + tag] - med['a ' + tag]:+.1f} ms")
+    for mode in ("a", "b"):
+        diffs = [new - old for old, new in zip(times[f"{mode} old"], times[f"{mode} new"])]
+        print(f"  ({mode}) new - old, median of paired differences: {statistics.median(diffs):+.2f} ms")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=("training", "overhead"))
+    ap.add_argument("--old", required=True, help="the git revision to compare this checkout with")
+    ap.add_argument("--sizes", default="tiny,small,medium", help="training: sizes of multi_tenant.py")
+    ap.add_argument("--rounds-scale", type=float, default=1.0,
+                    help="training: multi_tenant.py's CPU rounds (25/7/5) times this (default 1)")
+    ap.add_argument("--threads", type=int, default=1, help="training: torch intra-op threads (default 1)")
+    ap.add_argument("--rounds", type=int, default=150, help="overhead: measured rounds (default 150)")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="ht-compare-"))
+    try:
+        old_tree = checkout(args.old, tmp)
+        if args.what == "training":
+            training(args, tmp)
+        else:
+            overhead(args, tmp, old_tree)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
