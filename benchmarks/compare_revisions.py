@@ -17,7 +17,7 @@ Here both revisions' code runs in every round, in rotating order:
              overhead.py does, and the paired differences new - old.
 
     .venv/bin/python benchmarks/compare_revisions.py training --old REV [--sizes tiny,small,medium]
-        [--rounds-scale 1.0] [--threads 1]
+        [--tenants 1,2,4,8,16] [--rounds-scale 1.0] [--threads 1]
     .venv/bin/python benchmarks/compare_revisions.py overhead --old REV [--rounds 150]
 
 REV is any git revision of this repository (its code is taken with `git archive`). A benchmark,
@@ -97,7 +97,7 @@ def training(args, tmp: Path) -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    device, tenants = torch.device("cpu"), [1, 2, 4, 8, 16]
+    device, tenants = torch.device("cpu"), [int(n) for n in args.tenants.split(",")]
     print(f"training: old = {args.old}, new = this checkout; torch threads {args.threads}; "
           "a/c and a/b are medians of per-round ratios; 'fused new/old' is the fused step's speed ratio")
     for size in args.sizes.split(","):
@@ -220,6 +220,7 @@ def main() -> int:
     ap.add_argument("what", choices=("training", "overhead"))
     ap.add_argument("--old", required=True, help="the git revision to compare this checkout with")
     ap.add_argument("--sizes", default="tiny,small,medium", help="training: sizes of multi_tenant.py")
+    ap.add_argument("--tenants", default="1,2,4,8,16", help="training: tenant counts (default 1,2,4,8,16)")
     ap.add_argument("--rounds-scale", type=float, default=1.0,
                     help="training: multi_tenant.py's CPU rounds (25/7/5) times this (default 1)")
     ap.add_argument("--threads", type=int, default=1, help="training: torch intra-op threads (default 1)")
