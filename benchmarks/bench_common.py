@@ -60,16 +60,19 @@ def tenant_rows(n_tenants: int, rows: int, seq_len: int, vocab: int, seed: int =
     return [rng.integers(0, vocab, (rows, seq_len + 1)) for _ in range(n_tenants)]
 
 
-def fb_work(model_id: str, seqs: np.ndarray):
-    """One tenant's cross_entropy request over `seqs` (rows of tenant_rows), as the runtime takes it."""
-    from hosted_tinker.runtime.losses import resolve_loss_config
-    from hosted_tinker.runtime.trainer import DatumWork, FBWork
+def fb_work(model_id: str, seqs: np.ndarray, package: str = "hosted_tinker"):
+    """One tenant's cross_entropy request over `seqs` (rows of tenant_rows), as the runtime takes it.
 
-    cfg = resolve_loss_config("cross_entropy", {})
-    data = [DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
-                      {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
-                       "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
-    return FBWork(model_id=model_id, data=data, loss_fn="cross_entropy", loss_config=cfg, forward_only=False)
+    `package`: the runtime's package (compare_revisions.py imports an older revision under another name)."""
+    import importlib
+
+    trainer = importlib.import_module(f"{package}.runtime.trainer")
+    losses = importlib.import_module(f"{package}.runtime.losses")
+    cfg = losses.resolve_loss_config("cross_entropy", {})
+    data = [trainer.DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
+                              {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
+                               "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
+    return trainer.FBWork(model_id=model_id, data=data, loss_fn="cross_entropy", loss_config=cfg, forward_only=False)
 
 
 def paired_ratio(times: dict[str, list[float]], x: str, y: str) -> float:

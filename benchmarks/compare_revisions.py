@@ -71,17 +71,8 @@ def checkout(rev: str, tmp: Path) -> Path:
 
 
 def modules(package: str):
-    names = ("runtime.trainer", "runtime.adapters", "runtime.losses", "model_loading")
+    names = ("runtime.trainer", "runtime.adapters", "model_loading")
     return [importlib.import_module(f"{package}.{n}") for n in names]
-
-
-def cross_entropy_work(package: str, model_id: str, seqs: np.ndarray):
-    trainer, _, losses, _ = modules(package)
-    data = [trainer.DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
-                              {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
-                               "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
-    return trainer.FBWork(model_id=model_id, data=data, loss_fn="cross_entropy",
-                          loss_config=losses.resolve_loss_config("cross_entropy", {}), forward_only=False)
 
 
 REVISIONS = (("old", OLD_PACKAGE), ("new", PACKAGE))
@@ -90,7 +81,7 @@ REVISIONS = (("old", OLD_PACKAGE), ("new", PACKAGE))
 # ---- training -------------------------------------------------------------------------------------
 def training(args, tmp: Path) -> None:
     import multi_tenant as mt
-    from bench_common import paired_ratio, tenant_rows
+    from bench_common import fb_work, paired_ratio, tenant_rows
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -105,7 +96,7 @@ def training(args, tmp: Path) -> None:
         models = [AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32) for _ in range(3)]
         runtimes, adams = {}, {}
         for (tag, package), model in zip(REVISIONS, models):
-            trainer, adapters, _, _ = modules(package)
+            trainer, adapters, _ = modules(package)
             runtime = trainer.TrainingRuntime(model, size, device=device)
             lora = adapters.LoRAConfig(rank=mt.RANK, alpha=mt.ALPHA, train_unembed=False)
             for t in range(max(tenants)):
@@ -121,7 +112,7 @@ def training(args, tmp: Path) -> None:
         print(f"\n[{mt.LABELS[size]}] {rounds} rounds")
         print(f"  {'N':<4}{'a/c old':>9}{'a/c new':>9}{'a/b old':>9}{'a/b new':>9}{'fused new/old':>15}")
         for i, n in enumerate(sorted(tenants, reverse=True)):  # largest first: it grows the heap once
-            works = {tag: [cross_entropy_work(package, f"tenant-{t}", rows[t]) for t in range(n)]
+            works = {tag: [fb_work(f"tenant-{t}", rows[t], package) for t in range(n)]
                      for tag, package in REVISIONS}
             flat = np.concatenate(rows[:n])
             ids, targets = torch.as_tensor(flat[:, :-1]), torch.as_tensor(flat[:, 1:])
@@ -136,7 +127,7 @@ def training(args, tmp: Path) -> None:
             print(f"  {n:<4}" + "".join(f"{c:>9.3f}" for c in cells)
                   + f"{paired_ratio(times, 'fused new', 'fused old'):>15.3f}", flush=True)
         seqs = tenant_rows(1, 16, 128, vocab, seed=1)[0]
-        works = {tag: [cross_entropy_work(package, "tenant-0", seqs)] for tag, package in REVISIONS}
+        works = {tag: [fb_work("tenant-0", seqs, package)] for tag, package in REVISIONS}
         ids, targets = torch.as_tensor(seqs[:, :-1]), torch.as_tensor(seqs[:, 1:])
         times = mt.measure({"runtime old": lambda: mt.fused_step(runtimes["old"], works["old"], adams["old"]),
                             "runtime new": lambda: mt.fused_step(runtimes["new"], works["new"], adams["new"]),
@@ -151,6 +142,7 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
     import tinker
     from tinker import types
 
+    from bench_common import fb_work
     from hosted_tinker.embedded_model import TinyModelSpec, build_tiny_model
     from overhead import API_KEY, LR, RANK, make_batch
     from server_process import ServerProcess
@@ -167,12 +159,12 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
             server = ServerProcess(tmp / f"server-{tag}", base_model=base_model,
                                    checkout=old_tree if tag == "old" else ROOT)
             servers.append(server.start())
-            trainer, adapters, _, loading = modules(package)
+            trainer, adapters, loading = modules(package)
             device = loading.pick_device("auto")
             model, _ = loading.load_base_model(base_model, server.data_dir, device, loading.pick_dtype("auto", device))
             runtime = trainer.TrainingRuntime(model, base_model, device=device)
             runtime.create_adapter("bench", adapters.LoRAConfig(rank=RANK, seed=0))
-            works = [cross_entropy_work(package, "bench", np.asarray(seqs, dtype=np.int64))]
+            works = [fb_work("bench", np.asarray(seqs), package)]
             adam = adapters.AdamParams(learning_rate=LR)
 
             def in_process(runtime=runtime, works=works, adam=adam) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,7 +24,7 @@ from hosted_tinker.sampling.vllm_adapters import AdapterUnavailable, latest_ref
 from hosted_tinker.sampling.vllm_backend import completion_body
 from hosted_tinker.sampling.vllm_sidecar import SHM_DIR, group_shm_files, remove_shm_files
 
-from vllm_support import WAIT, StackConfig, job, stop_stack, vllm_python
+from vllm_support import WAIT, StackConfig, job, share_files, stop_stack, vllm_python
 
 PROMPT = [5, 77, 300, 12, 900, 40]
 TARGET = [101, 202, 303, 404, 505, 606]  # what training teaches the adapter to answer to PROMPT
@@ -202,6 +203,7 @@ def test_evicted_and_lost_adapters_reload_on_demand(stack, tmp_path):
 SHM_GROUP = """
 import multiprocessing as mp, sys, time
 from multiprocessing import shared_memory
+from pathlib import Path
 shm = shared_memory.SharedMemory(create=True, size=1 << 16)
 lock = mp.get_context("spawn").Lock()
 print(shm.name, flush=True)
@@ -298,19 +300,14 @@ def test_kill9_of_the_process_group_is_recovered_without_user_action(stack, tmp_
     assert stack.backend.metrics()["restarts_total"] >= 1
 
 
-FIND = "import importlib.util, sys; spec = importlib.util.find_spec(sys.argv[1]); print(spec and spec.origin)"
-
-
 def test_the_vllm_venv_keeps_no_second_torch_and_no_triton():
     # Disk is what a CI machine runs short of first (a full disk once failed the suite's last minute):
     # the vLLM venv hard-links torch to the server venv's identical files and drops triton (1.0 GB, GPU only).
-    def origin(python: str, package: str) -> str:
-        return subprocess.run([python, "-c", FIND, package], check=True, capture_output=True, text=True).stdout.strip()
-
-    theirs, ours = origin(vllm_python(), "torch"), origin(sys.executable, "torch")
+    python = vllm_python()
+    _, theirs = share_files.locate(python, "torch")
+    _, ours = share_files.locate(sys.executable, "torch")
     assert theirs != ours
-    library = "lib/libtorch_cpu.so"
-    theirs_lib, ours_lib = os.path.join(os.path.dirname(theirs), library), os.path.join(os.path.dirname(ours), library)
-    assert os.stat(theirs_lib).st_ino == os.stat(ours_lib).st_ino
-    assert origin(vllm_python(), "triton") == "None"
-
+    library = Path("lib") / "libtorch_cpu.so"
+    assert (theirs / library).stat().st_ino == (ours / library).stat().st_ino
+    no_triton = "import importlib.util; assert importlib.util.find_spec('triton') is None"
+    assert subprocess.run([python, "-c", no_triton]).returncode == 0

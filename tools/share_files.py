@@ -65,7 +65,8 @@ def main(package: str, source_python: str, target_python: str) -> int:
     except OSError as e:  # typically EXDEV: the venvs are on different filesystems
         print(f"share_files: cannot hard-link {target} to {source} ({e}): the copies stay")
         return 0
-    print(f"share_files: {package} {target_version}: {linked} files ({saved / 2**20:.0f} MiB) now hard links to {source}")
+    print(f"share_files: {package} {target_version}: {linked} files ({saved / 2**20:.0f} MiB) now hard links "
+          f"to {source}")
     return 0
 
 
