@@ -85,8 +85,11 @@ class ServerProcess:
         self._clients.append(sc)
         return sc
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:] if self.log_path.exists() else ""
+    def log(self, tail: int | None = 5000) -> str:
+        """The server's log: its last `tail` characters (for messages), or all of it (tail=None,
+        for assertions: start-up lines scroll out of a tail where probes log warnings)."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return text if tail is None else text[-tail:]
 
     def kill9(self) -> None:
         """A real crash. Open clients stay open: they talk to the process started next."""

@@ -84,7 +84,7 @@ def test_server_with_configured_keys(tmp_path):
     srv = ServerProcess(tmp_path / "srv", env={"HOSTED_TINKER_API_KEYS": "tml-ci-key, carol:tml-carol-key"},
                         args=("--api-keys-file", str(keys))).start()
     try:
-        assert "DEV MODE" not in srv.log() and "3 API key(s) configured" in srv.log()
+        assert "DEV MODE" not in srv.log(tail=None) and "3 API key(s) configured" in srv.log(tail=None)
         for key in ("tml-alice-secret", "tml-ci-key", "tml-carol-key"):
             sc = srv.client(key)
             tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
@@ -103,7 +103,7 @@ def test_server_with_configured_keys(tmp_path):
         assert r.json() == {"status": "accepted"}
         stored = (srv.data_dir / "telemetry.jsonl").read_text()
         assert "GENERIC_EVENT" in stored and "tml-alice-secret" not in stored
-        assert "tml-alice-secret" not in srv.log() and "tml-ci-key" not in srv.log()
+        assert "tml-alice-secret" not in srv.log(tail=None) and "tml-ci-key" not in srv.log(tail=None)
     finally:
         srv.stop()
 

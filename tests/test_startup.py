@@ -78,7 +78,7 @@ def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
                         env={"HOSTED_TINKER_MAX_MODELS_PER_KEY": "4"})
     srv.start()
     try:
-        log = srv.log()
+        log = srv.log(tail=None)
     finally:
         srv.stop()
     summary = log[log.index("hosted-tinker 0.1.0 ready"):]
