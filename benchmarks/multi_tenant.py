@@ -250,6 +250,7 @@ def main() -> int:
         cpu = device.type == "cpu"
         repeats = args.repeats or (CPU_REPEATS[size] if cpu else 5)
         print(f"\n[{LABELS[size]}] {n_params / 1e6:.1f}M params; {repeats} rounds", flush=True)
+        print(f"  training path: {runtime.describe_training()}", flush=True)
         all_rows = tenant_rows(max(tenants), args.rows, args.seq_len, vocab)
         # Largest N first: on CPU the first step at the largest shape pays for growing the heap
         # (page faults); warming up there once leaves every smaller shape warm as well.
@@ -299,6 +300,8 @@ def main() -> int:
             print(f"  1 tenant x {args.big_rows} rows: runtime {1000 * med['runtime']:.1f} ms "
                   f"({med['tflops']:.3g} TFLOP/s), PEFT {1000 * med['peft']:.1f} ms, ratio {med['ratio']:.3f}",
                   flush=True)
+        if runtime.graphs is not None:
+            print(f"  CUDA graphs: {runtime.graphs.captures} captured, {runtime.graphs.replays} replays")
         print(f"  ({time.perf_counter() - t_size:.0f}s)")
         del runtime, rt_model, peft_model, peft_base, opt
         gc.collect()

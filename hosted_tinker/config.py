@@ -119,6 +119,10 @@ class ServerConfig(BaseSettings):
                             "(about a third more compute for a fraction of the activation memory); auto = on "
                             "where a full micro-batch's activations would outgrow half the GPU's free memory, "
                             "off on CPU")
+    cuda_graphs: Literal["on", "off"] = Field(
+        "on", description="on CUDA, run each training micro-batch layout seen before as one CUDA graph replay "
+                          "(its forward and backward; the first step of a layout also captures it); off = "
+                          "every step eager, thousands of kernel launches. No effect on CPU or in a worker pool")
     max_tokens_per_cycle: int = Field(
         65536, ge=1, description="tokens of forward/backward work packed into one clock cycle, shared fairly "
                                  "across models")
@@ -267,7 +271,7 @@ class ServerConfig(BaseSettings):
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
 
-    @field_validator("activation_checkpointing", mode="before")
+    @field_validator("activation_checkpointing", "cuda_graphs", mode="before")
     @classmethod
     def _on_off(cls, value: Any) -> Any:
         # YAML reads a bare `on` / `off` as a boolean.

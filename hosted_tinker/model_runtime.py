@@ -47,6 +47,10 @@ class ModelRuntime(Protocol):
 
     def adapter(self, model_id: str) -> Any: ...
 
+    def describe_training(self) -> str:
+        """One line for the start-up summary: tenant sharing, kernels, CUDA graphs, logits."""
+        ...
+
     def close(self) -> None:
         """Release what lives outside this process (a pool's other ranks); after the device loop stopped."""
         ...

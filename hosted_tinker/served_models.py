@@ -56,7 +56,8 @@ def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir
         model, tokenizer = load_base_model(name, data_dir, device, dtype)
         return TrainingRuntime(model, name, device=device, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
                                max_live_adapters=config.max_live_adapters,
-                               recompute=recompute_choice(config, model, device)), tokenizer
+                               recompute=recompute_choice(config, model, device),
+                               cuda_graphs=config.cuda_graphs == "on"), tokenizer
     from .runtime.distributed import PoolRuntime
     from .runtime.pool_launch import PoolSettings, RankPool, cpu_threads_per_rank
 

@@ -1,6 +1,6 @@
-"""Shared helpers for end-to-end tests: batches, reading a server's checkpoints from disk and its
-/metrics, archives to import, waiting for what a server does on its own, and `serve` run as a
-command that should refuse to start."""
+"""Shared helpers for tests: training the runtime in process, batches, reading a server's
+checkpoints from disk and its /metrics, archives to import, waiting for what a server does on its
+own, and `serve` run as a command that should refuse to start."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from hosted_tinker.checkpoints.paths import TinkerPath
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
+from hosted_tinker.runtime.losses import LOSSES, prepare_inputs, resolve_loss_config
+from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
 from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
 from hosted_tinker.store import db_path
 from server_process import free_port
@@ -27,6 +30,72 @@ BASE_MODEL = EMBEDDED_MODEL_NAME
 VOCAB = 1000  # ids used by tests stay below the embedded tokenizer's size
 API_KEY = "tml-test-key-alice"  # the shared server's default key (conftest's `service_client`)
 WAIT = 300.0  # hang guard for what a server does on its own (a TTL sweep...): never reached when all is well
+
+# -- training the runtime in process (exactness tests: solo vs co-batched, eager vs graphed) -------
+TENANTS = [  # (loss, config, rank, train flags)
+    ("cross_entropy", {}, 8, dict()),
+    ("importance_sampling", {}, 4, dict(train_mlp=False)),
+    ("ppo", {}, 16, dict(train_unembed=False)),
+    ("cispo", {}, 2, dict(train_attn=False)),
+    ("dro", {"beta": 0.2}, 8, dict()),
+    ("cross_entropy", {}, 32, dict(train_attn=False, train_unembed=False)),
+    ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, 4, dict()),
+    ("importance_sampling", {}, 1, dict(train_mlp=False, train_unembed=False)),
+    ("gspo", {}, 8, dict()),  # computes on the host: eager where the others are CUDA graphs
+]
+
+
+def random_work(i: int, model_id: str, loss_fn: str, cfg: dict, lengths: tuple[int, ...] | None = None) -> FBWork:
+    """A request of random datums; with `lengths`, of exactly those lengths (same shape for all)."""
+    rng = np.random.default_rng(1000 + i)
+    data = []
+    if lengths is None:  # lengths cross several padding buckets
+        lengths = tuple(int(rng.integers(5, 90)) for _ in range(int(rng.integers(2, 5))))
+    for n in lengths:
+        inputs = {"target_tokens": rng.integers(0, 1000, n)}
+        if loss_fn == "cross_entropy":
+            inputs["weights"] = rng.normal(0, 1, n).astype(np.float32)
+        else:
+            inputs["logprobs"] = rng.normal(-7, 0.3, n).astype(np.float32)
+            inputs["advantages"] = rng.normal(0, 1, n).astype(np.float32)
+        data.append(DatumWork(tokens=rng.integers(0, 1000, n), inputs=inputs))
+    resolved = resolve_loss_config(loss_fn, cfg)
+    if LOSSES[loss_fn].inputs:  # what the API derives (gspo's ratio rows, per-row clip bounds)
+        data = [DatumWork(d.tokens, prepare_inputs(k, loss_fn, resolved, d.inputs, len(data))) for k, d in enumerate(data)]
+    return FBWork(model_id, data, loss_fn, resolved, forward_only=False)
+
+
+def tenant_adam(i: int) -> AdamParams:
+    """Tenant i's hyper-parameters: odd tenants clip their gradients (always, at this norm)."""
+    return AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1e-3 if i % 2 else 0.0)
+
+
+def train_tenants(runtime: TrainingRuntime, tenants: list[int], steps: int = 2, fused: bool = True):
+    """Train the given tenants for `steps` steps: one fused pass and one multi-adapter AdamW step
+    per step (as a server cycle does), or a pass and a step per tenant."""
+    for mid in list(runtime.adapters):
+        runtime.remove_adapter(mid)
+    for i in tenants:
+        loss_fn, cfg, rank, flags = TENANTS[i]
+        runtime.create_adapter(f"t{i}", LoRAConfig(rank=rank, seed=i, **flags))
+    history = {i: [] for i in tenants}
+    for step in range(steps):
+        works = [random_work(i * 10 + step, f"t{i}", TENANTS[i][0], TENANTS[i][1]) for i in tenants]
+        outs = runtime.forward_backward(works) if fused else [runtime.forward_backward([w])[0] for w in works]
+        if fused:
+            steps_out = runtime.optim_steps([(f"t{i}", tenant_adam(i)) for i in tenants])
+        else:
+            steps_out = [runtime.optim_step(f"t{i}", tenant_adam(i)) for i in tenants]
+        for i, out, step_out in zip(tenants, outs, steps_out):
+            history[i].append((out, step_out["grad_norm"]))
+    state = {}
+    for i in tenants:
+        a = runtime.adapter(f"t{i}")
+        state[i] = {k: v.detach().clone() for k, v in a.named_tensors().items()}
+        for moment in ("exp_avg", "exp_avg_sq"):
+            state[i].update({f"{k}.{moment}": a.optimizer.state[p][moment].clone()
+                             for k, p in zip(a.named_tensors(), a.parameters())})
+    return history, state
 
 
 def sft_datum(tokens: list[int], weights: list[float] | None = None):

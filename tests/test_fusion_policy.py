@@ -126,13 +126,16 @@ def test_adapters_live_in_preallocated_slots_and_the_plan_is_built_once_per_batc
     try:
         rt.forward_backward(works)
         # q/o (32x32), k/v (32x16), gate/up (32x64), down (64x32), lm_head (32x128): once each
-        # per row layout, for 2 layers x 7 projections + lm_head.
-        assert set(builds.values()) == {1} and len(builds) == 5 and rt.last_pass.micro_batches == 1
+        # per row layout, for 2 layers x 7 projections + lm_head. One micro-batch where this
+        # machine's policy lets the three share it, else one each (three layouts).
+        layouts = rt.last_pass.micro_batches
+        assert set(builds.values()) == {layouts} and len(builds) == 5
+        assert layouts == (1 if rt.policy.mix_tenants(16, 6) else 3)
         rt.forward_backward(works)
-        assert set(builds.values()) == {1}
+        assert set(builds.values()) == {layouts}
         rt.create_adapter("t3", LoRAConfig(rank=4, seed=3))  # a new slot: plans read slots
         rt.forward_backward(works)
-        assert set(builds.values()) == {2}
+        assert set(builds.values()) == {2 * layouts}
     finally:
         LoRARouting._build = build
 
@@ -177,18 +180,22 @@ def test_consecutive_slots_take_autograds_own_nodes_with_the_grouped_functions_b
         for grad_out in (torch.randn(n, tokens, d_out, generator=gen).to(dtype),
                          torch.randn(n, d_out, tokens, generator=gen).to(dtype).transpose(1, 2)):
             results = []
-            for path in ("function", "autograd"):
+            # A 16-bit base's calls all run the function (fp32 math, see lora_forward): gathered, or
+            # on views of consecutive slots with the gradients added in place.
+            paths = ("gathered", "views", "autograd") if dtype == torch.float32 else ("gathered", "views")
+            for path in paths:
                 stack.grad_A.zero_()
                 stack.grad_B.zero_()
                 xg = x.clone().requires_grad_(True)
-                if path == "function":
-                    call = LoRACall(rank, n, 1, torch.arange(1, n + 1), 1.5, None, False)  # gathered
-                    out = GroupedLoRA.apply(xg, torch.zeros((), requires_grad=True), stack, call)
+                if path != "autograd":
+                    call = LoRACall(rank, n, 1, torch.arange(1, n + 1), 1.5, None if path == "gathered" else 1, False)
+                    out = GroupedLoRA.apply(xg, torch.zeros((), requires_grad=True), stack, call, xg.dtype)
                 else:
                     out = lora_delta(xg, *stack.leaves(1, n), 1.5)
                 out.backward(grad_out)
                 results.append((out.detach(), xg.grad, stack.grad_A.clone(), stack.grad_B.clone()))
-            assert all(same_bits(a, b) for a, b in zip(*results)), (tokens, d_in, d_out, rank, n, dtype)
+            assert all(same_bits(a, b) for r in results[1:] for a, b in zip(results[0], r)), \
+                (tokens, d_in, d_out, rank, n, dtype)
 
 
 def _weights(rank: int, d_in: int, d_out: int, gen: torch.Generator):

@@ -16,19 +16,8 @@ from hosted_tinker.embedded_model import SPEC_PRESETS, ensure_embedded_model
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import same_bits
 from hosted_tinker.runtime.losses import resolve_loss_config
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
-
-TENANTS = [  # (loss, config, rank, train flags)
-    ("cross_entropy", {}, 8, dict()),
-    ("importance_sampling", {}, 4, dict(train_mlp=False)),
-    ("ppo", {}, 16, dict(train_unembed=False)),
-    ("cispo", {}, 2, dict(train_attn=False)),
-    ("dro", {"beta": 0.2}, 8, dict()),
-    ("cross_entropy", {}, 32, dict(train_attn=False, train_unembed=False)),
-    ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, 4, dict()),
-    ("importance_sampling", {}, 1, dict(train_mlp=False, train_unembed=False)),
-]
-
+from hosted_tinker.runtime.trainer import FBWork, TrainingRuntime
+from helpers import random_work, train_tenants
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
@@ -37,63 +26,13 @@ def runtime(tmp_path_factory):
     return TrainingRuntime(model, "embedded", device=torch.device("cpu"), max_tokens_per_micro_batch=2048)
 
 
-def _work(i: int, model_id: str, loss_fn: str, cfg: dict, lengths: tuple[int, ...] | None = None) -> FBWork:
-    """A request of random datums; with `lengths`, of exactly those lengths (same shape for all)."""
-    rng = np.random.default_rng(1000 + i)
-    data = []
-    if lengths is None:  # lengths cross several padding buckets
-        lengths = tuple(int(rng.integers(5, 90)) for _ in range(int(rng.integers(2, 5))))
-    for n in lengths:
-        inputs = {"target_tokens": rng.integers(0, 1000, n)}
-        if loss_fn == "cross_entropy":
-            inputs["weights"] = rng.normal(0, 1, n).astype(np.float32)
-        else:
-            inputs["logprobs"] = rng.normal(-7, 0.3, n).astype(np.float32)
-            inputs["advantages"] = rng.normal(0, 1, n).astype(np.float32)
-        data.append(DatumWork(tokens=rng.integers(0, 1000, n), inputs=inputs))
-    return FBWork(model_id, data, loss_fn, resolve_loss_config(loss_fn, cfg), forward_only=False)
-
-
-def _adam(i: int) -> AdamParams:
-    """Tenant i's hyper-parameters: odd tenants clip their gradients (always, at this norm)."""
-    return AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1e-3 if i % 2 else 0.0)
-
-
-def _run(runtime: TrainingRuntime, tenants: list[int], steps: int = 2, fused: bool = True):
-    """Train the given tenants for `steps` steps: one fused pass and one multi-adapter AdamW step
-    per step (as a server cycle does), or a pass and a step per tenant."""
-    for mid in list(runtime.adapters):
-        runtime.remove_adapter(mid)
-    for i in tenants:
-        loss_fn, cfg, rank, flags = TENANTS[i]
-        runtime.create_adapter(f"t{i}", LoRAConfig(rank=rank, seed=i, **flags))
-    history = {i: [] for i in tenants}
-    for step in range(steps):
-        works = [_work(i * 10 + step, f"t{i}", TENANTS[i][0], TENANTS[i][1]) for i in tenants]
-        outs = runtime.forward_backward(works) if fused else [runtime.forward_backward([w])[0] for w in works]
-        if fused:
-            steps_out = runtime.optim_steps([(f"t{i}", _adam(i)) for i in tenants])
-        else:
-            steps_out = [runtime.optim_step(f"t{i}", _adam(i)) for i in tenants]
-        for i, out, step_out in zip(tenants, outs, steps_out):
-            history[i].append((out, step_out["grad_norm"]))
-    state = {}
-    for i in tenants:
-        a = runtime.adapter(f"t{i}")
-        state[i] = {k: v.detach().clone() for k, v in a.named_tensors().items()}
-        for moment in ("exp_avg", "exp_avg_sq"):
-            state[i].update({f"{k}.{moment}": a.optimizer.state[p][moment].clone()
-                             for k, p in zip(a.named_tensors(), a.parameters())})
-    return history, state
-
-
 def test_cobatched_equals_solo_for_every_loss_and_rank(runtime):
     """Bit for bit, over three steps: logprobs, per-token losses, loss:sum, grad_norm (clipped
     tenants too), adapter weights and both AdamW moments."""
-    fused_hist, fused_state = _run(runtime, list(range(8)), steps=3)
+    fused_hist, fused_state = train_tenants(runtime, list(range(8)), steps=3)
     assert runtime.last_pass.models == 8  # really one fused pass over all eight
     for i in range(8):
-        solo_hist, solo_state = _run(runtime, [i], steps=3)
+        solo_hist, solo_state = train_tenants(runtime, [i], steps=3)
         for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
             assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
             for fo, so in zip(f.outputs, s.outputs):
@@ -111,9 +50,9 @@ def test_cobatched_equals_solo_on_a_wider_model(tmp_path):
     runtime = TrainingRuntime(AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32), "small",
                               device=torch.device("cpu"), max_tokens_per_micro_batch=2048)
     tenants = [0, 2, 5]
-    fused_hist, fused_state = _run(runtime, tenants, steps=2)
+    fused_hist, fused_state = train_tenants(runtime, tenants, steps=2)
     for i in tenants:
-        solo_hist, solo_state = _run(runtime, [i], steps=2)
+        solo_hist, solo_state = train_tenants(runtime, [i], steps=2)
         for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
             assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
             for fo, so in zip(f.outputs, s.outputs):
@@ -123,19 +62,19 @@ def test_cobatched_equals_solo_on_a_wider_model(tmp_path):
 
 
 def test_removing_a_tenant_leaves_the_others_intact(runtime):
-    _, state_before = _run(runtime, [0, 1], steps=1)
+    _, state_before = train_tenants(runtime, [0, 1], steps=1)
     runtime.remove_adapter("t1")
     a = runtime.adapter("t0")
     assert all(torch.equal(v, state_before[0][k]) for k, v in a.named_tensors().items())
-    out = runtime.forward_backward([FBWork("t0", _work(5, "t0", "cross_entropy", {}).data, "cross_entropy", {}, True)])
+    out = runtime.forward_backward([FBWork("t0", random_work(5, "t0", "cross_entropy", {}).data, "cross_entropy", {}, True)])
     assert len(out[0].outputs) > 0
 
 
 def test_paging_out_and_back_in_changes_nothing(runtime):
-    _, reference = _run(runtime, [0, 2, 4], steps=3, fused=False)
+    _, reference = train_tenants(runtime, [0, 2, 4], steps=3, fused=False)
     runtime.max_live_adapters = 1  # every pass pages the previous tenant out
     try:
-        _, paged = _run(runtime, [0, 2, 4], steps=3, fused=False)
+        _, paged = train_tenants(runtime, [0, 2, 4], steps=3, fused=False)
     finally:
         runtime.max_live_adapters = 64
     assert runtime.page_outs > 0
@@ -168,7 +107,7 @@ def test_same_shape_tenants_share_one_batched_matmul_and_equal_solo(runtime, ran
             runtime.create_adapter(f"s{i}", LoRAConfig(rank=rank, seed=100 + i))
         outs = {i: [] for i in ids}
         for step in range(2):
-            works = [_work(5000 + 10 * i + step, f"s{i}", losses[i], cfgs.get(losses[i], {}), lengths=(40, 37))
+            works = [random_work(5000 + 10 * i + step, f"s{i}", losses[i], cfgs.get(losses[i], {}), lengths=(40, 37))
                      for i in ids]
             for i, out in zip(ids, runtime.forward_backward(works)):
                 outs[i].append(out)

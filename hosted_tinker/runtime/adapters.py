@@ -9,6 +9,7 @@ tensors of its own in CPU memory, gradients and AdamW moments included.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ import torch
 
 from .multi_lora import LoRAWeights, MultiLoRALinear, SlotStack, attach_adapter, detach_adapter, module_kind
 from .invariance import row_norms
-from .torch_compat import adamw_update_, scale_, zero_
+from .torch_compat import adamw_update_, norms, scale_, zero_
 
 if TYPE_CHECKING:
     from .invariance import FusionPolicy
@@ -112,6 +113,10 @@ class LoRAAdapter:
     @property
     def attached(self) -> bool:
         return self._layers is not None
+
+    def slots(self) -> tuple[tuple[int, int], ...]:
+        """(rank, slot) of every slot the adapter holds while live (one per rank it uses)."""
+        return tuple(sorted({(w.rank, w.slot) for w in self.weights.values() if w.slot is not None}))
 
     def attach(self, layers: dict[str, MultiLoRALinear]) -> None:
         """Take a slot in the layers (on their device) and move the weights and gradients into it."""
@@ -213,6 +218,32 @@ def _fill_slots(rows: list[tuple[SlotStack, list[int]]], value: float) -> None:
             stack.grad_B.index_fill_(0, idx, value)
 
 
+def snapshot_gradient_rows(adapters: list[LoRAAdapter]) -> Callable[[], None]:
+    """A copy of the live adapters' gradient rows as they are now (whatever `.grad` says: a pass
+    adds into the rows before it exposes them); returns the function that puts them back."""
+    saved = []
+    with torch.no_grad():
+        for stack, slots in _slots_by_stack(adapters).items():
+            idx = torch.tensor(sorted(slots), dtype=torch.long, device=stack.device)
+            saved.append((stack, idx, stack.grad_A.index_select(0, idx), stack.grad_B.index_select(0, idx)))
+
+    def restore() -> None:
+        with torch.no_grad():
+            for stack, idx, grad_A, grad_B in saved:
+                stack.grad_A.index_copy_(0, idx, grad_A)
+                stack.grad_B.index_copy_(0, idx, grad_B)
+    return restore
+
+
+def _slots_by_stack(adapters: list[LoRAAdapter]) -> dict[SlotStack, set[int]]:
+    out: dict[SlotStack, set[int]] = {}
+    for adapter in adapters:
+        for w in adapter.weights.values():
+            if w.stack is not None:
+                out.setdefault(w.stack, set()).add(w.slot)
+    return out
+
+
 class GradientPass:
     """Makes a forward/backward pass all-or-nothing for the adapters' gradients.
 
@@ -290,6 +321,8 @@ def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[
     and each adapter adds its own in its own order.
     """
     tensors = [list(adapter.grad_tensors()) for adapter in items]
+    if any(p.is_cuda for mine in tensors for p, _, _, _ in mine):
+        return _norms_per_tensor(tensors)
     spans: dict[int, tuple[SlotStack, int, int]] = {}  # id(stack) -> (stack, first row, end row)
     for mine in tensors:
         for _, stack, _, slot in mine:
@@ -323,6 +356,23 @@ def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[
         offset[k] = start
         start += inputs[k].shape[0]
     return [math.sqrt(math.fsum(flat[offset[k] + row] ** 2 for k, row in mine)) for mine in refs]
+
+
+def _norms_per_tensor(tensors: list[list[tuple]]) -> list[float]:
+    """On CUDA: every gradient tensor's norm from its own values only (`torch_compat.norms`, one
+    multi-tensor op for all stepping tenants), so a tenant's norm never depends on who steps with
+    it. A reduction over a slot stack's rows did: on an H200 a tenant's grad_norm differed in its
+    last bits between stepping alone and with ten others, though the probe on random data had
+    passed (the sums of squares agreed after the square root more often than not)."""
+    flat = [p.grad for mine in tensors for p, _, _, _ in mine]
+    if not flat:
+        return [0.0] * len(tensors)
+    values = torch.stack(norms(flat)).tolist()  # the one host sync
+    out, i = [], 0
+    for mine in tensors:
+        out.append(math.sqrt(math.fsum(v * v for v in values[i:i + len(mine)])))
+        i += len(mine)
+    return out
 
 
 def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None

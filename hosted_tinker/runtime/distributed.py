@@ -45,7 +45,8 @@ from .pool_launch import RankPool
 from .rank_group import PoolBroken, RankGroup
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from .sharding import root_unsharded, shard_base, transplant_lora_layers
-from .trainer import FBOutcome, FBWork, PassStats, TrainingRuntime, bucket_width
+from .packing import bucket_width
+from .trainer import FBOutcome, FBWork, PassStats, TrainingRuntime
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +151,16 @@ class RankRuntime(TrainingRuntime):
                  recompute: RecomputeChoice = RECOMPUTE_OFF):
         self.group = group
         self.sharded = shard
+        # No CUDA graphs in a pool: its passes run collectives between the ranks (eager, as the
+        # sharded base's all-gathers must pair up).
         super().__init__(model, base_model_name, device=device, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-                         max_live_adapters=max_live_adapters, check_fusion=False, recompute=recompute)
+                         max_live_adapters=max_live_adapters, check_fusion=False, recompute=recompute,
+                         cuda_graphs=False)
         if shard:
             shard_base(self.base_module, group.mesh())
+
+    def _causal_kwargs(self) -> dict:
+        return {}  # no trial forward on one rank (a sharded base's forward is a collective)
 
     def run_share(self, works: list[FBWork], pad: tuple[int, int], model_ids: list[str]) -> list[FBOutcome]:
         """This rank's share of a pass. Every rank says whether its share worked (one

@@ -113,9 +113,10 @@ def grouped_lora_matches_pairs(tokens: int, in_features: int, out_features: int,
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    # The n entries as a view into a larger buffer, as a group's rows sit inside a micro-batch.
+    # The n entries as a view into a larger buffer, as a group's rows sit inside a micro-batch;
+    # activations in the model's dtype, the factors fp32 (the master weights the kernel computes in).
     xs = rand(n + 1, tokens, in_features)[1:]
-    A, B = rand(n, rank, in_features), rand(n, out_features, rank)
+    A, B = rand(n, rank, in_features).float(), rand(n, out_features, rank).float()
     h, d = lora_forward(xs, A, B, 2.0)
     # The gradient arrives in the layout autograd hands over: row-major, or (one row per tenant
     # under a consumer that transposes its input, e.g. attention's heads) transposed. The

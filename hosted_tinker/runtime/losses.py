@@ -44,6 +44,9 @@ class LossSpec:
     config: dict[str, float | None]
     # what prepare_inputs hands the trainer besides the required inputs
     inputs: tuple[str, ...] = ()
+    # Computes part of its value or metrics on the host (a device sync): its micro-batches run
+    # eagerly where the others are CUDA graphs (runtime/graphs.py).
+    host_side: bool = False
 
 
 _CLIPPED = (*CLIP_KEYS, "request_datums")
@@ -58,9 +61,9 @@ LOSSES: dict[str, LossSpec] = {
     "dro": LossSpec(RL_INPUTS, {"beta": None}),
     # The docs do not show gspo's defaults; ppo's bounds (ours).
     "gspo": LossSpec(RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-                     (*_CLIPPED, "sequence_ratio_mask")),
+                     (*_CLIPPED, "sequence_ratio_mask"), host_side=True),
     # kl_coeff is the only key Tinker names; its default there is not public (0.01 is ours).
-    "stable_reinforce": LossSpec(("target_tokens", "advantages"), {"kl_coeff": 0.01}, DERIVED),
+    "stable_reinforce": LossSpec(("target_tokens", "advantages"), {"kl_coeff": 0.01}, DERIVED, host_side=True),
 }
 
 # Names the SDK knows that we do not implement. Each gets an explicit refusal, never a fallback.

@@ -79,8 +79,10 @@ class SlotStack:
     never shrinks (the slot count is bounded by the live adapters plus sampler snapshots).
     """
 
-    def __init__(self, rank: int, in_features: int, out_features: int, device: torch.device):
+    def __init__(self, rank: int, in_features: int, out_features: int, device: torch.device,
+                 on_grow=lambda: None):
         self.rank = rank
+        self._on_grow = on_grow  # new storage: what was captured over the old one is stale
         self.in_features = in_features
         self.out_features = out_features
         self.device = device
@@ -102,6 +104,8 @@ class SlotStack:
         with torch.no_grad():
             self.A, self.B = bigger(self.A, r, i), bigger(self.B, o, r)
             self.grad_A, self.grad_B = bigger(self.grad_A, r, i), bigger(self.grad_B, o, r)
+        if self.capacity:
+            self._on_grow()
         self.capacity = capacity
         self._leaves.clear()  # views of the old tensors
         self._grad_spans.clear()
@@ -147,8 +151,10 @@ class SlotStack:
         w.slot = w.stack = w.grad_views = None
 
     def factors(self, call: "LoRACall") -> tuple[torch.Tensor, torch.Tensor]:
-        """A [entries, r, in] and B [entries, out, r] of a `GroupedLoRA` call, gathered (a canonical
-        pair, or slots out of order; consecutive slots take `leaves`)."""
+        """A [entries, r, in] and B [entries, out, r] of a `GroupedLoRA` call: views of consecutive
+        slots, else gathered (a canonical pair, or slots out of order)."""
+        if call.first is not None and not call.pair:
+            return self.A[call.first:call.first + call.n], self.B[call.first:call.first + call.n]
         return self.A.index_select(0, call.slots), self.B.index_select(0, call.slots)
 
     def leaves(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,29 +181,28 @@ class SlotStack:
         return got
 
     def accumulate(self, call: "LoRACall", grad_A: torch.Tensor, grad_B: torch.Tensor) -> None:
-        """Add a `GroupedLoRA` call's weight gradients ([n, ...], one per tenant) to its slots'
-        gradient rows, by index (consecutive slots' are added by AccumulateGrad, see `leaves`)."""
+        """Add a `GroupedLoRA` call's weight gradients ([n, ...], one per tenant, fp32) to its slots'
+        gradient rows: in place on the rows of consecutive slots (one tenant included), by index
+        otherwise (distinct slots: one addition per element either way)."""
+        if call.first is not None:
+            self.grad_A[call.first:call.first + call.n].add_(grad_A)
+            self.grad_B[call.first:call.first + call.n].add_(grad_B)
+            return
         slots = call.slots[:call.n]
-        self.grad_A.index_add_(0, slots, grad_A.to(self.grad_A.dtype))
-        self.grad_B.index_add_(0, slots, grad_B.to(self.grad_B.dtype))
-
-
-def segments_of(row_keys: list) -> list[tuple[object, int, int]]:
-    """Runs of equal consecutive keys as (key, start, end): the one segment builder of the
-    trainer (rows -> adapter, rows -> request) and the sampler (rows -> adapter)."""
-    segs: list[tuple[object, int, int]] = []
-    for r, key in enumerate(row_keys):
-        if segs and segs[-1][0] == key:
-            segs[-1] = (key, segs[-1][1], r + 1)
-        else:
-            segs.append((key, r, r + 1))
-    return segs
+        self.grad_A.index_add_(0, slots, grad_A)
+        self.grad_B.index_add_(0, slots, grad_B)
 
 
 # ---- the grouped LoRA kernel -----------------------------------------------------------------
 def lora_forward(xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float):
-    """n adapters' deltas in two batched matmuls: xs [n, M, in], A [n, r, in], B [n, out, r]."""
-    h = torch.bmm(xs, A.transpose(1, 2))  # [n, M, r]
+    """n adapters' deltas in two batched matmuls: xs [n, M, in], A [n, r, in], B [n, out, r].
+
+    Computed in the factors' dtype (the fp32 master weights) whatever the activations' dtype: on
+    a 16-bit base the shrink, expand and weight gradients are fp32 GEMMs (a few % of a layer's
+    FLOPs at rank 16), so a micro-batch's gradient is not rounded to 16 bits before it is added
+    to the others'. Measured on an H200, 8 datums as 1 x 8 or 2 x 4 micro-batches: logprobs
+    after an AdamW step differed by 1.6e-2 with 16-bit LoRA GEMMs and by 0 with fp32 ones."""
+    h = torch.bmm(xs.to(A.dtype), A.transpose(1, 2))  # [n, M, r]
     return h, torch.bmm(h, B.transpose(1, 2)) * scaling  # [n, M, out]
 
 
@@ -212,42 +217,39 @@ def lora_delta(xs: torch.Tensor, At: torch.Tensor, Bt: torch.Tensor, scaling: fl
     less per forward and backward on the embedded model (2 cores), and the weight gradients are
     added by AccumulateGrad in C++.
     """
-    if At.dtype != xs.dtype:  # bf16 base on GPU: fp32 master weights, cast per call (strides kept)
-        At, Bt = At.to(xs.dtype), Bt.to(xs.dtype)
     return torch.bmm(torch.bmm(xs, At), Bt) * scaling
 
 
 def lora_backward(gd: torch.Tensor, xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor, h: torch.Tensor,
                   scaling: float, need_x: bool):
-    """Gradients of `lora_forward` w.r.t. xs (if need_x), A and B, as autograd would take them."""
-    g = gd * scaling
+    """Gradients of `lora_forward` w.r.t. xs (if need_x, in xs's dtype), A and B (in theirs), as
+    autograd would take them."""
+    g = gd.to(A.dtype) * scaling
     grad_B = torch.bmm(h.transpose(1, 2), g).transpose(1, 2)  # [n, out, r]
     gh = torch.bmm(g, B)  # [n, M, r]
-    grad_A = torch.bmm(xs.transpose(1, 2), gh).transpose(1, 2)  # [n, r, in]
-    grad_x = torch.bmm(gh, A) if need_x else None
+    grad_A = torch.bmm(xs.to(A.dtype).transpose(1, 2), gh).transpose(1, 2)  # [n, r, in]
+    grad_x = torch.bmm(gh, A).to(xs.dtype) if need_x else None
     return grad_x, grad_A, grad_B
 
 
 class GroupedLoRA(torch.autograd.Function):
     """Deltas of `x.shape[0]` tenants (equal row blocks) through their slots of one `SlotStack`.
 
-    forward(x [n, M, in], anchor, stack, call) -> [n, M, out]: `call.slots` has n entries, or
-    two (the same slot twice) where one tenant runs as its canonical pair. The weight gradients
-    go straight into the stack's gradient rows (nothing is returned for them); `anchor` is a leaf
-    that requires grad, so the backward runs even where x needs no gradient. Only for calls whose
-    slots are not consecutive (a canonical pair, or tenants whose slots are out of order): the
-    others run as `lora_delta` on views of the stack, without this Python function.
+    forward(x [n, M, in], anchor, stack, call, out_dtype) -> [n, M, out]: `call.slots` has n
+    entries, or two (the same slot twice) where one tenant runs as its canonical pair. The weight
+    gradients go straight into the stack's gradient rows (nothing is returned for them); `anchor`
+    is a leaf that requires grad, so the backward runs even where x needs no gradient. x is saved
+    in its own dtype (a 16-bit activation the base keeps anyway) and cast to fp32 in the backward.
+    Runs the calls that `lora_delta` does not: pairs, slots out of order, and a 16-bit base's.
     """
 
     @staticmethod
-    def forward(ctx, x, anchor, stack: SlotStack, call: "LoRACall"):
+    def forward(ctx, x, anchor, stack: SlotStack, call: "LoRACall", out_dtype: torch.dtype):
         A, B = stack.factors(call)
-        if A.dtype != x.dtype:  # bf16 base on GPU: fp32 master weights, cast per call
-            A, B = A.to(x.dtype), B.to(x.dtype)
         h, d = lora_forward(torch.cat([x, x]) if call.pair else x, A, B, call.scaling)
         ctx.save_for_backward(x, A, B, h)
         ctx.stack, ctx.call = stack, call
-        return d[:1] if call.pair else d
+        return (d[:1] if call.pair else d).to(out_dtype)
 
     @staticmethod
     def backward(ctx, gd):
@@ -259,7 +261,43 @@ class GroupedLoRA(torch.autograd.Function):
         if call.pair:
             grad_x, grad_A, grad_B = (None if grad_x is None else grad_x[:1]), grad_A[:1], grad_B[:1]
         ctx.stack.accumulate(call, grad_A, grad_B)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
+
+
+class Fp32Linear(torch.autograd.Function):
+    """`F.linear(x, weight, bias)` of a frozen 16-bit projection, with a float32 result: the GEMM
+    accumulates in fp32 and its output is not rounded to 16 bits. For the unembedding (logits) of
+    a 16-bit base on CUDA (`MultiLoRALinear.fp32_output`); the input gradient is the 16-bit GEMM
+    autograd would run."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.weight = weight  # frozen: nothing for autograd to version-check
+        out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        if bias is not None:
+            out = out + bias.float()
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        w = ctx.weight
+        gx = torch.mm(grad_out.reshape(-1, grad_out.shape[-1]).to(w.dtype), w)
+        return gx.reshape(*grad_out.shape[:-1], w.shape[1]), None, None
+
+
+def fp32_logits_refused(weight: torch.Tensor) -> str | None:
+    """Why `Fp32Linear` cannot serve `weight` on this machine, or None: it must run, and keep a
+    row's bits at any row count (the tenants of a micro-batch share the unembedding GEMM)."""
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(7)
+        x = torch.randn(1024, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        whole = Fp32Linear.apply(x, weight, None)
+        for rows in (1, 7, 64, 513):
+            if not torch.equal(Fp32Linear.apply(x[:rows], weight, None), whole[:rows]):
+                return f"its rows change bits with the row count ({rows} rows alone vs in 1024)"
+    except Exception as e:  # a torch without mm(out_dtype=) for this dtype or device
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 class FrozenProjection(torch.autograd.Function):
@@ -295,7 +333,7 @@ class LoRACall:
     rows: int
     slots: torch.Tensor  # [n] on the device, or [2] (one slot twice) for a canonical pair
     scaling: float
-    first: int | None  # the slots are first, first + 1, ..., first + n - 1 (see `SlotStack.factors`)
+    first: int | None  # the tenants' slots are first, ..., first + n - 1 (see `SlotStack.factors`)
     pair: bool  # one tenant computed as its canonical pair (itself and a copy; module docstring)
 
 
@@ -322,11 +360,15 @@ class LoRARouting:
     def __init__(self, policy: "FusionPolicy | None" = None):
         self.policy = policy  # None: never group tenants (always each tenant's canonical pair)
         self.segments: list[tuple[str | None, int, int]] = []
+        self.exact = True  # see `batch`
         # Plans are kept across batches, per row layout (a training loop repeats its layouts every
         # step): {(segments, CPU threads): {layer key: plan}}. A plan reads the adapters' slots,
         # so allocating or freeing a slot drops them all.
         self._plan_cache: dict[tuple, dict[tuple, LayerPlan | None]] = {}  # see `_drop_plans`
         self._plans: dict[tuple, LayerPlan | None] = {}
+        # The plans of the last batch: a CUDA graph captured over them keeps them, and so the slot
+        # index tensors its kernels read, alive after `_drop_plans` (runtime/graphs.py).
+        self.last_plans: dict[tuple, LayerPlan | None] = {}
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self._free: dict[int, list[int]] = {}  # rank -> freed slots (a heap: lowest first)
         self._next: dict[int, int] = {}
@@ -335,6 +377,12 @@ class LoRARouting:
         self._sets: dict[frozenset[str], frozenset[str]] = {}
         self._set_users: dict[frozenset[str], int] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}
+        # Bumped whenever a slot stack moves to new storage (it grows): CUDA graphs captured over
+        # the old storage are stale (runtime/graphs.py).
+        self.storage_version = 0
+
+    def storage_moved(self) -> None:
+        self.storage_version += 1
 
     # -- slots -------------------------------------------------------------------------------
     def _drop_plans(self) -> None:
@@ -376,18 +424,25 @@ class LoRARouting:
 
     # -- the batch -----------------------------------------------------------------------------
     @contextmanager
-    def batch(self, segments: list[tuple[str | None, int, int]]):
+    def batch(self, segments: list[tuple[str | None, int, int]], *, exact: bool = True):
         """Route rows to adapters while the body runs: segments are (adapter id or None, start, end)
-        over dim 0 of every projection input ([rows, seq, features] or [rows, features])."""
+        over dim 0 of every projection input ([rows, seq, features] or [rows, features]).
+
+        `exact=False` (the sampler on CUDA, whose base GEMMs run with torch's defaults and are not
+        batch-invariant anyway): tenants of one shape share one LoRA call without a probe, and
+        the calls run without an autograd Function -- a decode step's few rows per tenant made
+        canonical pairs and Python functions its cost (measured on an H200: 270 ms per step for
+        64 rows over 4 adapters, against 68 ms before fp32 LoRA math)."""
         self.segments = segments
+        self.exact = exact
         # The fusion policy's answers depend on the CPU thread count (see invariance.py).
-        layout = (tuple(segments), torch.get_num_threads())
+        layout = (tuple(segments), torch.get_num_threads(), exact)
         plans = self._plan_cache.get(layout)
         if plans is None:
             if len(self._plan_cache) >= PLAN_CACHE_LAYOUTS:  # the sampler's layouts vary every step
                 self._drop_plans()
             plans = self._plan_cache[layout] = {}
-        self._plans = plans
+        self._plans = self.last_plans = plans
         try:
             yield
         finally:
@@ -430,15 +485,17 @@ class LoRARouting:
             tokens = per * tokens_per_row
 
             def proven(n: int) -> bool:  # n entries in one batch give each its canonical pair's bits
+                if not self.exact:
+                    return True
                 return self.policy is not None and self.policy.group_lora(
                     tokens, layer.in_features, layer.out_features, rank, n, dtype)
 
             for group in ([ws] if len(ws) >= 2 and proven(len(ws)) else [[w] for w in ws]):
                 slots = [w.slot for w in group]
                 sizes.append(per * len(group))
+                consecutive = slots == list(range(slots[0], slots[0] + len(group)))
                 if len(slots) == 1 and not proven(1):
                     slots = slots * 2  # the canonical pair (see GroupedLoRA)
-                consecutive = slots == list(range(slots[0], slots[0] + len(group)))
                 calls.append(LoRACall(rank, len(group), per, self._slot_tensor(slots, device), scaling,
                                       slots[0] if consecutive else None, len(slots) != len(group)))
         return LayerPlan(sizes, calls)
@@ -467,6 +524,7 @@ class MultiLoRALinear(nn.Module):
         self.stacks: dict[int, SlotStack] = {}
         self.members = routing.member_set((), None)  # ids of the adapters attached here
         self.weight_t: torch.Tensor | None = None  # see `keep_transposed_weight`
+        self.fp32_output = False  # a 16-bit unembedding with float32 logits (`Fp32Linear`)
 
     @property
     def weight(self) -> torch.Tensor:  # some HF code (tied embeddings, dtype probes) reads .weight
@@ -476,7 +534,7 @@ class MultiLoRALinear(nn.Module):
         stack = self.stacks.get(w.rank)
         if stack is None:
             stack = self.stacks[w.rank] = SlotStack(w.rank, self.in_features, self.out_features,
-                                                    self.base.weight.device)
+                                                    self.base.weight.device, self.routing.storage_moved)
         stack.put(slot, w)
         self.adapters[adapter_id] = w
         self.members = self.routing.member_set(self.adapters, self.members)
@@ -495,7 +553,9 @@ class MultiLoRALinear(nn.Module):
         return 0 if self.weight_t is None else self.weight_t.numel() * self.weight_t.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_t is not None and x.requires_grad:
+        if self.fp32_output:
+            result = Fp32Linear.apply(x, self.base.weight, self.base.bias)
+        elif self.weight_t is not None and x.requires_grad:
             result = FrozenProjection.apply(x, self.base.weight, self.base.bias, self.weight_t)
         else:
             result = self.base(x)
@@ -503,22 +563,25 @@ class MultiLoRALinear(nn.Module):
         if plan is None:
             return result
         if len(plan.calls) == 1:
-            return result + self._delta(x, plan.calls[0])
+            return result + self._delta(x, plan.calls[0], result.dtype)
         # One split of the input, not a slice per block: the backward of N slices would zero-fill
         # and add N batch-sized gradients; a split stitches the pieces' gradients together once.
         # Rows without an adapter keep `result` untouched (no +0 that could flip a -0).
         xs = torch.split(x, plan.sizes)
         rs = torch.split(result, plan.sizes)
-        out = [r if call is None else r + self._delta(xp, call) for xp, r, call in zip(xs, rs, plan.calls)]
+        out = [r if call is None else r + self._delta(xp, call, r.dtype) for xp, r, call in zip(xs, rs, plan.calls)]
         return torch.cat(out)
 
-    def _delta(self, x: torch.Tensor, call: LoRACall) -> torch.Tensor:
+    def _delta(self, x: torch.Tensor, call: LoRACall, out_dtype: torch.dtype) -> torch.Tensor:
         xs = x.reshape(call.n, -1, x.shape[-1])  # a view: the call's row blocks are contiguous
         stack = self.stacks[call.rank]
-        if call.first is not None:  # consecutive slots: views of the stack, autograd's own nodes
+        if not self.routing.exact:  # the sampler on CUDA (see `LoRARouting.batch`): no autograd
+            d = lora_forward(xs, *stack.factors(call), call.scaling)[1].to(out_dtype)
+        elif call.first is not None and not call.pair and xs.dtype == stack.A.dtype == out_dtype:
+            # fp32 activations, consecutive slots: views of the stack, autograd's own nodes
             d = lora_delta(xs, *stack.leaves(call.first, call.n), call.scaling)
-        else:  # a canonical pair, or slots out of order
-            d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), stack, call)
+        else:  # a canonical pair, slots out of order, or a 16-bit base (fp32 LoRA math)
+            d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), stack, call, out_dtype)
         return d.reshape(x.shape[:-1] + (self.out_features,))
 
 

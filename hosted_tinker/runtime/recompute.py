@@ -59,7 +59,8 @@ def recompute_activations(model: nn.Module) -> None:
 
 def _forward_recomputed(forward, *args, **kwargs):
     if torch.is_grad_enabled() and not kwargs.get("use_cache"):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # No RNG state to keep (eval mode: no dropout), and none to save inside a CUDA graph capture.
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
     return forward(*args, **kwargs)
 
 

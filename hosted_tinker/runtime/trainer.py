@@ -8,11 +8,14 @@ exactly its own gradient (the losses share no parameters). Gradients accumulate 
 adapters' gradient slots until that adapter's `optim_step`; a pass that fails leaves them as
 they were before it (`GradientPass`).
 
-Exactness: a tenant gets the same bits alone or co-batched. Its rows go through the same
-micro-batch shapes either way (`_micro_batches`); several tenants share a micro-batch only where
-the `FusionPolicy` has proven on this machine that the base model treats rows independently
-(otherwise each tenant's pieces run as micro-batches of their own), and each tenant's loss is
-computed on its own rows.
+Which rows run in which micro-batch is the packing plan's (runtime/packing.py). Exactness: a
+tenant gets the same bits alone or co-batched. Its rows go through the same micro-batch pieces
+either way; several tenants share a micro-batch only where the `FusionPolicy` says the base
+model treats rows independently (on CUDA by construction, runtime/batch_invariant.py; on CPU
+where a probe proved it), and each tenant's loss is computed on its own rows.
+
+On CUDA each micro-batch of a layout seen before is one CUDA graph replay (runtime/graphs.py), and
+a pass waits for the device once, after launching all of its micro-batches (`_collect`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +32,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, adamw_step
+from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, adamw_step, snapshot_gradient_rows
 from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
+from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
+from .graphs import CudaGraphCapture, StepGraphs
 from .invariance import FusionPolicy, RowIndependenceProbe
-from .losses import LOSS_INPUT_KEYS, LOSSES, merge_metrics, run_losses
-from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, segments_of
+from .losses import LOSSES, merge_metrics, run_losses
+from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
+from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 
 log = logging.getLogger(__name__)
@@ -72,14 +79,6 @@ class PassStats:
     seconds: float = 0.0
 
 
-def bucket_width(n: int) -> int:
-    """Padded width for a sequence of n tokens: 16, 24, 32, 48, 64, 96, ... (at most 1.5x n)."""
-    width = 16
-    while width < n:
-        width = width * 3 // 2 if (width & (width - 1)) == 0 else width * 4 // 3
-    return width
-
-
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target) per position, in float32: [rows, width, vocab] logits -> [rows, width]."""
     rows, width, vocab = logits.shape
@@ -104,13 +103,45 @@ def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> 
     return max(512, min(8192, 1 << max(0, tokens.bit_length() - 1)))  # a power of two, floor
 
 
+# Packing kinds (runtime/packing.py `Request.kind`) where steps run as CUDA graphs: micro-batches
+# of graphed and of eager requests are never shared, so a tenant's path never depends on others.
+GRAPHED, EAGER = "graph", "eager"
+
+
+@contextmanager
+def deliberate_sync(device: torch.device):
+    """The pass's one wait for the device: allowed under `torch.cuda.set_sync_debug_mode("error")`
+    (the GPU tests run a step that way: any other sync raises)."""
+    if device.type != "cuda":
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        torch.cuda.current_stream(device).synchronize()
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+@dataclass
+class Launched:
+    """A micro-batch whose work is queued: its outputs arrive in host memory by `_collect`."""
+
+    mb: MicroBatch
+    logprobs: torch.Tensor  # [rows, width] float32, host (pinned on CUDA)
+    losses: torch.Tensor  # [rows, width] float32, host
+
+
 class TrainingRuntime:
     def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
                  max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64, check_fusion: bool = True,
-                 recompute: RecomputeChoice = RECOMPUTE_OFF):
+                 recompute: RecomputeChoice = RECOMPUTE_OFF, cuda_graphs: bool = True, max_graphs: int = 64):
         self.model = model
         self.base_model_name = base_model_name
         self.device = device
+        # On CUDA: the batch-invariant GEMM settings, before any probe runs (batch_invariant.py).
+        self.invariant: InvariantSettings | None = apply_cuda_settings() if device.type == "cuda" else None
         # 0 = auto, as the --max-tokens-per-micro-batch flag.
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch or default_micro_batch_tokens(model, device)
         for p in model.parameters():
@@ -120,9 +151,11 @@ class TrainingRuntime:
         self.recompute = recompute
         if recompute.on:
             recompute_activations(self.base_module)
+        self.forward_kwargs = self._causal_kwargs()
         self.policy = self._fusion_policy()
         self.routing = LoRARouting(self.policy)
         self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing)
+        self.logits_fp32 = self._logits_in_fp32()
         self.adapters: dict[str, LoRAAdapter] = {}
         # Adapters attached to the layers and resident on `device`, least recently used first.
         self.max_live_adapters = max_live_adapters
@@ -132,6 +165,11 @@ class TrainingRuntime:
         self.vocab_size = int(model.get_output_embeddings().out_features)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 20))
         self.last_pass = PassStats()
+        self.graphs: StepGraphs | None = None
+        self.graphs_how = "off on CPU" if device.type != "cuda" else "off (--cuda-graphs off)"
+        if cuda_graphs and device.type == "cuda":
+            self.graphs = StepGraphs(CudaGraphCapture(device), max_graphs=max_graphs)
+            self.graphs_how = "on: a step of a layout seen before is one CUDA graph replay"
         if check_fusion:  # a rank of a pool checks once its model is sharded (runtime/distributed.py)
             self.check_fusion()
 
@@ -139,6 +177,26 @@ class TrainingRuntime:
     def base_module(self) -> torch.nn.Module:
         """The transformers model itself (a pool's rank 0 wraps it: runtime/distributed.py)."""
         return self.model
+
+    def _causal_kwargs(self) -> dict:
+        """How the model is told "causal, right padding" (batch_invariant.no_mask_kwargs)."""
+        return no_mask_kwargs(self.base_module)
+
+    def _logits_in_fp32(self) -> str:
+        """A 16-bit base on CUDA computes its logits with a float32 result (multi_lora.Fp32Linear)."""
+        head = next((layer for path, layer in self.layers.items() if path.rsplit(".", 1)[-1] == "lm_head"), None)
+        dtype = next(self.base_module.parameters()).dtype
+        if head is None or dtype == torch.float32:
+            return f"{str(dtype).removeprefix('torch.')} (the model's dtype)"
+        if self.device.type != "cuda":
+            return f"{str(dtype).removeprefix('torch.')}, then float32 (16-bit fp32-output GEMMs are CUDA's)"
+        with training_kernels(self.device):
+            refused = fp32_logits_refused(head.base.weight)
+        if refused:
+            log.warning("logits stay %s (then float32): a float32-output unembedding GEMM %s", dtype, refused)
+            return f"{str(dtype).removeprefix('torch.')}, then float32 ({refused})"
+        head.fp32_output = True
+        return "float32 (a 16-bit GEMM with a float32 result)"
 
     def _fusion_policy(self) -> FusionPolicy:
         return FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
@@ -174,6 +232,17 @@ class TrainingRuntime:
 
     def _keep_transposed_weights(self, keep: bool) -> int:
         return sum(layer.keep_transposed_weight(keep) for layer in self.layers.values())
+
+    def describe_training(self) -> str:
+        """One line for the start-up summary: which path a training step takes on this machine."""
+        p = self.policy.describe()
+        share = ("tenants share micro-batches" if p["mix_tenants"]
+                 else f"each tenant its own micro-batches ({p['mix_tenants_refused_because']})")
+        parts = [share]
+        if self.invariant is not None:
+            parts.append(f"batch-invariant kernels: {self.invariant.describe()}")
+        parts += [f"CUDA graphs {self.graphs_how}", f"logits {self.logits_fp32}"]
+        return "; ".join(parts)
 
     def close(self) -> None:
         """Nothing to release: everything lives in this process."""
@@ -222,7 +291,7 @@ class TrainingRuntime:
     # -- forward / backward --------------------------------------------------------------------
     def forward_backward(self, works: list[FBWork], *, after_phase: Callable[[bool, int], None] | None = None,
                          before_commit: Callable[[], None] | None = None) -> list[FBOutcome]:
-        """Run all `works` fused, in as few micro-batches as the token budget allows.
+        """Run all `works` fused, in the micro-batches of their packing plan.
 
         All or nothing for gradients: if the pass raises, every adapter's gradients are what
         they were before the call. For a rank of a pool (runtime/distributed.py):
@@ -232,6 +301,7 @@ class TrainingRuntime:
         """
         start = time.perf_counter()
         self.ensure_live([w.model_id for w in works])
+        plan = self.plan(works)
         stats = PassStats(models=len({w.model_id for w in works}))
         per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         # Per request: "loss:sum" (float64 over its datums) plus any metrics its loss reports.
@@ -239,15 +309,15 @@ class TrainingRuntime:
         grad_pass = GradientPass([self.adapters[m] for m in dict.fromkeys(w.model_id for w in works
                                                                          if not w.forward_only)])
         try:
+            launched = []
             for grad in (True, False):
-                run = 0
-                for batch in self._micro_batches(self._phase_rows(works, grad), works):
-                    self._run_micro_batch(batch, works, grad, per_datum, metric_sums, stats)
-                    run += 1
+                phase = plan.phase(grad)
+                launched += [self._launch(mb, works, metric_sums) for mb in phase]
                 if after_phase is not None:
-                    after_phase(grad, run)
+                    after_phase(grad, len(phase))
             if before_commit is not None:
                 before_commit()
+            self._collect(launched, per_datum, metric_sums, stats)
         except BaseException:
             grad_pass.rollback()
             raise
@@ -261,128 +331,131 @@ class TrainingRuntime:
         self.last_pass = stats
         return outcomes
 
-    @staticmethod
-    def _phase_rows(works: list[FBWork], grad: bool) -> list[tuple[int, int]]:
-        """(work, datum) of the rows of the gradient phase (grad) or of the forward-only one."""
-        return [(wi, di) for wi, w in enumerate(works) if w.forward_only != grad for di in range(len(w.data))]
+    # -- the packing plan (runtime/packing.py) -----------------------------------------------------
+    def requests(self, works: list[FBWork]) -> list[Request]:
+        """What the packing plan needs of each request. Where steps run as CUDA graphs, a loss that
+        computes on the host (`LossSpec.host_side`) makes its request of the eager kind."""
+        def kind(w: FBWork):
+            if self.graphs is None:
+                return 0
+            return EAGER if LOSSES[w.loss_fn].host_side else GRAPHED
+        return [Request(w.model_id, tuple(len(d.tokens) for d in w.data), w.forward_only, kind(w)) for w in works]
+
+    def plan(self, works: list[FBWork]) -> PackingPlan:
+        return pack(self.requests(works), self.max_tokens_per_micro_batch, may_mix=self.policy.mix_tenants,
+                    order_key=self._adapter_shape)
+
+    def _adapter_shape(self, model_id: str) -> tuple:
+        """Adapters of one shape sit side by side in a micro-batch: the layers batch them into one call."""
+        cfg = self.adapters[model_id].config
+        return (cfg.rank, cfg.alpha, cfg.train_attn, cfg.train_mlp, cfg.train_unembed, cfg.target_modules or ())
 
     def mixing_shapes(self, works: list[FBWork]) -> set[tuple[int, int]]:
         """(width, rows) of every micro-batch of `works` that could hold several tenants: the shapes
         `FusionPolicy.mix_tenants` will be asked about, without asking."""
-        return {(width, size) for grad in (True, False)
-                for width, pieces, size in self._packs(self._phase_rows(works, grad), works) if len(pieces) > 1}
+        return shared_shapes(self.requests(works), self.max_tokens_per_micro_batch)
 
     def micro_batch_counts(self, works: list[FBWork]) -> tuple[int, int]:
         """How many gradient and forward-only micro-batches `forward_backward(works)` runs."""
-        return tuple(sum(1 for _ in self._micro_batches(self._phase_rows(works, grad), works))  # type: ignore[return-value]
-                     for grad in (True, False))
+        return self.plan(works).counts()
 
-    def _micro_batches(self, rows: list[tuple[int, int]], works: list[FBWork]):
-        """Bucket rows by padded width, then pack whole per-model pieces into micro-batches.
+    # -- one micro-batch -----------------------------------------------------------------------------
+    def _launch(self, mb: MicroBatch, works: list[FBWork], metric_sums) -> Launched:
+        """Queue one micro-batch's work; its per-token outputs are copied to host memory without
+        waiting. A graphed micro-batch is a replay of its layout's graph (`StepGraphs`)."""
+        host, keys = self._host_inputs(mb, works)
+        outputs = None
+        if self.graphs is not None and mb.kind == GRAPHED:
+            outputs = self.graphs.run(self._graph_key(mb, works), host,
+                                      lambda t: self._step(mb, works, keys, t, None),
+                                      put_back=lambda: self._put_back(mb), keep=lambda: self.routing.last_plans)
+        if outputs is None:
+            on_device = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
+            outputs = self._step(mb, works, keys, on_device, metric_sums)
+        lp, tok_loss = (self._to_host(t) for t in outputs)
+        return Launched(mb, lp, tok_loss)
 
-        Every row is padded to a width that depends on its own length only (`bucket_width`), and
-        a model's rows in a bucket are cut into pieces that depend on its own rows only: the
-        pieces a model runs alone. Pieces of several models share a micro-batch only where the
-        policy has proven that the base model treats rows independently for that shape;
-        otherwise each piece is a micro-batch of its own. Either way a model's rows go through
-        exactly its solo computation, in its solo gradient-accumulation order: co-batching
-        changes nothing in its results, bit for bit. Bucketing also keeps padding waste low when
-        long and short sequences share a cycle.
-        """
-        for width, pieces, size in self._packs(rows, works):
-            yield from self._release(width, pieces, size, works)
-
-    def _packs(self, rows: list[tuple[int, int]], works: list[FBWork]):
-        """(width, per-model pieces, rows) of each micro-batch before the policy is asked whether
-        its pieces may run together (`_release`).
-        """
-        buckets: dict[int, dict[str, list[tuple[int, int]]]] = {}
-        for wi, di in rows:
-            width = bucket_width(len(works[wi].data[di].tokens))
-            buckets.setdefault(width, {}).setdefault(works[wi].model_id, []).append((wi, di))
-        for width in sorted(buckets):
-            cap = max(1, self.max_tokens_per_micro_batch // width)
-            batch: list[list[tuple[int, int]]] = []
-            size = 0
-            for model_id in sorted(buckets[width]):
-                group = buckets[width][model_id]
-                for i in range(0, len(group), cap):
-                    piece = group[i:i + cap]
-                    if batch and size + len(piece) > cap:
-                        yield width, batch, size
-                        batch, size = [], 0
-                    batch.append(piece)
-                    size += len(piece)
-            if batch:
-                yield width, batch, size
-
-    def _release(self, width: int, pieces: list[list[tuple[int, int]]], rows: int, works: list[FBWork]):
-        if len(pieces) > 1 and not self.policy.mix_tenants(width, rows):
-            for piece in pieces:
-                yield width, piece
-        else:
-            yield width, self._order_pieces(pieces, works)
-
-    def _order_pieces(self, pieces: list[list[tuple[int, int]]], works: list[FBWork]) -> list[tuple[int, int]]:
-        """Lay a micro-batch's per-model pieces out so that same-shape adapters sit side by side.
-
-        The layers batch consecutive segments of equal rank and row count into one matmul where
-        the policy allows it; the order of pieces within a micro-batch changes no model's results
-        (rows are independent there), only how many groups the layers run.
-        """
-        def key(piece):
-            cfg = self.adapters[works[piece[0][0]].model_id].config
-            return (cfg.rank, cfg.alpha, cfg.train_attn, cfg.train_mlp, cfg.train_unembed,
-                    cfg.target_modules or (), len(piece), works[piece[0][0]].model_id)
-
-        return [row for piece in sorted(pieces, key=key) for row in piece]
-
-    def _run_micro_batch(self, width_and_batch, works, grad, per_datum, metric_sums, stats: PassStats) -> None:
-        width, batch = width_and_batch
-        lengths = [len(works[wi].data[di].tokens) for wi, di in batch]
-        rows = len(batch)
-        # Padded inputs built in numpy and handed over once: no tensor op per datum.
-        ids = np.zeros((rows, width), dtype=np.int64)
-        targets = np.zeros((rows, width), dtype=np.int64)
-        mask = np.zeros((rows, width), dtype=np.float32)
-        inputs = {k: np.zeros((rows, width), dtype=np.float32) for k in LOSS_INPUT_KEYS}
-        for r, (wi, di) in enumerate(batch):
+    def _host_inputs(self, mb: MicroBatch, works: list[FBWork]) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
+        """The micro-batch's padded inputs as two host tensors (pinned on CUDA): "tokens" [2, rows,
+        width] (ids, targets) and "floats" [1 + k, rows, width] (mask, then the k loss inputs its
+        losses read, whose names are returned). Built in numpy: no tensor op per datum."""
+        specs = {works[wi].loss_fn for wi, _, _ in mb.runs}
+        keys = tuple(sorted({k for fn in specs for k in (*LOSSES[fn].required_inputs, *LOSSES[fn].inputs)}
+                            - {"target_tokens"}))
+        rows, width = len(mb.rows), mb.width
+        pin = self.device.type == "cuda"
+        tokens = torch.zeros((2, rows, width), dtype=torch.long, pin_memory=pin)
+        floats = torch.zeros((1 + len(keys), rows, width), dtype=torch.float32, pin_memory=pin)
+        tok, flo = tokens.numpy(), floats.numpy()
+        for r, (wi, di) in enumerate(mb.rows):
             d = works[wi].data[di]
-            n = lengths[r]
-            ids[r, :n] = d.tokens
-            targets[r, :n] = d.inputs["target_tokens"]
-            mask[r, :n] = 1.0
-            for k in LOSS_INPUT_KEYS:
+            n = mb.lengths[r]
+            tok[0, r, :n] = d.tokens
+            tok[1, r, :n] = d.inputs["target_tokens"]
+            flo[0, r, :n] = 1.0
+            for i, k in enumerate(keys):
                 if k in d.inputs:
-                    inputs[k][r, :n] = d.inputs[k]
-        dev = self.device
-        ids_t, targets_t, mask_t = (torch.from_numpy(a).to(dev) for a in (ids, targets, mask))
-        inputs_t = {k: torch.from_numpy(v).to(dev) for k, v in inputs.items()}
+                    flo[1 + i, r, :n] = d.inputs[k]
+        return {"tokens": tokens, "floats": floats}, keys
 
-        # Contiguous runs of rows that share a request (one loss each), and of rows that share a
-        # model (one adapter segment each).
-        runs = segments_of([wi for wi, _ in batch])
-        segments = segments_of([works[wi].model_id for wi, _ in batch])
-        with self.routing.batch(segments), torch.set_grad_enabled(grad):
+    def _step(self, mb: MicroBatch, works: list[FBWork], keys: tuple[str, ...], t: dict[str, torch.Tensor],
+              metric_sums) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward (and backward) of one micro-batch from its device inputs: what a graph captures.
+        Returns per-token logprobs and losses ([rows, width] float32)."""
+        ids, targets = t["tokens"][0], t["tokens"][1]
+        mask = t["floats"][0]
+        inputs = {k: t["floats"][1 + i] for i, k in enumerate(keys)}
+        segments = list(mb.segments)
+        with self.routing.batch(segments), training_kernels(self.device), torch.set_grad_enabled(mb.grad):
             # Right padding and a causal mask: real tokens never see the pads after them.
-            logits = self.model(input_ids=ids_t, use_cache=False).logits
-            logprobs = token_logprobs(logits, targets_t)
+            logits = self.model(input_ids=ids, use_cache=False, **self.forward_kwargs).logits
+            logprobs = token_logprobs(logits, targets)
             del logits
-            tok_loss = self._losses(works, runs, segments, logprobs, inputs_t, mask_t, metric_sums)
-            lp_cpu = logprobs.detach().cpu().numpy()
-            el_cpu = tok_loss.detach().cpu().numpy()
-            for r, (wi, di) in enumerate(batch):
-                n = lengths[r]
+            tok_loss = self._losses(works, list(mb.runs), segments, logprobs, inputs, mask,
+                                    metric_sums if metric_sums is not None else [{} for _ in works])
+            if mb.grad and tok_loss.requires_grad:
+                tok_loss.sum().backward()
+        return logprobs.detach(), tok_loss.detach()
+
+    def _graph_key(self, mb: MicroBatch, works: list[FBWork]) -> tuple:
+        """What a captured step depends on: the layout, each run's loss and config (constants of
+        the graph), each model's adapter (config and slots: where its rows read and add), and
+        where the slot stacks live."""
+        runs = tuple((s, e, works[wi].loss_fn, tuple(sorted(works[wi].loss_config.items()))) for wi, s, e in mb.runs)
+        adapters = tuple((mid, s, e, self.adapters[mid].config, self.adapters[mid].slots()) for mid, s, e in mb.segments)
+        return (mb.grad, mb.width, len(mb.rows), runs, adapters, self.routing.storage_version)
+
+    def _put_back(self, mb: MicroBatch) -> Callable[[], None]:
+        """Before a new graph's eager warm-up: what puts its gradient rows back afterwards."""
+        if not mb.grad:
+            return lambda: None
+        return snapshot_gradient_rows([self.adapters[mid] for mid, _, _ in mb.segments])
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of `t` in host memory, queued (pinned memory on CUDA: the copy does not wait)."""
+        if t.device.type == "cpu":
+            return t.clone()  # a graph's static output is overwritten by its next replay
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
+    def _collect(self, launched: list[Launched], per_datum, metric_sums, stats: PassStats) -> None:
+        """Wait for the device once, then hand every datum its outputs."""
+        with deliberate_sync(self.device):
+            pass
+        for item in launched:
+            mb = item.mb
+            lp_cpu, el_cpu = item.logprobs.numpy(), item.losses.numpy()
+            for r, (wi, di) in enumerate(mb.rows):
+                n = mb.lengths[r]
                 per_datum[(wi, di)] = {
                     "logprobs": lp_cpu[r, :n].astype(np.float32, copy=True),
                     "elementwise_loss": el_cpu[r, :n].astype(np.float32, copy=True),
                 }
                 metric_sums[wi]["loss:sum"] += float(el_cpu[r, :n].astype(np.float64).sum())
-            if grad and tok_loss.requires_grad:
-                tok_loss.sum().backward()
-        stats.micro_batches += 1
-        stats.tokens += sum(lengths)
-        stats.padded_tokens += rows * width
+            stats.micro_batches += 1
+            stats.tokens += mb.tokens
+            stats.padded_tokens += mb.padded_tokens
 
     @staticmethod
     def _losses(works, runs, segments, logprobs, inputs, mask, metric_sums) -> torch.Tensor:
@@ -418,11 +491,13 @@ class TrainingRuntime:
         """What a micro-batch computes from the embeddings on: logprobs and input gradients with
         grad enabled, and logprobs of a forward-only pass."""
         x = embeds.detach().requires_grad_(True)
-        with torch.enable_grad():
-            lp = token_logprobs(self.model(inputs_embeds=x, use_cache=False).logits, targets)
-            (lp * weights).sum().backward()
-        with torch.no_grad():
-            lp_forward_only = token_logprobs(self.model(inputs_embeds=embeds, use_cache=False).logits, targets)
+        with training_kernels(self.device):
+            with torch.enable_grad():
+                lp = token_logprobs(self.model(inputs_embeds=x, use_cache=False, **self.forward_kwargs).logits, targets)
+                (lp * weights).sum().backward()
+            with torch.no_grad():
+                lp_forward_only = token_logprobs(
+                    self.model(inputs_embeds=embeds, use_cache=False, **self.forward_kwargs).logits, targets)
         return lp.detach(), x.grad, lp_forward_only
 
     # -- optimizer -----------------------------------------------------------------------------

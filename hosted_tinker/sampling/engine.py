@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..runtime.multi_lora import LoRARouting, segments_of
+from ..runtime.multi_lora import LoRARouting
+from ..runtime.packing import segments_of
 from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
 
 log = logging.getLogger(__name__)

@@ -45,6 +45,8 @@ from typing import Callable
 
 import httpx
 
+from ..runtime.batch_invariant import child_environment
+
 log = logging.getLogger(__name__)
 
 # vLLM 0.32 accepts only these --max-lora-rank values (vllm/config/lora.py MaxLoRARanks).
@@ -168,7 +170,10 @@ class VLLMLaunch:
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        # Without the cuBLAS settings the trainer put in this process's environment: vLLM picks its
+        # own GEMMs (runtime/batch_invariant.py).
+        env = {k: v for k, v in child_environment(dict(os.environ)).items()
+               if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
