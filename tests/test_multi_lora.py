@@ -274,3 +274,19 @@ def test_micro_batch_default_follows_device_and_mlp_width():
     assert default_micro_batch_tokens(model(12288), torch.device("cuda")) == 8192
     assert tiny_runtime().max_tokens_per_micro_batch == 8192  # MLP 64
     assert TrainingRuntime(tiny_qwen3(), "t", device=CPU, max_tokens_per_micro_batch=300).max_tokens_per_micro_batch == 300
+
+
+def test_the_unprobed_sampling_path_computes_the_same_deltas():
+    """`routing.batch(..., exact=False)` (the sampler on CUDA): tenants of one shape in one LoRA
+    call without probes or canonical pairs, no autograd Function. Same math as the exact path:
+    equal logits up to float rounding, adapters with rows out of slot order included."""
+    rt = tiny_runtime()
+    for i, rank in enumerate((4, 4, 8, 4)):
+        randomize_b(rt.create_adapter(f"s{i}", LoRAConfig(rank=rank, seed=i)), seed=i)
+    ids = torch.randint(0, 100, (8, 5), generator=torch.Generator().manual_seed(0))
+    segments = [("s3", 0, 2), ("s0", 2, 4), ("s2", 4, 6), (None, 6, 7), ("s1", 7, 8)]
+    exact = logits(rt, ids, segments)
+    with rt.routing.batch(segments, exact=False), torch.no_grad():
+        fast = rt.model(input_ids=ids, use_cache=False).logits
+    assert not torch.equal(exact, logits(rt, ids, []))  # the adapters change the outputs
+    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)

@@ -134,6 +134,10 @@ class SamplingEngine:
         self.routing = routing
         self.tokenizer = tokenizer
         self.device = device
+        # On CPU the sampler's LoRA calls are the training pass's, probed per shape (its results
+        # equal the trainer's, bit for bit); on CUDA its base GEMMs keep torch's defaults, which are
+        # not batch-invariant, and its LoRA calls group tenants without probes (multi_lora.py).
+        self.exact_lora = device.type != "cuda"
         self.max_rows_per_group = max_rows_per_group
         self.max_prefill_tokens = max_prefill_tokens
         self.kv_budget_tokens = kv_budget_tokens
@@ -287,7 +291,7 @@ class SamplingEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         need_prompt = any(st.job.prompt_logprobs or st.job.topk_prompt_logprobs for st, _ in states)
         cache = DynamicCache()
-        with self.routing.batch(segments_of([aid for _, aid in states])):
+        with self.routing.batch(segments_of([aid for _, aid in states]), exact=self.exact_lora):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                              use_cache=True, logits_to_keep=0 if need_prompt else 1)
         logits = out.logits.float()
@@ -339,7 +343,7 @@ class SamplingEngine:
             last = torch.tensor([row.tokens[-1] for row in group.rows], device=self.device)[:, None]
             group.mask = torch.cat([group.mask, group.mask.new_ones(len(group.rows), 1)], dim=1)
             group.positions = group.positions + 1
-            with self.routing.batch(segments_of([row.adapter_id for row in group.rows])):
+            with self.routing.batch(segments_of([row.adapter_id for row in group.rows]), exact=self.exact_lora):
                 out = self.model(input_ids=last, attention_mask=group.mask, position_ids=group.positions[:, None],
                                  past_key_values=group.cache, use_cache=True)
             group.next_logits = out.logits[:, -1].float()
