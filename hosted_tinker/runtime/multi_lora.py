@@ -19,11 +19,14 @@ per row layout, so the next step of a training loop builds none. Consecutive seg
 same rank, scaling and row count form one group: two batched matmuls for the group instead of
 ops per tenant, and the backward adds the group's weight gradients straight into the layer's
 gradient stack (one in-place add over the group's slots, not one per tenant), as Megatron's
-fused gradient accumulation writes `main_grad` in its backward. Where the group's slots are
-consecutive (the usual case) the matmuls are autograd's own nodes on views of the stack
-(`lora_delta`, `SlotStack.leaves`) and that add is autograd's AccumulateGrad; otherwise (a
-canonical pair, slots out of order) the `GroupedLoRA` function gathers the factors and
-index-adds the gradients. Both run the same kernels on the same layouts.
+fused gradient accumulation writes `main_grad` in its backward. On an fp32 base, where the
+group's slots are consecutive (the usual case) the matmuls are autograd's own nodes on views of
+the stack (`lora_delta`, `SlotStack.leaves`) and that add is autograd's AccumulateGrad; every
+other call (a canonical pair, slots out of order, and every call of a 16-bit base, whose LoRA
+math is fp32: `lora_forward`) runs the `GroupedLoRA` function, which adds the gradients in place
+on consecutive slots and by index otherwise. Both run the same kernels on the same layouts. The
+sampler on CUDA asks for no exactness (`LoRARouting.batch(exact=False)`) and runs its calls as
+plain functions.
 
 Exactness: a tenant's bits may not depend on who shares a call with it. Measured on CPU (torch
 2.13, MKL): a `bmm` gives entry 0 different bits when it holds 1 entry than when it holds 2 or
