@@ -218,21 +218,28 @@ def _fill_slots(rows: list[tuple[SlotStack, list[int]]], value: float) -> None:
             stack.grad_B.index_fill_(0, idx, value)
 
 
+SavedRows = tuple[SlotStack, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _save_rows(stack: SlotStack, slots: list[int]) -> SavedRows:
+    """A copy of the gradient rows `slots` of `stack`, for `_restore_rows`."""
+    with torch.no_grad():
+        idx = torch.tensor(slots, dtype=torch.long, device=stack.device)
+        return stack, idx, stack.grad_A.index_select(0, idx), stack.grad_B.index_select(0, idx)
+
+
+def _restore_rows(saved: list[SavedRows]) -> None:
+    with torch.no_grad():
+        for stack, idx, grad_A, grad_B in saved:
+            stack.grad_A.index_copy_(0, idx, grad_A)
+            stack.grad_B.index_copy_(0, idx, grad_B)
+
+
 def snapshot_gradient_rows(adapters: list[LoRAAdapter]) -> Callable[[], None]:
     """A copy of the live adapters' gradient rows as they are now (whatever `.grad` says: a pass
     adds into the rows before it exposes them); returns the function that puts them back."""
-    saved = []
-    with torch.no_grad():
-        for stack, slots in _slots_by_stack(adapters).items():
-            idx = torch.tensor(sorted(slots), dtype=torch.long, device=stack.device)
-            saved.append((stack, idx, stack.grad_A.index_select(0, idx), stack.grad_B.index_select(0, idx)))
-
-    def restore() -> None:
-        with torch.no_grad():
-            for stack, idx, grad_A, grad_B in saved:
-                stack.grad_A.index_copy_(0, idx, grad_A)
-                stack.grad_B.index_copy_(0, idx, grad_B)
-    return restore
+    saved = [_save_rows(stack, sorted(slots)) for stack, slots in _slots_by_stack(adapters).items()]
+    return lambda: _restore_rows(saved)
 
 
 def _slots_by_stack(adapters: list[LoRAAdapter]) -> dict[SlotStack, set[int]]:
@@ -255,7 +262,7 @@ class GradientPass:
 
     def __init__(self, adapters: list[LoRAAdapter]):
         self.adapters = adapters
-        self._saved: list[tuple[SlotStack, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._saved: list[SavedRows] = []
         self._fresh: list[tuple[SlotStack, list[int]]] = []
         held: dict[int, tuple[SlotStack, list[int], list[int]]] = {}  # stack -> (slots with, without grads)
         for adapter in adapters:
@@ -263,14 +270,11 @@ class GradientPass:
                 if w.stack is not None:
                     entry = held.setdefault(id(w.stack), (w.stack, [], []))
                     entry[1 if w.A.grad is not None else 2].append(w.slot)
-        with torch.no_grad():
-            for stack, with_grad, without in held.values():
-                if with_grad:
-                    idx = torch.tensor(with_grad, dtype=torch.long, device=stack.device)
-                    self._saved.append((stack, idx, stack.grad_A.index_select(0, idx),
-                                        stack.grad_B.index_select(0, idx)))
-                if without:
-                    self._fresh.append((stack, without))
+        for stack, with_grad, without in held.values():
+            if with_grad:
+                self._saved.append(_save_rows(stack, with_grad))
+            if without:
+                self._fresh.append((stack, without))
 
     def commit(self) -> None:
         for adapter in self.adapters:
@@ -279,10 +283,7 @@ class GradientPass:
                     w.A.grad, w.B.grad = w.grad_views
 
     def rollback(self) -> None:
-        with torch.no_grad():
-            for stack, idx, grad_A, grad_B in self._saved:
-                stack.grad_A.index_copy_(0, idx, grad_A)
-                stack.grad_B.index_copy_(0, idx, grad_B)
+        _restore_rows(self._saved)
         _fill_slots(self._fresh, 0.0)
 
 

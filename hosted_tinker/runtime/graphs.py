@@ -22,7 +22,7 @@ layouts, so after a tenant's first step of a shape each of its steps is a replay
 - all graphs share one memory pool (they run one after another on one stream, and each one's
   outputs are copied out before the next runs), and at most `max_graphs` are kept (LRU).
 
-Which micro-batches are graphed is the runtime's choice (`TrainingRuntime.graphed`): those whose
+Which micro-batches are graphed is the runtime's choice (`TrainingRuntime.requests`): those whose
 losses are pure tensor code; gspo's and stable_reinforce's compute values on the host and run
 eagerly, in micro-batches of their own (runtime/packing.py, `Request.kind`), so a tenant's path
 never depends on its neighbours.
@@ -87,9 +87,6 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
         self.refused: set[Hashable] = set()  # layouts whose capture failed: they run eagerly
-
-    def clear(self) -> None:
-        self.entries.clear()
 
     def run(self, key: Hashable, host_inputs: dict[str, torch.Tensor], step: Step,
             put_back: Callable[[], Callable[[], None]], keep: Callable[[], object] = lambda: None

@@ -24,7 +24,6 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,18 +107,15 @@ def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> 
 GRAPHED, EAGER = "graph", "eager"
 
 
-@contextmanager
-def deliberate_sync(device: torch.device):
+def wait_for_device(device: torch.device) -> None:
     """The pass's one wait for the device: allowed under `torch.cuda.set_sync_debug_mode("error")`
     (the GPU tests run a step that way: any other sync raises)."""
     if device.type != "cuda":
-        yield
         return
     mode = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(0)
     try:
         torch.cuda.current_stream(device).synchronize()
-        yield
     finally:
         torch.cuda.set_sync_debug_mode(mode)
 
@@ -369,10 +365,11 @@ class TrainingRuntime:
             outputs = self.graphs.run(self._graph_key(mb, works), host,
                                       lambda t: self._step(mb, works, keys, t, None),
                                       put_back=lambda: self._put_back(mb), keep=lambda: self.routing.last_plans)
-        if outputs is None:
+        static = outputs is not None  # a graph's outputs, overwritten by its next replay
+        if not static:
             on_device = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
             outputs = self._step(mb, works, keys, on_device, metric_sums)
-        lp, tok_loss = (self._to_host(t) for t in outputs)
+        lp, tok_loss = (self._to_host(t, static) for t in outputs)
         return Launched(mb, lp, tok_loss)
 
     def _host_inputs(self, mb: MicroBatch, works: list[FBWork]) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
@@ -431,18 +428,18 @@ class TrainingRuntime:
             return lambda: None
         return snapshot_gradient_rows([self.adapters[mid] for mid, _, _ in mb.segments])
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of `t` in host memory, queued (pinned memory on CUDA: the copy does not wait)."""
+    def _to_host(self, t: torch.Tensor, static: bool) -> torch.Tensor:
+        """`t` in host memory, its copy queued (pinned memory on CUDA: the copy does not wait). A
+        CPU tensor is its own host copy unless it is a graph's static output."""
         if t.device.type == "cpu":
-            return t.clone()  # a graph's static output is overwritten by its next replay
+            return t.clone() if static else t
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t, non_blocking=True)
         return out
 
     def _collect(self, launched: list[Launched], per_datum, metric_sums, stats: PassStats) -> None:
         """Wait for the device once, then hand every datum its outputs."""
-        with deliberate_sync(self.device):
-            pass
+        wait_for_device(self.device)
         for item in launched:
             mb = item.mb
             lp_cpu, el_cpu = item.logprobs.numpy(), item.losses.numpy()
