@@ -125,7 +125,8 @@ class ServerConfig(BaseSettings):
                           "every step eager, thousands of kernel launches. No effect on CPU or in a worker pool")
     max_tokens_per_cycle: int = Field(
         65536, ge=1, description="tokens of forward/backward work packed into one clock cycle, shared fairly "
-                                 "across models")
+                                 "across models; a larger request runs in parts of whole datums, one per cycle, "
+                                 "with other models' work and sampling between them")
     max_live_adapters: int = Field(
         64, ge=1, description="adapters kept on the device; idle ones beyond this are paged out to CPU memory "
                               "(with their optimizer state) and back on their next request")

@@ -90,8 +90,10 @@ class DeviceLoop:
         except Exception as e:
             log.exception("a training cycle failed")
             message = f"the server failed while running this request ({type(e).__name__}: {e}); resubmit it"
+        # A cycle that raised fails the parts of split requests too: their later parts are dropped.
+        answerable = plan.finishing if message is UNANSWERED else plan.requests
         try:
-            unanswered = self.futures.fail_unanswered([r.request_id for r in plan.requests], message)
+            unanswered = self.futures.fail_unanswered([r.request_id for r in answerable], message)
             if unanswered and message is UNANSWERED:
                 log.error("a cycle left %d request(s) unanswered; failed them", len(unanswered))
         except Exception:

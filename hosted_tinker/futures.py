@@ -60,6 +60,10 @@ class FutureStore:
         with self._lock:
             return self.pending_by_owner.get(owner, 0)
 
+    def is_pending(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._pending_owner
+
     def resolve(self, request_id: str, result: dict | bytes, *, is_proto: bool = False) -> None:
         payload = result if isinstance(result, bytes) else json.dumps(result, allow_nan=False).encode()
         self._finish(request_id, payload, is_proto=is_proto, failed=False)

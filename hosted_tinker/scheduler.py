@@ -25,6 +25,12 @@ reaches a closed queue comes back in the next plan as `orphaned`, to be answered
 Fair share: a cycle packs compute up to `max_tokens_per_cycle` tokens and `max_models_per_cycle`
 models, taking models in round-robin order; a model left out (or cut short) for lack of room
 goes first in the next cycle, so a tenant with a huge queue cannot starve small ones.
+
+A compute request larger than a cycle's budget arrives in parts (`Request.more`, made by
+`services/training.py`): each cycle plans its next part alone (`final=False` until the last), the
+request keeps its place in its model's queue until the last part is planned, and the other
+models' work and sampling rounds run between the parts. Gradients add up across cycles exactly as
+across micro-batches, so no one request holds the device for longer than one cycle's budget.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,9 @@ class Request:
     payload: Any = None
     tokens: int = 0  # compute requests: tokens to run, for the cycle's token budget
     arrived_at: float = 0.0  # stamped by the scheduler's clock on submit
+    # A compute request split across cycles: the (payload, tokens) of the parts after this one.
+    more: list[tuple[Any, int]] = field(default_factory=list)
+    final: bool = True  # False for a planned part with more to come: answered after its last part
 
 
 @dataclass
@@ -70,8 +79,13 @@ class CyclePlan:
 
     @property
     def requests(self) -> list[Request]:
-        """Every request the cycle must answer."""
+        """Every request the cycle runs (a part of a split request included)."""
         return self.compute + self.optim + self.tail + self.orphaned
+
+    @property
+    def finishing(self) -> list[Request]:
+        """The requests the cycle must answer: all but the parts of split requests with more to come."""
+        return [r for r in self.requests if r.final]
 
 
 class _ModelQueue:
@@ -261,7 +275,7 @@ class ClockCycleScheduler:
                     continue
             # Only forward_backward waits for an optim_step (a forward never has one).
             only_compute = all(r.kind == "forward_backward" for r in take)
-            if only_compute and q.pipelined and mid not in deferred:
+            if only_compute and q.pipelined and mid not in deferred and not take[-1].more:
                 # This client posts optim_step right after forward_backward: give it a moment
                 # so both run in this cycle instead of costing two.
                 d = max(r.arrived_at for r in take) + self.gather_window_s
@@ -324,11 +338,19 @@ class ClockCycleScheduler:
             else:
                 phase = 2
             take.append(r)
+            if r.more:  # a split request: nothing after it until its last part
+                break
         return take
 
     def _add(self, plan: CyclePlan, take: list[Request]) -> None:
         q = self._queues[take[0].model_id]
         for r in take:
+            if r.more:  # plan this part; the rest keeps the request's place in the queue
+                payload, tokens = r.more[0]
+                q.pending[r.seq_id] = replace(r, payload=payload, tokens=tokens, more=r.more[1:])
+                q.in_flight_compute = True
+                plan.compute.append(replace(r, more=[], final=False))
+                return
             del q.pending[r.seq_id]
             q.next_seq = r.seq_id + 1
             q.advance_past_skipped()

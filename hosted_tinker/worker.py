@@ -23,7 +23,8 @@ from .errors import UserError
 from .futures import FutureStore
 from .model_runtime import ModelRuntime
 from .runtime.adapters import LoRAConfig
-from .runtime.trainer import FBWork
+from .runtime.losses import merge_metrics
+from .runtime.trainer import FBOutcome, FBWork
 from .sampling.backend import SamplingBackend
 from .scheduler import CyclePlan, Request
 from .store import Store
@@ -67,6 +68,7 @@ class TrainingWorker:
         self.store = store
         self.checkpoints = checkpoints
         self.sampling = sampling  # told when a model's weights change
+        self._parts_done: dict[str, FBOutcome] = {}  # split requests: their parts' outcomes so far, merged
         # metrics
         self.tokens_total = 0
         self.last_cycle_tokens = 0
@@ -136,8 +138,13 @@ class TrainingWorker:
         return loaded
 
     def _run_compute(self, reqs: list[Request], answering: Callable[[], None]) -> None:
-        """The cycle's fused pass; `answering()` runs once the pass is over, before any answer."""
-        live = self._loaded(reqs)
+        """The cycle's fused pass; `answering()` runs once the pass is over, before any answer.
+        A part of a split request (`final=False`) adds its outcome to the request's earlier parts;
+        the last part answers. A part whose request already failed (an earlier part did) is dropped."""
+        for r in reqs:
+            if not self.futures.is_pending(r.request_id):
+                self._parts_done.pop(r.request_id, None)
+        live = self._loaded([r for r in reqs if self.futures.is_pending(r.request_id)])
         if not live:
             answering()
             return
@@ -157,12 +164,21 @@ class TrainingWorker:
         self.last_cycle_tokens = stats.tokens
         self.last_cycle_models = stats.models
         self.fused_passes += stats.models > 1
+        finished = []
+        for r, out in zip(live, outcomes):
+            earlier = self._parts_done.pop(r.request_id, None)
+            if earlier is not None:
+                out = _joined(earlier, out)
+            if r.final:
+                finished.append((r, out))
+            else:
+                self._parts_done[r.request_id] = out
         # The dashboard's loss curves; written before the results are visible, so it never lags a client.
         self.store.record_losses([
             (r.model_id, r.seq_id, self.runtime.adapters[r.model_id].step, r.payload.forward_only, out.metrics["loss:sum"])
-            for r, out in zip(live, outcomes) if math.isfinite(out.metrics.get("loss:sum", math.nan))])
+            for r, out in finished if math.isfinite(out.metrics.get("loss:sum", math.nan))])
         answering()
-        for r, out in zip(live, outcomes):
+        for r, out in finished:
             body = encode_forward_backward_output(out.outputs, out.metrics)
             self.futures.resolve(r.request_id, body, is_proto=True)
 
@@ -242,3 +258,10 @@ class TrainingWorker:
         self.store.update_model_lora(req.model_id, adapter.config.to_dict())
         self.futures.resolve(req.request_id, {"type": "load_weights", "path": str(spec.path),
                                               "model_id": req.model_id})
+
+
+def _joined(earlier: FBOutcome, later: FBOutcome) -> FBOutcome:
+    """One request's outcome from its parts' (run in successive cycles), in datum order."""
+    metrics = dict(earlier.metrics)
+    merge_metrics(metrics, later.metrics)
+    return FBOutcome(earlier.outputs + later.outputs, metrics)

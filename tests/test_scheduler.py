@@ -349,3 +349,40 @@ def test_pipelining_models_are_counted_until_their_window_passes_unused(clock, m
     clock.advance(0.2)
     run(s)
     assert s.pipelining_models() == 0
+
+
+def test_a_request_in_parts_runs_one_part_per_cycle_with_other_models_between(make_sched):
+    """A compute request larger than a cycle's budget arrives in parts: each cycle runs its next
+    part (not final until the last), another model's work runs in the same cycles, and the
+    model's later requests (its optim_step) wait for the last part."""
+    s = make_sched(max_tokens_per_cycle=100)
+    s.open_model("a", 1)
+    s.open_model("b", 1)
+    big = Request("a-1", "forward_backward", "a", 1, payload="part0", tokens=100,
+                  more=[("part1", 100), ("part2", 40)])
+    s.submit(big)
+    s.submit(req("a", 2, "optim_step"))
+    s.submit(Request("b-1", "forward_backward", "b", 1, payload="b0", tokens=10))
+    s.submit(Request("b-2", "forward_backward", "b", 2, payload="b1", tokens=10))
+    parts = []
+    while not parts or not parts[-1][2]:
+        plan = run(s)
+        mine = [r for r in plan.compute if r.model_id == "a"]
+        assert len(mine) <= 1 and sum(r.tokens for r in plan.compute) <= 100
+        if mine:
+            parts.append((mine[0].payload, mine[0].tokens, mine[0].final))
+            # The optim_step rides with the last part (fb + optim in one cycle), never before it.
+            finishing = [r.request_id for r in plan.finishing if r.model_id == "a"]
+            assert finishing == (["a-1", "a-2"] if mine[0].final else []), plan
+    assert parts == [("part0", 100, False), ("part1", 100, False), ("part2", 40, True)]
+
+
+def test_a_part_fills_the_budget_so_other_models_wait_a_cycle_not_the_whole_request(make_sched):
+    s = make_sched(max_tokens_per_cycle=100)
+    s.open_model("a", 1)
+    s.open_model("b", 1)
+    s.submit(Request("a-1", "forward_backward", "a", 1, payload=0, tokens=100,
+                     more=[(i, 100) for i in range(1, 10)]))
+    s.submit(Request("b-1", "forward", "b", 1, tokens=50))
+    cycles_until_b = next(i for i in range(10) if any(r.model_id == "b" for r in run(s).compute))
+    assert cycles_until_b <= 1

@@ -9,6 +9,7 @@ SDK's retries are applied once.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Callable
 
 from fastapi import HTTPException
@@ -223,7 +224,26 @@ class TrainingRequests:
                                      f"{expected}; each request needs a new seq_id")
         request_id, is_new = self.futures.create(owner, kind, model_id, seq_id)
         if is_new:  # else a concurrent retry of the same seq_id got there first
-            tokens = sum(len(d.tokens) for d in payload.data) if isinstance(payload, FBWork) else 0
-            scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens))
+            if isinstance(payload, FBWork):  # in parts of at most one cycle's budget (scheduler.py)
+                (payload, tokens), *more = in_parts(payload, scheduler.max_tokens_per_cycle)
+                scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens, more=more))
+            else:
+                scheduler.submit(Request(request_id, kind, model_id, seq_id, payload))
             self.store.touch_model(model_id)
         return future_ref(request_id, model_id)
+
+
+def in_parts(work: FBWork, max_tokens: int) -> list[tuple[FBWork, int]]:
+    """`work`'s datums as consecutive parts of at most `max_tokens` tokens (a longer datum is a
+    part of its own), each with its token count: what one clock cycle runs of a large request."""
+    parts: list[tuple[FBWork, int]] = []
+    data: list = []
+    tokens = 0
+    for d in work.data:
+        if data and tokens + len(d.tokens) > max_tokens:
+            parts.append((replace(work, data=data), tokens))
+            data, tokens = [], 0
+        data.append(d)
+        tokens += len(d.tokens)
+    parts.append((replace(work, data=data), tokens))
+    return parts
