@@ -108,7 +108,7 @@ def get_session(session_id: str, accessible: bool = Depends(accessible_scope), o
 
 
 class ProjectBody(BaseModel):
-    project_id: str | None = None
+    project_id: ShortText | None = None
 
 
 @router.put("/api/v1/sessions/{session_id}/project")
