@@ -15,7 +15,8 @@ from ..server import Server
 from .deps import accessible_scope, get_access, get_server, require_owner
 from .limits import check_stored_json
 from .schemas import (
-    INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest, str_dict,
+    INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest, ShortText,
+    str_dict,
 )
 
 router = APIRouter()
