@@ -37,7 +37,10 @@ def render_chat(config: ServerConfig, served: ServedModel, body: ChatBody, messa
     if template is None:
         if not getattr(tok, "chat_template", None):
             raise HTTPException(400, f"the tokenizer of {served.name!r} has no chat template; use /v1/completions")
-        template = tok.get_chat_template()
+        try:
+            template = tok.get_chat_template()
+        except ValueError as e:  # several named templates, none of them the default
+            raise HTTPException(400, f"the chat template of {served.name!r}: {e}") from None
     _check_kwargs(config, tok, template, kwargs)
     try:
         return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, chat_template=template,
@@ -84,7 +87,7 @@ def _check_kwargs(config: ServerConfig, tok, template: str, kwargs: dict[str, An
                                      f"it reads {settable or 'no request variables'}")
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)  # the served models' templates (and a trusted request's, up to a body each)
 def template_variables(template: str) -> frozenset[str]:
     """The variables `template` reads but does not set itself (its inputs)."""
     env = ImmutableSandboxedEnvironment()
