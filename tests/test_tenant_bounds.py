@@ -33,7 +33,7 @@ def post(server, path: str, key: str = MALLORY, **kw) -> httpx.Response:
 @pytest.fixture(scope="module")
 def alice(server):
     """Alice's model in a session of her private project, with one published checkpoint (so its run is
-    listed to everyone) and an archive of it to import."""
+    listed to everyone while this module runs) and an archive of it to import."""
     with server.client(ALICE, project_id=SECRET_PROJECT) as sc:
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         path = tc.save_state("published").result().path
@@ -45,6 +45,7 @@ def alice(server):
         assert archive.status_code == 200, archive.text
         yield dict(sc=sc, model_id=tc.model_id, session_id=tc.model_id.split(":train:")[0],
                    archive=archive.content)
+        rest.unpublish_checkpoint_from_tinker_path(path).result()  # others on the shared server list no runs of ours
 
 
 @pytest.fixture(scope="module")
