@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ServiceClient.create_training_client_from_state.")
     imp.add_argument("adapter_dir", type=Path)
     imp.add_argument("--name", required=True, help="checkpoint name (letters, digits, '.', '_', '-')")
-    imp.add_argument("--run-id", help="put it in this training run (yours, or a new id); default: a new run")
+    imp.add_argument("--run-id", help="put it in this existing training run of yours; default: a new run with a fresh id")
     imp.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     _add_remote(imp)
     imp.set_defaults(func=_import)

@@ -150,6 +150,16 @@ class ServerConfig(BaseSettings):
                              "(FIFO) and one larger than all of it is refused with a 400. 0 = auto: on CUDA half "
                              "the device's free memory at start-up over the model's KV bytes per token; on CPU "
                              f"{DEFAULT_KV_TOKENS} (set it to bound a large model's KV cache there)")
+    max_stop_strings: int = Field(64, ge=1, description="stop strings in one sample request; beyond it, 400")
+    max_stop_strings_bytes: int = Field(
+        4096, ge=1, description="total UTF-8 bytes of one sample request's stop strings (each generated token is "
+                                "checked against them); beyond it, 400")
+    trust_request_chat_template: bool = Field(
+        False, description="render a chat template sent with a /v1/chat/completions request (chat_template, or "
+                           "chat_template_kwargs.chat_template): server-side code from any API key, as vLLM's "
+                           "--trust-request-chat-template; off = refused with a 400")
+    max_chat_template_kwargs_bytes: int = Field(
+        16 << 10, ge=1, description="bytes (as JSON) of one chat request's chat_template_kwargs; beyond it, 400")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a sample request leaves it unset")
     ephemeral_sampler_ttl_s: int = Field(
         7 * 24 * 3600, ge=1, description="how long snapshots made by save_weights_and_get_sampling_client are "

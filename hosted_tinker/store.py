@@ -414,11 +414,14 @@ class Store:
 
     def list_runs(self, owner: str, *, accessible: bool, project_id: str | None, limit: int,
                   offset: int) -> tuple[list[sqlite3.Row], int]:
-        """Runs owned by `owner` (plus, if `accessible`, others' runs with a public checkpoint), newest first."""
+        """Runs owned by `owner` (plus, if `accessible`, others' runs with a public checkpoint), newest first.
+        A project is the owner's own label on a session: `project_id` matches only `owner`'s runs, so
+        it can never be used to confirm another owner's (private) project names."""
         where = (f"(m.owner = ? OR (? AND EXISTS (SELECT 1 FROM checkpoints c WHERE c.model_id = m.model_id"
                  f" AND c.public = 1 AND {self._LIVE})))"
-                 " AND (? IS NULL OR m.session_id IN (SELECT session_id FROM sessions WHERE project_id = ?))")
-        args = (owner, int(accessible), time.time(), project_id, project_id)
+                 " AND (? IS NULL OR m.session_id IN (SELECT session_id FROM sessions WHERE project_id = ?"
+                 " AND owner = ?))")
+        args = (owner, int(accessible), time.time(), project_id, project_id, owner)
         total = self._one(f"SELECT COUNT(*) FROM models m WHERE {where}", args)[0]
         rows = self._all(f"SELECT m.* FROM models m WHERE {where} ORDER BY m.created_at DESC, m.model_id"
                          " LIMIT ? OFFSET ?", args + (limit, offset))

@@ -145,6 +145,55 @@ def test_fuzz_then_train(srv, fuzz_world):
     assert srv.proc.poll() is None
 
 
+def hostile_shapes(world: dict) -> list[tuple[str, str, bytes]]:
+    """(method, path, raw JSON body): the shapes of issue 26 that a schema-driven fuzzer rarely
+    builds: non-list prompt chunks, object roles, the literal NaN, huge stop lists, huge stored fields,
+    request-supplied chat templates."""
+    sampler, session = world["sampling_session_id"], world["session_id"]
+
+    def asample(chunks, stop=None) -> bytes:
+        return json.dumps({"sampling_session_id": sampler, "seq_id": random.randrange(2**40),
+                           "prompt": {"chunks": chunks}, "sampling_params": {"max_tokens": 1, "stop": stop}}).encode()
+
+    def chat(**fields) -> bytes:
+        return json.dumps({"model": BASE_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                           **fields}).encode()
+
+    huge_stops, huge = [f"s{i}" for i in range(100_000)], "x" * (1 << 20)
+    nan_config = b'{"type": "adamw", "lr": NaN, "beta": Infinity}'
+    cases = [("post", "/api/v1/asample", asample(chunks)) for chunks in ("x", 5, [1], [None], {"a": 1}, [[]], [{}])]
+    cases += [("post", "/api/v1/asample", asample([{"tokens": [1, 2]}], stop)) for stop in (huge_stops, [huge])]
+    cases += [("post", "/v1/chat/completions", chat(messages=[{"role": role, "content": "Hi"}]))
+              for role in (["user"], {"a": 1}, 5, None)]
+    cases += [("post", "/v1/chat/completions", chat(**fields)) for fields in (
+        {"stop": huge_stops}, {"chat_template": "{{ 1 }}"}, {"chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+        {"chat_template_kwargs": {"tools": [{}]}}, {"chat_template_kwargs": {"enable_thinking": huge}},
+        {"chat_template_kwargs": {"x": 1}}, {"chat_template_kwargs": [1]})]
+    cases += [("post", "/v1/completions", json.dumps({"model": BASE_MODEL, "prompt": "Hi", "stop": huge_stops}).encode())]
+    cases += [("post", "/api/v1/create_model", b'{"session_id": "%s", "model_seq_id": 99, "base_model": "%s", '
+               b'"optimizer_config": %s}' % (session.encode(), BASE_MODEL.encode(), config))
+              for config in (nan_config, json.dumps({"huge": huge}).encode())]
+    cases += [("post", "/api/v1/load_weights", b'{"path": "%s", "session_id": "%s", "model_seq_id": 98, '
+               b'"optimizer_config": %s}' % (world["paths"][0].encode(), session.encode(), nan_config)),
+              ("put", f"/api/v1/sessions/{session}/project", json.dumps({"project_id": huge}).encode()),
+              ("post", f"/api/v1/sessions/{session}/finish", json.dumps({"reason": {"type": huge}}).encode()),
+              ("post", "/api/v1/create_session", b'{"user_metadata": {"a": NaN}}')]
+    return cases
+
+
+def test_hostile_shapes_are_4xx(srv, fuzz_world):
+    tally = Tally("hostile shapes")
+    with httpx.Client(base_url=srv.base_url, timeout=REQUEST_TIMEOUT,
+                      headers={"X-API-Key": FUZZ_KEY, "Content-Type": "application/json"}) as http:
+        for method, path, body in hostile_shapes(fuzz_world):
+            r = http.request(method.upper(), path, content=body)
+            tally.check(f"{method} {path} {body[:120]!r}", r.status_code, r.content, r.headers.get("content-type", ""))
+            if r.status_code < 400:
+                tally.failures.append(f"accepted: {method} {path} {body[:120]!r}: {r.text[:200]}")
+    assert not tally.failures, "\n".join(tally.failures)
+    assert httpx.get(f"{srv.base_url}/api/v1/healthz", timeout=60).json() == {"status": "ok"}
+
+
 # -- schemathesis ------------------------------------------------------------------------------------
 
 # Long-polls or streams by design; sent with arguments that make them answer at once (see below).

@@ -78,7 +78,10 @@ def check_stored_json(value: Any, what: str, max_bytes: int) -> Any:
             if depth > MAX_STORED_JSON_DEPTH:
                 raise ValueError(f"{what} nests deeper than {MAX_STORED_JSON_DEPTH} levels")
             stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    size = len(json.dumps(value))
+    try:
+        size = len(json.dumps(value, allow_nan=False).encode())
+    except ValueError:  # Python reads the literal NaN; JSON readers (and our responses) refuse it
+        raise ValueError(f"{what} holds NaN or Infinity, which JSON cannot store") from None
     if size > max_bytes:
         raise ValueError(f"{what} is {size} bytes as JSON; the limit is {max_bytes}")
     return value

@@ -293,12 +293,16 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
 
     The adapter must fit the served base model exactly (every targeted projection, every shape)
     and its rank limit; it becomes a training checkpoint `tinker://<run>/weights/<name>` of a new
-    imported run (or of `training_run_id`, an existing run of the caller's or a new id).
+    imported run with a fresh id, or of `training_run_id`, an existing run of the caller's. A new run
+    never takes an id the caller names: run ids live in their sessions' namespaces (`<session>:train:<n>`),
+    so a chosen id could take another tenant's next model id, and "not yours" vs "absent" would tell
+    which ids exist. Both are the same 404.
     """
     path = TinkerPath(training_run_id or f"import-{uuid.uuid4().hex[:12]}", "weights", name)
-    existing_run = await run_in_threadpool(server.store.get_model, path.run)  # SQLite: off the event loop
-    if existing_run is not None and existing_run["owner"] != owner:
-        raise HTTPException(404, f"training run {path.run!r} not found")
+    if training_run_id is not None:
+        existing_run = await run_in_threadpool(server.store.get_model, path.run)  # SQLite: off the event loop
+        if existing_run is None or existing_run["owner"] != owner:
+            raise _no_such_run(path.run)
     server.uploads.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="import-", dir=server.uploads))
     try:
@@ -311,9 +315,14 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
         if received == 0:
             raise HTTPException(400, "empty upload: send the adapter directory as a tar archive in the body")
         return await anyio.to_thread.run_sync(_import, server, owner, path, overwrite, archive_path,
-                                              work / "files", limiter=_import_slots)
+                                              work / "files", training_run_id is None, limiter=_import_slots)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _no_such_run(run_id: str) -> HTTPException:
+    return HTTPException(404, f"training run {run_id!r} not found: import into a run of yours, or leave "
+                              "training_run_id out for a new run")
 
 
 def _import_target(server: Server, src: Path) -> ServedModel:
@@ -333,7 +342,8 @@ def _import_target(server: Server, src: Path) -> ServedModel:
                           f"(it serves {served}){fix}")
 
 
-def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archive_path: Path, src: Path) -> dict:
+def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archive_path: Path, src: Path,
+            new_run: bool) -> dict:
     src.mkdir()
     limit = server.config.max_request_bytes
     try:
@@ -348,12 +358,12 @@ def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archi
     config = prepared.checkpoint.config
     with server.checkpoints.lock:  # the run and the checkpoint appear together
         run = server.store.get_model(path.run)
-        if run is None:
+        if run is None and new_run:
             server.store.create_model(path.run, "", owner, served.name, config.to_dict(),
                                       {"type": "adamw"}, {"source": "import"})
             server.store.set_model_status(path.run, "imported")
-        elif run["owner"] != owner:
-            raise HTTPException(404, f"training run {path.run!r} not found")
+        elif run is None or run["owner"] != owner:  # deleted meanwhile, or never the caller's
+            raise _no_such_run(path.run)
         elif run["base_model"] != served.name:
             raise HTTPException(400, f"training run {path.run!r} is of base model {run['base_model']!r}; this "
                                      f"adapter is for {served.name!r}: import it into a run of its own base model")

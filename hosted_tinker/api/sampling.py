@@ -82,8 +82,12 @@ def get_sampler(sampler_id: str, owner: str = Depends(require_owner), access: Ac
 
 
 def _prompt_tokens(prompt: dict) -> list[int]:
+    chunks = prompt.get("chunks") or []
+    if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
+        raise HTTPException(400, "prompt.chunks must be a list of chunk objects, e.g. "
+                                 '[{"type": "encoded_text", "tokens": [1, 2, 3]}]')
     tokens: list[int] = []
-    for i, chunk in enumerate(prompt.get("chunks") or []):
+    for i, chunk in enumerate(chunks):
         kind = chunk.get("type", "encoded_text")
         if kind != "encoded_text":
             raise HTTPException(400, f"prompt chunk {i} is {kind!r}: this server hosts text-only models")

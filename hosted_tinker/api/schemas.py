@@ -27,7 +27,10 @@ def _stored(what: str) -> AfterValidator:
 UserMetadata = Annotated[dict[str, Any], _stored("user_metadata")]
 StrMetadata = Annotated[dict[str, str], _stored("user_metadata")]
 Tags = Annotated[list[str], _stored("tags")]
-ShortText = Annotated[str, Field(max_length=1024)]
+OptimizerConfig = Annotated[dict[str, Any], _stored("optimizer_config")]
+# Names and short labels (project, display name, a session's finish reason), in characters.
+SHORT_TEXT_MAX_CHARS = 1024
+ShortText = Annotated[str, Field(max_length=SHORT_TEXT_MAX_CHARS)]
 
 
 class Body(BaseModel):
@@ -58,7 +61,7 @@ class SessionHeartbeatRequest(Body):
 
 
 class FinishReason(Body):
-    type: str = "success"
+    type: ShortText = "success"
 
 
 class FinishSessionRequest(Body):
@@ -80,7 +83,7 @@ class CreateModelRequest(Body):
     base_model: str
     user_metadata: UserMetadata | None = None
     lora_config: LoraConfigIn | None = None
-    optimizer_config: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig | None = None
 
 
 class ModelRef(Body):
@@ -133,7 +136,7 @@ class LoadWeightsRequest(Body):
     model_seq_id: int | None = Field(None, ge=0)
     base_model: str | None = None
     user_metadata: UserMetadata | None = None
-    optimizer_config: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig | None = None
     weights_access_token: str | None = None
 
 

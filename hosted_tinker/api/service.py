@@ -15,7 +15,8 @@ from ..server import Server
 from .deps import accessible_scope, get_access, get_server, require_owner
 from .limits import check_stored_json
 from .schemas import (
-    INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest, str_dict,
+    INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest, ShortText,
+    str_dict,
 )
 
 router = APIRouter()
@@ -108,7 +109,7 @@ def get_session(session_id: str, accessible: bool = Depends(accessible_scope), o
 
 
 class ProjectBody(BaseModel):
-    project_id: str | None = None
+    project_id: ShortText | None = None
 
 
 @router.put("/api/v1/sessions/{session_id}/project")

@@ -22,6 +22,7 @@ Temperature, top-k and top-p shape only the choice of the next token.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -395,8 +396,11 @@ class SamplingEngine:
         group.reserve()  # the rows that left give their reservation back
 
     def _hit_stop_string(self, row: _Row, job: SampleJob) -> bool:
-        text = self.tokenizer.decode(row.tokens, skip_special_tokens=False)
-        return any(s in text for s in job.stop_strings)
+        """Whether a stop string ends in the row's newest token: only the tail that can hold one is
+        decoded and scanned (the earlier text was scanned at earlier tokens), so a token costs the
+        stop strings' length, not the row's."""
+        tail = self.tokenizer.decode(row.tokens[-_stop_window(job.stop_strings):], skip_special_tokens=False)
+        return any(s in tail for s in job.stop_strings)
 
     def _finish_row(self, row: _Row) -> None:
         st = row.job
@@ -436,6 +440,14 @@ def _row_seed(seed: int | None, index: int) -> int:
         return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
     # Same seed, same samples; each of num_samples gets its own stream.
     return (int(seed) * 1_000_003 + index) & ((1 << 63) - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _stop_window(stop_strings: tuple[str, ...]) -> int:
+    """Tokens whose text holds every stop string that ends in the last of them. A token decodes
+    to at least one byte, so the last B + 1 tokens hold any B-byte span ending in the newest; a few
+    more absorb a partial character or a stripped leading space at the window's start."""
+    return max(len(s.encode()) for s in stop_strings) + 4
 
 
 def _pick(logits: torch.Tensor, job: SampleJob, generator: torch.Generator) -> int:

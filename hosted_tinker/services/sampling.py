@@ -1,6 +1,6 @@
 """`SamplingRequests`: sample requests of both APIs (Tinker `asample`, OpenAI) on their way to the sampler.
 
-Each request is bounded on its own (prompts, `n`, requested tokens, and each job's KV cache against
+Each request is bounded on its own (prompts, `n`, requested tokens, stop strings, and each job's KV cache against
 the sampler's whole KV-cache budget: a 400 naming the setting) and each API key's sampling work in
 flight (requests and requested tokens, waiting or running) is bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
 and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
@@ -120,9 +120,20 @@ class SamplingRequests:
                                      f"max_tokens); the limit is {limit} (max_sampled_tokens_per_request): ask for "
                                      "fewer samples or fewer max_tokens per request")
         for job in jobs:
+            self._check_stops(job.stop_strings)
             reason = served.sampler.refusal(job)
             if reason is not None:
                 raise HTTPException(400, reason)
+
+    def _check_stops(self, stops: tuple[str, ...]) -> None:
+        """Every generated token is checked against the stop strings: their number and length bound that work."""
+        if len(stops) > self.config.max_stop_strings:
+            raise HTTPException(400, f"this request has {len(stops)} stop strings; the limit is "
+                                     f"{self.config.max_stop_strings} (max_stop_strings)")
+        size = sum(len(s.encode()) for s in stops)
+        if size > self.config.max_stop_strings_bytes:
+            raise HTTPException(400, f"this request's stop strings are {size} bytes together; the limit is "
+                                     f"{self.config.max_stop_strings_bytes} (max_stop_strings_bytes)")
 
     def open_session(self, owner: str, session_id: str, sampling_session_id: str, base_model: str | None,
                      model_path: str | None, checkpoint_dir: str | None) -> None:

@@ -16,12 +16,14 @@ sends server-sent events as tokens are chosen; the text of a streamed answer is,
 the same as the non-streamed one (one `ChoiceText` assembles both). Logprobs are the model's raw
 ones, as Tinker's `compute_logprobs` gives them. Extensions, as vLLM spells them: `top_k`,
 `ignore_eos`, `return_tokens_as_token_ids` ("token_id:<id>" token strings, so callers can recover
-exact ids) and, for chat, `chat_template_kwargs`.
+exact ids) and, for chat, `chat_template_kwargs` (only the variables the model's template reads; a
+template sent with a request only with `--trust-request-chat-template`).
 
 | module | job |
 |---|---|
 | `schemas.py` | request bodies |
-| `plan.py` | a request -> engine jobs (prompts, chat template, parameters, the model to sample) |
+| `plan.py` | a request -> engine jobs (prompts, parameters, the model to sample) |
+| `template.py` | a chat request's prompt text: the chat template and what a request may set in it |
 | `text.py` | one choice's text, token by token; token strings and logprobs |
 | `answer.py` | the response bodies: whole, or as stream chunks |
 | `channel.py` | engine events from the cycle thread to the request's coroutine |

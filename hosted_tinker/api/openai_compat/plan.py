@@ -19,6 +19,7 @@ from ...served_models import ServedModel
 from ...services import checkpoint_base_model, served_model
 from ..training import _checkpoint_for_load
 from .schemas import ChatBody, CompletionBody, SamplingBody
+from .template import render_chat
 
 DEFAULT_MAX_TOKENS = 256
 MIN_TEMPERATURE = 1e-5
@@ -185,7 +186,7 @@ def _chat_messages(messages: list[Any]) -> list[dict]:
         if not isinstance(m, dict):
             raise HTTPException(400, f"messages[{i}] must be an object with 'role' and 'content'")
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise HTTPException(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
         content = m.get("content")
         if isinstance(content, list):
@@ -226,15 +227,7 @@ def plan_chat(server: Server, access: Access, owner: str, body: ChatBody) -> Pla
     messages = _chat_messages(body.messages)
     served, adapter = resolve_model(server, access, owner, body.model)
     tok = served.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise HTTPException(400, f"the tokenizer of {served.name!r} has no chat template; "
-                                 "use /v1/completions")
-    try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                       **(body.chat_template_kwargs or {}))
-    except Exception as e:  # the template refused the conversation (roles out of order, ...)
-        raise HTTPException(400, f"the chat template of {served.name!r} refused these messages: "
-                                 f"{type(e).__name__}: {e}") from None
+    text = render_chat(server.config, served, body, messages)
     prompt = tok.encode(text, add_special_tokens=False)
     jobs = _make_jobs(served, body, [prompt], adapter, max_tokens, top or 0)
     return Plan("chat", body.model, served, [prompt], jobs, body.n, (top or 0) if body.logprobs else None,

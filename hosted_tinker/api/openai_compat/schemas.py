@@ -60,6 +60,7 @@ class ChatBody(SamplingBody):
     functions: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    chat_template: Any = None  # vLLM's field: refused unless trusted (template.py)
     chat_template_kwargs: dict[str, Any] | None = None
 
 
