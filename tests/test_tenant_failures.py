@@ -10,11 +10,12 @@ from __future__ import annotations
 import time
 
 import httpx
+import numpy as np
 import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, sft_batch, sft_datum
+from helpers import BASE_MODEL, logprobs_of, sft_batch, sft_datum
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -77,3 +78,38 @@ def test_another_keys_refusal_does_not_close_the_owners_seq_id(srv, alice):
     r = httpx.post(f"{srv.base_url}/api/v1/optim_step", json=body, headers={"X-API-Key": BOB}, timeout=30)
     assert r.status_code == 422, r.text
     next_call_is_prompt(srv, alice)
+
+
+# -- item 1: a step that is not finite fails only its own request --------------------------------
+
+def train_step(tc, batch, adam):
+    """forward_backward + optim_step, posted together (the SDK's pipelining): their futures."""
+    return tc.forward_backward(batch, "cross_entropy"), tc.optim_step(adam)
+
+
+def test_a_non_finite_step_fails_only_its_tenant(srv, alice):
+    """Alice's steps go non-finite from accepted, finite inputs: loss weights of 3e38 (an inf
+    gradient norm) and a learning_rate of 1e38 (weights that overflow). Each of her optim_steps
+    fails with a user error saying the step was skipped, her weights stay as they were, and Bob's
+    work posted alongside (his step, then a save) is answered as if he had trained alone."""
+    adam, batch = types.AdamParams(learning_rate=1e-2), sft_batch(2, seed=7)
+    huge = [sft_datum([5, 6, 7, 8], weights=[3e38] * 3)]
+    with srv.client(BOB) as sc:
+        def bob_model():
+            return sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
+
+        alone = train_step(bob_model(), batch, adam)[1].result().metrics
+        before = logprobs_of(alice.forward(batch, "cross_entropy").result())
+        for poison, alice_adam, why in [(huge, adam, "gradient norm is (inf|nan)"),
+                                        (batch, types.AdamParams(learning_rate=1e38), "would make the weights")]:
+            bob = bob_model()
+            _, alice_step = train_step(alice, poison, alice_adam)
+            _, bob_step = train_step(bob, batch, adam)
+            bob_save = bob.save_state("after-step")
+            with pytest.raises(tinker.RequestFailedError, match=f"{why}.*step was skipped"):
+                alice_step.result()
+            assert bob_step.result().metrics == alone
+            assert bob_save.result().path
+            after = logprobs_of(alice.forward(batch, "cross_entropy").result())
+            assert all(np.array_equal(a, b) for a, b in zip(after, before))
+    alice.optim_step(adam).result()  # nothing left broken: her next step is an ordinary one
