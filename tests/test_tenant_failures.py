@@ -3,6 +3,9 @@ server with two API keys through the real SDK.
 
 - A refused request never stalls its model's queue: its seq_id counts as done, so the client's
   next request runs at once instead of waiting out the scheduler's 120 s gap timeout.
+- A step that is not finite is skipped for its tenant alone, with a user error saying so; the
+  other tenant's work in the same cycles is answered as if it ran alone.
+(A non-finite adapter's samples: tests/test_engine_failures.py; its import: test_export_import.py.)
 """
 
 from __future__ import annotations
