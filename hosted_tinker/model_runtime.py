@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from .runtime.adapters import AdamParams, LoRAConfig
+from .runtime.adapters import AdamParams, LoRAConfig, SkippedStep
 from .checkpoints.format import LoadedCheckpoint
 from .runtime.recompute import RecomputeChoice
 from .runtime.trainer import FBOutcome, FBWork, PassStats
@@ -37,7 +37,9 @@ class ModelRuntime(Protocol):
         """One fused pass over every request; gradients accumulate per model."""
         ...
 
-    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]: ...
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | SkippedStep]:
+        """Each model's metrics, or `SkippedStep` (a user error) where its step was not finite."""
+        ...
 
     def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int: ...
 

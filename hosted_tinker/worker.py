@@ -22,7 +22,7 @@ from .checkpoints.paths import TinkerPath
 from .errors import UserError
 from .futures import FutureStore
 from .model_runtime import ModelRuntime
-from .runtime.adapters import LoRAConfig
+from .runtime.adapters import LoRAConfig, SkippedStep
 from .runtime.losses import merge_metrics
 from .runtime.trainer import FBOutcome, FBWork
 from .sampling.backend import SamplingBackend
@@ -179,8 +179,8 @@ class TrainingWorker:
             for r, out in finished if math.isfinite(out.metrics.get("loss:sum", math.nan))])
         answering()
         for r, out in finished:
-            body = encode_forward_backward_output(out.outputs, out.metrics)
-            self.futures.resolve(r.request_id, body, is_proto=True)
+            self._guarded(r, lambda req: self.futures.resolve(
+                req.request_id, encode_forward_backward_output(out.outputs, out.metrics), is_proto=True))
 
     def _optim_steps(self, reqs: list[Request]) -> None:
         """All of the cycle's optimizer steps in one multi-adapter AdamW step."""
@@ -196,11 +196,17 @@ class TrainingWorker:
                 self.futures.fail(r.request_id, f"optim_step failed on the server: {type(e).__name__}: {e}",
                                   "server")
             return
-        for r, metrics in zip(ready, results):
-            self.store.touch_model(r.model_id)
-            self.futures.resolve(r.request_id, {"type": "optim_step", "metrics": metrics})
-        for r in ready:
-            self._announce(r.model_id)
+        for r, result in zip(ready, results):
+            self._guarded(r, lambda req: self._answer_optim_step(req, result))
+        for r, result in zip(ready, results):
+            if not isinstance(result, SkippedStep):
+                self._announce(r.model_id)
+
+    def _answer_optim_step(self, req: Request, result: dict[str, float] | SkippedStep) -> None:
+        if isinstance(result, SkippedStep):
+            raise UserError(result.reason)
+        self.store.touch_model(req.model_id)
+        self.futures.resolve(req.request_id, {"type": "optim_step", "metrics": result})
 
     # -- lifecycle and checkpoints ---------------------------------------------------------------
     def _create_model(self, req: Request) -> None:

@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import io
 import json
+import math
 import os
 import sqlite3
 import subprocess
@@ -193,6 +194,7 @@ def _bad_cases(adapter: Path) -> list[tuple[str, bytes, str]]:
     extra = dict(tensors)
     extra["base_model.model.model.embed_tokens.lora_A.weight"] = torch.zeros(4, 1024)
     some = {k: v for k, v in tensors.items() if ".layers.0." in k}
+    nan = {k: v.clone().fill_(math.nan) if "lora_B" in k else v for k, v in tensors.items()}
 
     def st(t: dict) -> bytes:
         path = adapter.parent / "tmp.safetensors"
@@ -211,6 +213,7 @@ def _bad_cases(adapter: Path) -> list[tuple[str, bytes, str]]:
         ("wrong-rank", tar_bytes({**good, "adapter_config.json": json.dumps({**cfg, "r": 8}).encode()}), "do not fit"),
         ("foreign-module", tar_bytes({**good, "adapter_model.safetensors": st(extra)}), "does not fit the served base model"),
         ("some-layers", tar_bytes({**good, "adapter_model.safetensors": st(some)}), "leaves out"),
+        ("nan-weights", tar_bytes({**good, "adapter_model.safetensors": st(nan)}), "not finite (NaN or inf)"),
         ("dora", tar_bytes({**good, "adapter_config.json": json.dumps({**cfg, "use_dora": True}).encode()}), "use_dora"),
         ("optimizer-without-manifest", tar_bytes({**good, "optimizer.safetensors": weights}), "without the manifest.json"),
         ("bad-json", tar_bytes({**good, "adapter_config.json": b"{not json"}), "not valid JSON"),

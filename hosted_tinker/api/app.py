@@ -69,6 +69,7 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
+        await training.close_refused_seq_id(request, exc.body)
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors())
         return JSONResponse({"detail": f"invalid request: {problems}"}, status_code=422)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
@@ -23,6 +24,26 @@ from .schemas import (
 )
 
 router = APIRouter()
+
+# JSON routes whose body carries a training model's seq_id.
+SEQ_ID_ROUTES = frozenset({"/api/v1/optim_step", "/api/v1/save_weights", "/api/v1/save_weights_for_sampler",
+                           "/api/v1/save_weights_external", "/api/v1/load_weights"})
+
+
+async def close_refused_seq_id(request: Request, body: Any) -> None:
+    """FastAPI refused the body of a request with a seq_id before its route ran (a 422): count that
+    seq_id as done, if the body names one, so the model's next request runs at once."""
+    if request.url.path not in SEQ_ID_ROUTES or not isinstance(body, dict):
+        return
+    model_id, seq_id = body.get("model_id"), body.get("seq_id")
+    if not isinstance(model_id, str) or type(seq_id) is not int:
+        return
+    try:
+        owner = require_owner(request, request.headers.get("x-api-key"))
+    except HTTPException:
+        return
+    await run_in_threadpool(get_training(request).refused, owner, model_id, seq_id)
+
 
 def _checkpoint_for_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int) -> LoadSpec:
     """The checkpoint at `path`, if this key may load it and this server can: its kind, its owner
@@ -80,6 +101,8 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
         call = await run_in_threadpool(decode_forward_backward_request, body, content_encoding,
                                        max_decompressed_bytes=training.config.max_request_bytes)
     except WireError as e:
+        if e.request is not None:
+            await run_in_threadpool(training.refused, owner, *e.request)
         raise HTTPException(400, f"malformed forward_backward body: {e}") from None
     return await run_in_threadpool(training.forward_backward, owner, call)
 

@@ -405,6 +405,10 @@ def check_fits(ckpt: LoadedCheckpoint, layers: dict[str, MultiLoRALinear], *, ma
         if tuple(a.shape) != (r, layer.in_features) or tuple(b.shape) != (layer.out_features, r):
             raise CheckpointError(f"{p}: LoRA shapes {list(a.shape)} / {list(b.shape)} do not fit this model "
                                   f"(rank {r} needs [{r}, {layer.in_features}] / [{layer.out_features}, {r}])")
+    for name, t in ckpt.tensors.items():  # a non-finite adapter would sample and train nothing but NaN
+        if not t.isfinite().all():
+            raise CheckpointError(f"{name} holds values that are not finite (NaN or inf): an adapter's weights "
+                                  "must be finite")
     if ckpt.optimizer is not None:
         for name, t in ckpt.tensors.items():
             if f"{name}.exp_avg" in ckpt.optimizer:
@@ -444,6 +448,8 @@ def _checked_moments(optimizer: dict[str, torch.Tensor], name: str, shape: torch
         raise CheckpointError(f"{OPTIMIZER_STATE}: the state of {name} is incomplete")
     if exp_avg.shape != shape or exp_avg_sq.shape != shape or step.numel() != 1:
         raise CheckpointError(f"{OPTIMIZER_STATE}: the state of {name} does not fit its weights")
+    if not (exp_avg.isfinite().all() and exp_avg_sq.isfinite().all()):
+        raise CheckpointError(f"{OPTIMIZER_STATE}: the moments of {name} hold values that are not finite")
     steps = float(step.item())
     if not (math.isfinite(steps) and 0 <= steps <= 1 << 53):
         raise CheckpointError(f"{OPTIMIZER_STATE}: the step count of {name} is not a count")

@@ -376,8 +376,49 @@ def _norms_per_tensor(tensors: list[list[tuple]]) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class SkippedStep:
+    """An optimizer step that was not applied: the adapter's weights and AdamW state are as before
+    it, and `reason` says why (for the user: their inputs or hyper-parameters made it non-finite)."""
+
+    reason: str
+
+
+class _StateCopy:
+    """An adapter's weights and AdamW state before a step, in one flat copy, to put back a step
+    whose result is not finite."""
+
+    def __init__(self, adapter: LoRAAdapter, params: list[torch.Tensor]):
+        self.state = adapter.optimizer.state
+        self.params = params
+        self.fresh = [p for p in params if p not in self.state]  # their state is made by this step
+        self.tensors = params + [self.state[p][k] for p in params if p in self.state
+                                 for k in ("exp_avg", "exp_avg_sq", "step")]
+        self.flat = torch.cat([t.reshape(-1) for t in self.tensors])  # one copy (dtypes promote)
+
+    def restore(self) -> None:
+        for t, saved in zip(self.tensors, self.flat.split([t.numel() for t in self.tensors])):
+            t.copy_(saved.view_as(t))
+        for p in self.fresh:
+            del self.state[p]
+
+
+def _finite(copies: list[_StateCopy]) -> list[bool]:
+    """Whether each adapter's weights are finite after its step (and not so large that their norm
+    overflows, which makes the next forward non-finite all the same); one host sync for all."""
+    flat = [p for c in copies for p in c.params]
+    if not flat:
+        return []
+    values = torch.stack(norms(flat)).isfinite().tolist()
+    out, i = [], 0
+    for c in copies:
+        out.append(all(values[i:i + len(c.params)]))
+        i += len(c.params)
+    return out
+
+
 def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None
-               ) -> list[dict[str, float]]:
+               ) -> list[dict[str, float] | SkippedStep]:
     """One AdamW step (decoupled weight decay) for each (adapter, its hyper-parameters).
 
     The step of many adapters costs about what one costs: the gradient norms of all of them
@@ -390,10 +431,17 @@ def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolic
     Clipping (grad_clip_norm > 0) scales an adapter's gradients by min(1, max_norm / (norm +
     1e-6)), as torch.nn.utils.clip_grad_norm_; the returned `grad_norm` is the norm before
     clipping. Tensors without a gradient are left alone (as torch.optim does).
+
+    A step that is not finite is skipped (`SkippedStep`), for that adapter only: a gradient norm
+    that is inf or NaN (huge loss weights or advantages), or weights that the update would make
+    non-finite (a huge learning_rate). Either way its gradients are dropped and its weights and
+    AdamW state stay as they were, so one tenant's numbers never poison its adapter for good.
     """
     with torch.no_grad():
         norms = grad_norms([adapter for adapter, _ in items], policy)
-        per_adapter = [[p for p in adapter.parameters() if p.grad is not None] for adapter, _ in items]
+        per_adapter = [[p for p in adapter.parameters() if p.grad is not None] if math.isfinite(norms[k]) else []
+                       for k, (adapter, _) in enumerate(items)]
+        copies = {k: _StateCopy(adapter, per_adapter[k]) for k, (adapter, _) in enumerate(items) if per_adapter[k]}
         clipped: list[torch.Tensor] = []
         factors: list[float] = []
         groups: dict[tuple, list[int]] = {}
@@ -425,9 +473,21 @@ def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolic
                     counters.setdefault(id(st["step"]), st["step"])
             adamw_update_(ps, gs, m1, m2, steps, list(counters.values()), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                           weight_decay=wd)
+        undone = {k for k, finite in zip(copies, _finite(list(copies.values()))) if not finite}
+        for k in undone:
+            copies[k].restore()
         zero_grads([adapter for adapter, _ in items])
-        results = []
+        results: list[dict[str, float] | SkippedStep] = []
         for k, (adapter, hp) in enumerate(items):
-            adapter.step += 1
-            results.append({"grad_norm": norms[k], "learning_rate": hp.learning_rate})
+            if not math.isfinite(norms[k]):
+                results.append(SkippedStep(f"the gradient norm is {norms[k]} (not finite), so the step was skipped "
+                                           "and the weights are unchanged; look for huge loss weights or advantages "
+                                           "in the forward_backward calls since the last step"))
+            elif k in undone:
+                results.append(SkippedStep(f"learning_rate {hp.learning_rate:g} would make the weights non-finite "
+                                           f"(gradient norm {norms[k]:g}), so the step was skipped and the weights "
+                                           "are unchanged; lower learning_rate"))
+            else:
+                adapter.step += 1
+                results.append({"grad_norm": norms[k], "learning_rate": hp.learning_rate})
         return results

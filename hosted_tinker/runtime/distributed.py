@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .. import faults
-from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, zero_grads
+from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, zero_grads
 from .invariance import FusionPolicy
 from .losses import merge_metrics
 from .pool_launch import RankPool
@@ -406,7 +406,7 @@ class PoolRuntime(RankRuntime):
         self._dirty.add(model_id)
         return adapter
 
-    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]:
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | SkippedStep]:
         results = super().optim_steps(steps)
         self._dirty.update(mid for mid, _ in steps)
         return results

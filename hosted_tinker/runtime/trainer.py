@@ -31,7 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, adamw_step, snapshot_gradient_rows
+from .adapters import (
+    AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, adamw_step, snapshot_gradient_rows,
+)
 from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
 from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
 from .graphs import CudaGraphCapture, StepGraphs
@@ -501,7 +503,7 @@ class TrainingRuntime:
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         return self.optim_steps([(model_id, params)])[0]
 
-    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float]]:
+    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | SkippedStep]:
         """Every ready model's AdamW step of a cycle, together (one fused kernel per distinct
         set of hyper-parameters; see `adamw_step`). Each model's result is as if stepped alone."""
         return adamw_step([(self.adapter(mid), params) for mid, params in steps], self.policy)

@@ -358,33 +358,58 @@ class SamplingEngine:
                     row.job.job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
 
     def _choose(self, group: _Group) -> None:
-        """Pick each row's next token, record it, retire finished rows and jobs."""
+        """Pick each row's next token, record it, retire finished rows and jobs. A row that cannot
+        have one fails its own job, whose rows leave the group; the other jobs go on."""
+        finite = torch.isfinite(group.next_logits).all(dim=-1).tolist()
         logprobs_all = torch.log_softmax(group.next_logits, dim=-1)
         keep: list[int] = []
         for r, row in enumerate(group.rows):
-            job = row.job.job
-            token = _pick(group.next_logits[r], job, row.generator)
-            row.tokens.append(token)
-            row.logprobs.append(float(logprobs_all[r, token]))
-            if job.topk_sample_logprobs:
-                top = torch.topk(logprobs_all[r], job.topk_sample_logprobs)
-                row.topk_ids.append(top.indices.tolist())
-                row.topk_lps.append(top.values.tolist())
-            self.tokens_generated += 1
-            if token in job.stop_token_ids or (job.stop_strings and self._hit_stop_string(row, job)):
-                row.stop_reason = "stop"
-            elif len(row.tokens) >= job.max_tokens:
-                row.stop_reason = "length"
-            if job.on_token is not None:
-                _report_token(job, row)
-            if row.stop_reason is None:
-                keep.append(r)
-            else:
+            if not finite[r]:
+                self._fail_job(row, "the next-token logits are not finite (NaN or inf): the sampler weights make the "
+                                    "model's outputs non-finite, so nothing can be sampled from them")
+            if row.job.failed:
+                continue
+            try:
+                done = self._next_token(row, group.next_logits[r], logprobs_all[r])
+            except Exception as e:
+                log.exception("choosing a sampled token failed")
+                self._fail_job(row, f"sampling failed on the server: {type(e).__name__}: {e}")
+                continue
+            if done:
                 self._finish_row(row)
+            else:
+                keep.append(r)
+        keep = [r for r in keep if not group.rows[r].job.failed]  # a job failed by a later row of its own
         if len(keep) < len(group.rows):
             self._keep_rows(group, keep)
             if not keep:
                 self._groups.remove(group)
+
+    def _next_token(self, row: _Row, logits: torch.Tensor, logprobs: torch.Tensor) -> bool:
+        """Pick and record `row`'s next token; whether the row is finished."""
+        job = row.job.job
+        token = _pick(logits, job, row.generator)
+        row.tokens.append(token)
+        row.logprobs.append(float(logprobs[token]))
+        if job.topk_sample_logprobs:
+            top = torch.topk(logprobs, job.topk_sample_logprobs)
+            row.topk_ids.append(top.indices.tolist())
+            row.topk_lps.append(top.values.tolist())
+        self.tokens_generated += 1
+        if token in job.stop_token_ids or (job.stop_strings and self._hit_stop_string(row, job)):
+            row.stop_reason = "stop"
+        elif len(row.tokens) >= job.max_tokens:
+            row.stop_reason = "length"
+        if job.on_token is not None:
+            _report_token(job, row)
+        return row.stop_reason is not None
+
+    @staticmethod
+    def _fail_job(row: _Row, reason: str) -> None:
+        """Fail the job of `row` (once); the caller drops its rows."""
+        if not row.job.failed:
+            row.job.failed = True
+            row.job.job.on_error(reason)
 
     def _keep_rows(self, group: _Group, keep: list[int]) -> None:
         """Retire every row of `group` but those at the indices `keep` (their KV cache rows too)."""

@@ -194,6 +194,15 @@ class TrainingRequests:
 
         return self._submit(owner, served, model_id, seq_id, "load_weights", checked_spec)
 
+    def refused(self, owner: str, model_id: str, seq_id: int) -> None:
+        """A request of `model_id` at `seq_id` was refused before it was queued (its body, its schema,
+        a limit): the seq_id counts as done, so the model's next request runs at once instead of
+        waiting out the scheduler's gap timeout. Only the owner's refusals count: another key's
+        request naming this model must not close a gap the owner's own request may still fill."""
+        row = self.store.get_model(model_id)
+        if row is not None and row["owner"] == owner and row["base_model"] in self.server.models.names:
+            self._owner_model(row).scheduler.skip(model_id, seq_id)
+
     def _owner_model(self, row) -> ServedModel:
         """The served model a training model was made on: every request about it goes there."""
         return served_model(self.server, row["base_model"])
@@ -207,17 +216,16 @@ class TrainingRequests:
             return future_ref(existing, model_id)
         try:
             payload = make_payload()
-        except HTTPException:
-            scheduler.skip(model_id, seq_id)
-            raise
+            limit = self.config.max_pending_per_key
+            if self.futures.pending(owner) >= limit:
+                raise HTTPException(429, f"this API key has {limit} unfinished requests (max_pending_per_key); "
+                                         "wait for some to finish", headers={"Retry-After": "1"})
         except (LossInputError, WireError, ValueError) as e:
             scheduler.skip(model_id, seq_id)
             raise HTTPException(400, str(e)) from None
-        limit = self.config.max_pending_per_key
-        if self.futures.pending(owner) >= limit:
+        except Exception:  # a refusal (HTTPException) or a bug: either way this seq_id is never queued
             scheduler.skip(model_id, seq_id)
-            raise HTTPException(429, f"this API key has {limit} unfinished requests (max_pending_per_key); wait "
-                                     "for some to finish", headers={"Retry-After": "1"})
+            raise
         expected = scheduler.expected_seq(model_id)
         if expected is not None and seq_id < expected:
             raise HTTPException(400, f"seq_id {seq_id} of model {model_id!r} is below the next expected seq_id "

@@ -70,6 +70,10 @@ _ZSTD_INPUT_STEP = 1024  # one zstd block (>= 4 bytes) yields at most 128 KiB: <
 class WireError(ValueError):
     """A malformed request body; message says what is wrong (shown to the user as a 400)."""
 
+    # (model_id, seq_id) when the request's envelope parsed and only its data is malformed: the
+    # refusal can still count that seq_id as done (services/training.py `refused`).
+    request: tuple[str, int] | None = None
+
 
 @dataclass(frozen=True)
 class ProvenanceSpan:
@@ -135,14 +139,18 @@ def decode_forward_backward_request(
     except Exception as e:  # DecodeError from upb; the pure-Python parser also leaks e.g. UnicodeDecodeError
         raise WireError(f"body is not a valid ForwardBackwardRequest protobuf ({e})") from None
     allowance = _Allowance(max_decompressed_bytes)
-    return ForwardBackwardCall(
-        model_id=msg.model_id,
-        seq_id=msg.seq_id,
-        data=[_decode_datum(f"data[{i}]", d, allowance) for i, d in enumerate(msg.data)],
-        loss_fn=msg.loss_fn,
-        loss_fn_config=_decode_loss_fn_config(msg),
-        forward_only=msg.forward_only,
-    )
+    try:
+        return ForwardBackwardCall(
+            model_id=msg.model_id,
+            seq_id=msg.seq_id,
+            data=[_decode_datum(f"data[{i}]", d, allowance) for i, d in enumerate(msg.data)],
+            loss_fn=msg.loss_fn,
+            loss_fn_config=_decode_loss_fn_config(msg),
+            forward_only=msg.forward_only,
+        )
+    except WireError as e:
+        e.request = (msg.model_id, msg.seq_id)
+        raise
 
 
 class _Allowance:
