@@ -2,8 +2,9 @@
 
 math_rl (arithmetic, importance_sampling) samples with the server's engine and trains on the
 rewards; chat_sl trains on a local JSONL of conversations; the decisions recipes (issue 27) score
-their choices with target_prompt_logprobs, on a small stand-in for the Prophet Arena CSV. The model is a tiny one served under
-a cookbook-known name from a fake Hugging Face cache (see test_cookbook_sl_loop.py).
+their choices with target_prompt_logprobs, on a small stand-in for the Prophet Arena CSV. The model
+is a tiny one served under a cookbook-known name from a fake Hugging Face cache (see
+test_cookbook_sl_loop.py).
 """
 
 from __future__ import annotations
