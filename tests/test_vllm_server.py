@@ -7,7 +7,8 @@ cannot run the embedded model's head_dim 16) installed in a fake Hugging Face ca
 cookbook name (offline_hub.py), so the cookbook's math_rl runs against it unchanged.
 
 What it shows: every step's adapter reaches vLLM and vLLM's sampled-token logprobs equal the
-training forward's (1e-4, fp32); OpenAI requests naming a training run follow its training;
+training forward's (1e-4, fp32); target_prompt_logprobs and prompt_alt_tokens_k are vLLM's and equal a
+plain forward's; OpenAI requests naming a training run follow its training;
 snapshot sessions keep their version, pinned when opened; Tinker and OpenAI answers and errors
 equal the built-in engine's; a client that leaves cancels its vLLM request; kill -9 of vLLM's
 process group mid-request is recovered without user action; kill -9 of the server takes its vLLM
@@ -30,10 +31,11 @@ import numpy as np
 import openai
 import pytest
 import tinker
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 from tinker.types import RequestErrorCategory
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import checkpoint_dir, logprobs_of, sft_datum
 from hosted_tinker.sampling.vllm_adapters import AdapterVersions
@@ -181,6 +183,45 @@ def test_every_step_is_synced_and_vllm_samples_with_trainings_logprobs(srv, clie
             assert len(tokens) == 8
             trained = logprobs_of(tc.forward([sft_datum(PROMPT + tokens)], "cross_entropy").result())[0]
             np.testing.assert_allclose(choice.logprobs.token_logprobs, trained[-len(tokens):], atol=1e-4)
+
+
+def test_prompt_scoring_on_vllm_equals_a_plain_forward(srv, clients, hub):
+    """target_prompt_logprobs (dense, CSR) and prompt_alt_tokens_k served by vLLM (issue 27), against
+    log_softmax of a plain forward of the model at every prompt position (row i predicts PROMPT[i + 1])."""
+    sc, _ = clients
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(hub[1], dtype=torch.float32)(torch.tensor([PROMPT])).logits
+    reference = torch.log_softmax(logits[0, :-1], dim=-1).numpy()
+    rows = len(PROMPT) - 1
+    sampler = sc.create_sampling_client(base_model=MODEL).result()
+
+    def sample(temperature=0.0, seed=None, **kw):
+        params = types.SamplingParams(max_tokens=1, temperature=temperature, seed=seed)
+        return sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params, **kw).result()
+
+    to_builtin = metric(srv, "hosted_tinker_vllm_jobs_to_builtin_total")
+    served = metric(srv, "hosted_tinker_vllm_requests_total")
+    dense = np.random.default_rng(0).integers(0, reference.shape[1], (rows, 3))
+    dense[1, 1:] = -1
+    sparse = torch.full((rows, 4), -1, dtype=torch.int64)
+    sparse[rows - 1] = torch.tensor([65, 66, 67, 68])
+    for ids, request in ((dense, types.TensorData.from_numpy(dense)),
+                         (sparse.numpy(), types.TensorData.from_torch_sparse(sparse, pad_value=-1))):
+        got = sample(target_prompt_logprobs=request).target_prompt_logprobs
+        assert got.shape == list(ids.shape) and got.sparse_crow_indices == request.sparse_crow_indices
+        want = np.where(ids >= 0, np.take_along_axis(reference, np.maximum(ids, 0), 1), 0.0)
+        np.testing.assert_allclose(got.to_numpy(), want, atol=1e-4, rtol=0)
+    greedy = sample(prompt_alt_tokens_k=3).prompt_alt_tokens
+    assert (greedy.tokens.to_numpy() == reference.argmax(-1)[:, None]).all()
+    np.testing.assert_allclose(greedy.logprobs.to_numpy(), reference.max(-1, keepdims=True).repeat(3, 1), atol=1e-4)
+    drawn = [sample(1.0, seed, prompt_alt_tokens_k=16).prompt_alt_tokens for seed in (3, 3, 4)]
+    tokens = drawn[0].tokens.to_numpy()
+    np.testing.assert_array_equal(drawn[1].tokens.to_numpy(), tokens)
+    assert not np.array_equal(drawn[2].tokens.to_numpy(), tokens)
+    np.testing.assert_allclose(drawn[0].logprobs.to_numpy(), np.take_along_axis(reference, tokens, 1), atol=1e-4)
+    assert (tokens != reference.argmax(-1)[:, None]).any()  # drawn at temperature 1, not only the argmax
+    assert metric(srv, "hosted_tinker_vllm_jobs_to_builtin_total") == to_builtin  # vLLM served them all
+    assert metric(srv, "hosted_tinker_vllm_requests_total") == served + 6  # jobs (a job's per-row requests are its own)
 
 
 def test_openai_answers_follow_training_while_a_snapshot_session_keeps_its_version(srv, clients, tok):

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Depends, HTTPException
 from pydantic import Field
 
 from ..access import Access
 from ..checkpoints.paths import TinkerPath
 from ..sampling.engine import SampleJob
+from ..sampling.prompt_scoring import MAX_PROMPT_K, CsrLayout, PromptTargets
 from ..sampling.records import sequence_ids
 from ..server import Server
 from ..served_models import ServedModel
@@ -39,6 +41,16 @@ class SamplingParamsIn(Body):
     top_p: float = Field(1.0, gt=0, le=1)
 
 
+class TensorDataIn(Body):
+    """The SDK's `TensorData` as JSON: flat `data`, and for sparse CSR the row pointers and column indices."""
+
+    data: list[int | float]
+    dtype: str
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
 class AsampleRequest(Body):
     sampling_session_id: str
     seq_id: int = Field(ge=0)
@@ -48,9 +60,9 @@ class AsampleRequest(Body):
     prompt_logprobs: bool | None = False
     topk_prompt_logprobs: int = Field(0, ge=0, le=100)
     topk_sample_logprobs: int = Field(0, ge=0, le=100)
-    prompt_alt_tokens_k: int = Field(0, ge=0)
+    prompt_alt_tokens_k: int = Field(0, ge=0, le=MAX_PROMPT_K)
     prompt_logprobs_last_n: int | None = Field(None, ge=1)
-    target_prompt_logprobs: dict | None = None
+    target_prompt_logprobs: TensorDataIn | None = None
     record_stability_info: bool | None = False
 
 
@@ -101,10 +113,6 @@ def _prompt_tokens(prompt: dict) -> list[int]:
 def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
     """Validate a sample request against the model it samples and the server's limits."""
     cfg, runtime = server.config, served.runtime
-    if body.prompt_alt_tokens_k:
-        raise HTTPException(400, "prompt_alt_tokens_k is not supported by this server")
-    if body.target_prompt_logprobs is not None:
-        raise HTTPException(400, "target_prompt_logprobs is not supported by this server; use topk_prompt_logprobs")
     if body.num_samples > cfg.max_num_samples:
         raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples}")
     prompt = _prompt_tokens(body.prompt)
@@ -113,6 +121,9 @@ def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter
     bad = [t for t in prompt if not 0 <= t < runtime.vocab_size]
     if bad:
         raise HTTPException(400, f"prompt token {bad[0]} is outside the vocabulary [0, {runtime.vocab_size})")
+    targets = None
+    if body.target_prompt_logprobs is not None:
+        targets = prompt_targets(body.target_prompt_logprobs, len(prompt), runtime.vocab_size)
     n_last = body.prompt_logprobs_last_n
     if n_last is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs):
         raise HTTPException(400, "prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs")
@@ -148,7 +159,56 @@ def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter
         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
         stop_token_ids=stop_ids, stop_strings=stop_strings, prompt_logprobs=bool(body.prompt_logprobs),
         topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
-        prompt_logprobs_last_n=n_last)
+        prompt_logprobs_last_n=n_last, prompt_targets=targets, prompt_alt_tokens_k=body.prompt_alt_tokens_k)
+
+
+def prompt_targets(t: TensorDataIn, prompt_len: int, vocab_size: int) -> PromptTargets:
+    """`target_prompt_logprobs` checked against the prompt and the vocabulary (see prompt_scoring.py)."""
+    field = "target_prompt_logprobs"
+    if t.dtype != "int64":
+        raise HTTPException(400, f"{field} must be an int64 tensor of token ids, got dtype {t.dtype!r}")
+    rows = prompt_len - 1
+    if t.shape is None or len(t.shape) != 2 or t.shape[0] != rows or not 1 <= t.shape[1] <= MAX_PROMPT_K:
+        raise HTTPException(400, f"{field} has shape {t.shape}; expected [len(prompt) - 1, K] = [{rows}, K] "
+                                 f"with 1 <= K <= {MAX_PROMPT_K}")
+    values = np.asarray(t.data)
+    if values.size and values.dtype.kind != "i":
+        raise HTTPException(400, f"{field} values must be integer token ids (or -1), within int64")
+    sparse = t.sparse_crow_indices is not None or t.sparse_col_indices is not None
+    layout = _csr_layout(t, rows, t.shape[1]) if sparse else None
+    expected = layout.col.size if layout is not None else rows * t.shape[1]
+    if values.size != expected:
+        raise HTTPException(400, f"{field} has {values.size} values, expected {expected} "
+                                 f"({'one per sparse_col_indices entry' if sparse else f'dense shape {t.shape}'})")
+    bad = values[(values < -1) | (values >= vocab_size)]
+    if bad.size:
+        raise HTTPException(400, f"{field} token {int(bad[0])} is outside the vocabulary [0, {vocab_size}) "
+                                 "(-1 asks for nothing)")
+    ids = np.full((rows, t.shape[1]), -1, dtype=np.int64)
+    if layout is None:
+        ids[:] = values.reshape(rows, t.shape[1])
+    else:
+        ids[layout.cells()] = values
+    return PromptTargets(ids, layout)
+
+
+def _csr_layout(t: TensorDataIn, rows: int, cols: int) -> CsrLayout:
+    """The cells a sparse CSR `target_prompt_logprobs` lists, checked as torch's `check_invariants` would."""
+    where = "target_prompt_logprobs sparse CSR"
+    if t.sparse_crow_indices is None or t.sparse_col_indices is None:
+        raise HTTPException(400, f"{where}: sparse_crow_indices and sparse_col_indices go together")
+    crow = np.asarray(t.sparse_crow_indices, dtype=np.int64)
+    col = np.asarray(t.sparse_col_indices, dtype=np.int64)
+    if crow.size != rows + 1 or crow[0] != 0 or crow[-1] != col.size or (np.diff(crow) < 0).any():
+        raise HTTPException(400, f"{where}: sparse_crow_indices must have {rows + 1} entries (rows + 1), rising from "
+                                 f"0 to the number of sparse_col_indices ({col.size})")
+    if col.size and (col.min() < 0 or col.max() >= cols):
+        raise HTTPException(400, f"{where}: sparse_col_indices must be in [0, {cols})")
+    layout = CsrLayout(crow, col)
+    row = layout.cells()[0]
+    if ((row[1:] == row[:-1]) & (col[1:] <= col[:-1])).any():
+        raise HTTPException(400, f"{where}: sparse_col_indices must be strictly increasing within each row")
+    return layout
 
 
 @router.post("/api/v1/asample")

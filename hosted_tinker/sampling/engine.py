@@ -37,6 +37,8 @@ from transformers import DynamicCache
 from ..runtime.multi_lora import LoRARouting
 from ..runtime.packing import segments_of
 from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
+from .prompt_scoring import (PromptAlternatives, PromptTargets, ScoredTargets, alternatives_seed, draw_alternatives,
+                             score_targets)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class SampleJob:
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
+    prompt_targets: PromptTargets | None = None  # target_prompt_logprobs (prompt_scoring.py)
+    prompt_alt_tokens_k: int = 0
     on_done: Callable[["SampleResult"], None] = lambda r: None
     on_error: Callable[[str], None] = lambda msg: None
     # Streaming (optional): called on the cycle thread for every chosen token, before on_done, as
@@ -87,6 +91,8 @@ class SampleResult:
     prompt_logprobs: np.ndarray | None  # float32 [len(prompt)], NaN at 0 and at unscored positions
     topk_prompt_ids: np.ndarray | None  # int [len(prompt), k]
     topk_prompt_logprobs: np.ndarray | None
+    target_prompt_logprobs: ScoredTargets | None = None
+    prompt_alt_tokens: PromptAlternatives | None = None
 
 
 @dataclass
@@ -108,6 +114,7 @@ class _JobState:
     rows_left: int
     results: list[SequenceResult | None]
     prompt_info: tuple = (None, None, None)
+    prompt_scores: tuple = (None, None)  # (ScoredTargets, PromptAlternatives), each None unless asked
     failed: bool = False
 
 
@@ -290,7 +297,7 @@ class SamplingEngine:
             mask[r, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        need_prompt = any(st.job.prompt_logprobs or st.job.topk_prompt_logprobs for st, _ in states)
+        need_prompt = any(_needs_prompt_logits(st.job) for st, _ in states)
         cache = DynamicCache()
         with self.routing.batch(segments_of([aid for _, aid in states]), exact=self.exact_lora):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
@@ -299,6 +306,8 @@ class SamplingEngine:
         for r, (st, _) in enumerate(states):
             if st.job.prompt_logprobs or st.job.topk_prompt_logprobs:
                 st.prompt_info = _prompt_logprobs(st.job, logits[r, width - len(st.job.prompt):])
+            if st.job.prompt_targets is not None or st.job.prompt_alt_tokens_k:
+                st.prompt_scores = _prompt_scores(st.job, logits[r, width - len(st.job.prompt):])
         # Share the prefill across num_samples: repeat each prompt's cache row.
         expand = torch.tensor([r for r, (st, _) in enumerate(states) for _ in range(st.job.num_samples)],
                               device=self.device)
@@ -437,10 +446,12 @@ class SamplingEngine:
         st.rows_left -= 1
         if st.rows_left == 0 and not st.failed:
             lp, ids, lps = st.prompt_info
+            targets, alternatives = st.prompt_scores
             self.requests_done += 1
             try:
                 job.on_done(SampleResult(sequences=st.results, prompt_logprobs=lp, topk_prompt_ids=ids,
-                                         topk_prompt_logprobs=lps))
+                                         topk_prompt_logprobs=lps, target_prompt_logprobs=targets,
+                                         prompt_alt_tokens=alternatives))
             except Exception as e:  # encoding the answer failed: the request fails, others go on
                 log.exception("delivering a sample result failed")
                 job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
@@ -492,6 +503,25 @@ def _pick(logits: torch.Tensor, job: SampleJob, generator: torch.Generator) -> i
         scaled = torch.full_like(scaled, -math.inf).scatter(0, order, sorted_logits)
     probs = torch.softmax(scaled, dim=-1).cpu()
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _needs_prompt_logits(job: SampleJob) -> bool:
+    return bool(job.prompt_logprobs or job.topk_prompt_logprobs or job.prompt_targets is not None
+                or job.prompt_alt_tokens_k)
+
+
+def _prompt_scores(job: SampleJob, logits: torch.Tensor) -> tuple:
+    """(target_prompt_logprobs, prompt_alt_tokens) of `job` from its prompt's logits [len(prompt), vocab]."""
+    predicting = logits[:-1]  # row i predicts prompt[i + 1]; the last row predicts the first sample
+    targets = alternatives = None
+    if job.prompt_targets is not None:
+        targets = score_targets(torch.log_softmax(predicting, dim=-1), job.prompt_targets)
+    if job.prompt_alt_tokens_k:
+        gen = torch.Generator(device="cpu")
+        seed = alternatives_seed(job.seed)
+        gen.manual_seed(_row_seed(None, 0) if seed is None else seed)
+        alternatives = draw_alternatives(predicting, job.prompt_alt_tokens_k, job.temperature, gen)
+    return targets, alternatives
 
 
 def _prompt_logprobs(job: SampleJob, logits: torch.Tensor):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..futures import FutureStore
-from ..wire.codec import SampledSequenceOut, TopkOut, encode_sample_response
+from ..wire.codec import SampledSequenceOut, TensorOut, TopkOut, encode_sample_response
 from .backend import SamplingBackend
 from .engine import SampleJob, SampleResult
 
@@ -83,4 +83,12 @@ def encode_result(result: SampleResult) -> bytes:
     topk_prompt = None
     if result.topk_prompt_ids is not None:
         topk_prompt = TopkOut(token_ids=result.topk_prompt_ids, logprobs=result.topk_prompt_logprobs)
-    return encode_sample_response(seqs, prompt_logprobs=result.prompt_logprobs, topk_prompt_logprobs=topk_prompt)
+    targets = alternatives = None
+    if result.target_prompt_logprobs is not None:
+        scored = result.target_prompt_logprobs
+        layout = None if scored.layout is None else (scored.layout.crow, scored.layout.col)
+        targets = TensorOut(scored.logprobs, layout)
+    if result.prompt_alt_tokens is not None:
+        alternatives = (result.prompt_alt_tokens.tokens, result.prompt_alt_tokens.logprobs)
+    return encode_sample_response(seqs, prompt_logprobs=result.prompt_logprobs, topk_prompt_logprobs=topk_prompt,
+                                  target_prompt_logprobs=targets, prompt_alt_tokens=alternatives)

@@ -17,6 +17,14 @@ built-in engine's semantics (`engine.py`):
   streams differ from the built-in engine's: same distribution, not the same draws).
 - prompt logprobs and their top-k: exact logprob of each prompt token, top-k by rank, NaN / 0 /
   -99999 outside `prompt_logprobs_last_n`, as the built-in engine lays them out.
+- `target_prompt_logprobs` (prompt_scoring.py): vLLM's prompt logprobs give only a top-k and the
+  prompt's own token, not chosen ones, so each prompt row that asks for tokens is one more request
+  for `prompt[:row + 1]` with one greedy token and `logprob_token_ids` = the row's tokens: vLLM
+  returns their raw logprobs at that position exactly (clamped at -9999, as all its logprobs). Those
+  requests share the prompt's prefix in vLLM's prefix cache.
+- `prompt_alt_tokens_k`: likewise one request per prompt row for `prompt[:row + 1]`, drawing k
+  one-token samples at the job's temperature (no top-k, top-p), each row seeded apart from the
+  others when the job has a seed (same seed, same draws; not the built-in engine's draws).
 
 What it cannot serve, it says (`refusal`), so that the server routes those jobs to the built-in
 engine instead, explicitly: prompt logprobs while vLLM runs with lm_head LoRA (its batched
@@ -44,12 +52,14 @@ import httpx
 import numpy as np
 
 from .engine import SampleJob, SampleResult, SequenceResult
+from .prompt_scoring import MAX_PROMPT_K, PromptAlternatives, ScoredTargets, alternatives_seed
 from .vllm_adapters import AdapterUnavailable, AdapterVersion, AdapterVersions
 from .vllm_sidecar import VLLMSidecar, VLLMUnavailable
 
 log = logging.getLogger(__name__)
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: lower temperatures sample greedily
+PROMPT_ROW_REQUESTS = 8  # a job's per-row requests (target logprobs, alternative draws) in flight at once
 
 
 @dataclass
@@ -103,6 +113,25 @@ def completion_body(job: SampleJob, model: str) -> dict:
     if job.prompt_logprobs or job.topk_prompt_logprobs:
         body["prompt_logprobs"] = job.topk_prompt_logprobs
     return body
+
+
+def prompt_row_body(job: SampleJob, body: dict, row: int, **fields) -> dict:
+    """A one-token request at prompt row `row` (predicting prompt[row + 1]) on the model of `body`."""
+    return {**{k: v for k, v in body.items() if k != "prompt_logprobs"}, "prompt": list(job.prompt[:row + 1]),
+            "max_tokens": 1, "stop": [], "stop_token_ids": [], "logprobs": 0, **fields}
+
+
+def target_row_body(job: SampleJob, body: dict, row: int) -> dict:
+    ids = sorted({int(t) for t in job.prompt_targets.ids[row] if t >= 0})
+    return prompt_row_body(job, body, row, n=1, temperature=0.0, seed=None, logprob_token_ids=ids)
+
+
+def alternatives_row_body(job: SampleJob, body: dict, row: int) -> dict:
+    greedy = job.temperature < GREEDY_BELOW
+    seed = alternatives_seed(job.seed)
+    return prompt_row_body(job, body, row, n=1 if greedy else job.prompt_alt_tokens_k,
+                           temperature=0.0 if greedy else job.temperature, top_k=-1, top_p=1.0,
+                           seed=None if seed is None else (seed + row * MAX_PROMPT_K) % (1 << 63))
 
 
 def prompt_arrays(job: SampleJob, entries: list) -> tuple:
@@ -300,15 +329,60 @@ class VLLMSamplingBackend:
         lp = ids = vals = None
         if job.prompt_logprobs or job.topk_prompt_logprobs:
             lp, ids, vals = prompt_arrays(job, prompt_entries)
-        return SampleResult(sequences=sequences, prompt_logprobs=lp, topk_prompt_ids=ids, topk_prompt_logprobs=vals)
+        targets = await self._score_targets(job, body) if job.prompt_targets is not None else None
+        alternatives = await self._draw_alternatives(job, body) if job.prompt_alt_tokens_k else None
+        return SampleResult(sequences=sequences, prompt_logprobs=lp, topk_prompt_ids=ids, topk_prompt_logprobs=vals,
+                            target_prompt_logprobs=targets, prompt_alt_tokens=alternatives)
 
-    async def _complete(self, body: dict) -> tuple[list[_Choice], list | None]:
+    async def _per_row(self, rows: list[int], request) -> list:
+        """`await request(row)` for each of `rows`, a few at a time; their answers in order."""
+        gate = asyncio.Semaphore(PROMPT_ROW_REQUESTS)
+
+        async def one(row: int):
+            async with gate:
+                return await request(row)
+        return await asyncio.gather(*(one(row) for row in rows))
+
+    async def _score_targets(self, job: SampleJob, body: dict) -> ScoredTargets:
+        targets = job.prompt_targets
+        rows = targets.requested_rows()
+
+        async def row_scores(row: int) -> dict[int, float]:
+            data = await self._post(target_row_body(job, body, row))
+            entries = data["choices"][0]["logprobs"]["top_logprobs"][0]
+            return {_sample_token_id(t): float(lp) for t, lp in entries.items()}
+
+        logprobs = np.zeros(targets.ids.shape, dtype=np.float32)
+        for row, scores in zip(rows, await self._per_row(rows, row_scores)):
+            for col, token in enumerate(targets.ids[row]):
+                if token >= 0:
+                    logprobs[row, col] = scores[int(token)]
+        return ScoredTargets(logprobs, targets.layout)
+
+    async def _draw_alternatives(self, job: SampleJob, body: dict) -> PromptAlternatives:
+        k, rows = job.prompt_alt_tokens_k, list(range(len(job.prompt) - 1))
+
+        async def row_draws(row: int) -> list[_Choice]:
+            return (await self._complete(alternatives_row_body(job, body, row)))[0]
+
+        tokens = np.zeros((len(rows), k), dtype=np.int64)
+        logprobs = np.zeros((len(rows), k), dtype=np.float32)
+        for row, choices in zip(rows, await self._per_row(rows, row_draws)):
+            drawn = [c for c in choices for _ in range(k // len(choices))]  # greedy: one draw, k times
+            tokens[row] = [c.tokens[0] for c in drawn]
+            logprobs[row] = [c.logprobs[0] for c in drawn]
+        return PromptAlternatives(tokens, logprobs)
+
+    async def _post(self, body: dict) -> dict:
         try:
             r = await self._client.post("/v1/completions", json=body)
         except httpx.HTTPError as e:
             raise self._lost(e) from None
         self._check(r.status_code, r.text)
-        data = r.json()
+        return r.json()
+
+    async def _complete(self, body: dict) -> tuple[list[_Choice], list | None]:
+        data = await self._post(body)
         choices = [_Choice() for _ in range(body["n"])]
         prompt_entries = None
         for ch in data["choices"]:

@@ -25,8 +25,8 @@ from . import checkpoint_base_model, served_model
 
 
 def requested_tokens(job: SampleJob) -> int:
-    """The most tokens a job can generate: what it may cost the engine."""
-    return job.num_samples * job.max_tokens
+    """The most tokens a job can draw: its samples' and its prompt_alt_tokens_k draws at every prompt position."""
+    return job.num_samples * job.max_tokens + (len(job.prompt) - 1) * job.prompt_alt_tokens_k
 
 
 class SamplingAllowance:
@@ -117,8 +117,9 @@ class SamplingRequests:
         limit = self.config.max_sampled_tokens_per_request
         if tokens > limit:
             raise HTTPException(400, f"this request asks for up to {tokens} sampled tokens (prompts x samples x "
-                                     f"max_tokens); the limit is {limit} (max_sampled_tokens_per_request): ask for "
-                                     "fewer samples or fewer max_tokens per request")
+                                     f"max_tokens, plus prompt positions x prompt_alt_tokens_k); the limit is {limit} "
+                                     "(max_sampled_tokens_per_request): ask for fewer samples or fewer max_tokens "
+                                     "per request")
         for job in jobs:
             self._check_stops(job.stop_strings)
             reason = served.sampler.refusal(job)

@@ -46,6 +46,7 @@ from . import tinker_wire_pb2 as pb
 
 __all__ = [
     "TOPK_EMPTY_LOGPROB",
+    "TensorOut",
     "ForwardBackwardCall",
     "ProvenanceSpan",
     "SampledSequenceOut",
@@ -109,6 +110,15 @@ class ForwardBackwardCall:
 class TopkOut:
     token_ids: np.ndarray  # int [length, k]; empty cell: 0
     logprobs: np.ndarray  # float [length, k]; empty cell: TOPK_EMPTY_LOGPROB
+
+
+@dataclass
+class TensorOut:
+    """A 2-D tensor for a ``SampleResponse``: ``dense`` is its every value; with ``csr`` = (crow, col), int64,
+    only those cells go out, as sparse CSR (the layout the request used)."""
+
+    dense: np.ndarray
+    csr: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -382,10 +392,14 @@ def encode_sample_response(
     prompt_logprobs: np.ndarray | None = None,
     topk_prompt_logprobs: TopkOut | None = None,
     prompt_cache_hit_tokens: int = 0,
+    target_prompt_logprobs: TensorOut | None = None,
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> bytes:
     """Encode a ``SampleResponse``.
 
     ``prompt_logprobs`` has one float per prompt token, NaN where there is none (always index 0).
+    ``target_prompt_logprobs`` is float32 ``[len(prompt) - 1, K]``; ``prompt_alt_tokens`` is (token ids,
+    logprobs), both ``[len(prompt) - 1, k]``, sent dense as int64 and float32.
     """
     msg = pb.SampleResponse(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
     for i, seq in enumerate(sequences):
@@ -404,7 +418,28 @@ def encode_sample_response(
         msg.prompt_logprobs = np.asarray(prompt_logprobs, _F32).reshape(-1).tobytes()
     if topk_prompt_logprobs is not None:
         _fill_topk(msg.topk_prompt_logprobs, topk_prompt_logprobs, "prompt top-k")
+    if target_prompt_logprobs is not None:
+        _fill_tensor(msg.target_prompt_logprobs, target_prompt_logprobs, _F32)
+    if prompt_alt_tokens is not None:
+        tokens, logprobs = prompt_alt_tokens
+        _fill_tensor(msg.prompt_alt_tokens.tokens, TensorOut(tokens), _I64)
+        _fill_tensor(msg.prompt_alt_tokens.logprobs, TensorOut(logprobs), _F32)
     return msg.SerializeToString()
+
+
+def _fill_tensor(msg: pb.Tensor, tensor: TensorOut, dtype: np.dtype) -> None:
+    """A 2-D ``Tensor`` as the SDK's ``_tensor_data_from_proto`` reads it: values in ``dtype``, CSR indices int64."""
+    dense = np.asarray(tensor.dense)
+    msg.dtype = pb.DTYPE_FLOAT32 if dtype == _F32 else pb.DTYPE_INT64
+    msg.shape.extend(dense.shape)
+    if tensor.csr is None:
+        msg.dense = dense.astype(dtype).tobytes()
+        return
+    crow, col = (np.asarray(a, _I64) for a in tensor.csr)
+    rows = np.repeat(np.arange(crow.size - 1), np.diff(crow))
+    msg.sparse_csr.values = dense[rows, col].astype(dtype).tobytes()
+    msg.sparse_csr.crow_indices = crow.tobytes()
+    msg.sparse_csr.col_indices = col.tobytes()
 
 
 def _int32_bytes(values: list[int] | np.ndarray, what: str) -> bytes:
