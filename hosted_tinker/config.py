@@ -150,6 +150,11 @@ class ServerConfig(BaseSettings):
                              "(FIFO) and one larger than all of it is refused with a 400. 0 = auto: on CUDA half "
                              "the device's free memory at start-up over the model's KV bytes per token; on CPU "
                              f"{DEFAULT_KV_TOKENS} (set it to bound a large model's KV cache there)")
+    max_sampling_kv_share_per_key: float = Field(
+        0.5, gt=0, le=1, description="the part of the built-in sampler's KV-cache budget one API key's running "
+                                     "requests may hold together: its other jobs wait without holding back other "
+                                     "keys' jobs that fit, and one job larger than this share is refused with a "
+                                     "400. 1 = no per-key share (one key may hold the whole cache)")
     max_stop_strings: int = Field(64, ge=1, description="stop strings in one sample request; beyond it, 400")
     max_stop_strings_bytes: int = Field(
         4096, ge=1, description="total UTF-8 bytes of one sample request's stop strings (each generated token is "

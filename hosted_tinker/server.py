@@ -106,6 +106,7 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
     kv_budget = choose_kv_budget(config.max_sampling_kv_tokens, model, device)  # after the model is loaded
     backend: SamplingBackend = EngineBackend(
         SamplingEngine(model, runtime.routing, tokenizer, device, kv_budget_tokens=kv_budget.tokens,
+                       kv_share_per_key=config.max_sampling_kv_share_per_key,
                        on_request_done=functools.partial(observer.observe_sample, name)),
         SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set, runtime)
     if config.samples_on_vllm:  # one served model (preflight)

@@ -130,3 +130,26 @@ def test_the_budget_setting_and_its_automatic_value(model_parts):
     assert choose_kv_budget(1234, model, torch.device("cpu")).tokens == 1234
     auto = choose_kv_budget(0, model, torch.device("cpu"))
     assert auto.tokens == DEFAULT_KV_TOKENS and "max_sampling_kv_tokens" in auto.how
+
+
+def test_a_key_over_its_share_waits_without_holding_back_another_key(model_parts):
+    """Each key's running jobs hold at most its share of the budget (issue 26, item 5): key a's
+    second job waits for a's own rows, and key b's job, which fits, is admitted at once."""
+    model, tokenizer, runtime = model_parts
+    engine = SamplingEngine(model, runtime.routing, tokenizer, torch.device("cpu"), kv_budget_tokens=BUDGET,
+                            kv_share_per_key=0.5)
+    a1, a2, b = Outcome(2, 16), Outcome(2, 16), Outcome(2, 16)  # 40 each; a key may hold 50
+    a1.job.owner = a2.job.owner = "a"
+    b.job.owner = "b"
+    engine.submit_all([a1.job, a2.job, b.job])
+    step(engine)
+    assert a1.started and b.started and not a2.started
+    assert engine.reserved_kv_tokens_of("a") == 40 and engine.waiting_jobs == 1
+    while not a1.done:
+        step(engine)
+        assert engine.reserved_kv_tokens_of("a") <= 50
+    while engine.has_work():
+        step(engine)
+    assert all(len(o.done) == 1 for o in (a1, a2, b))
+    too_big = Outcome(3, 16)  # 60: fits the budget, not one key's share
+    assert "one API key's share of the sampler's KV-cache budget, 50 of 100 tokens" in engine.refusal(too_big.job)

@@ -1,13 +1,16 @@
 """The sampler's KV-cache budget across every tenant (`--max-sampling-kv-tokens`), against a real server
 process with the real tinker and openai SDKs: many keys' concurrent requests all finish while what the
 engine reserves (its worst case, seen in /metrics) never passes the budget; a request that could never
-fit is a 400 naming the numbers and the setting, on both APIs; an abandoned request gives its
-reservation back.
+fit one key's share of it is a 400 naming the numbers and the settings, on both APIs; an abandoned
+request gives its reservation back; a key that holds its share and queues more never holds back
+another key's request that fits (issue 26, item 5).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
 
 import openai
 import pytest
@@ -19,6 +22,7 @@ from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
 BUDGET = 10_000
+SHARE = BUDGET // 2  # --max-sampling-kv-share-per-key's default, 0.5
 PROMPT = [1, 2, 3]
 # 4 x (3 + 200) = 812 KV tokens each: 24 of them ask for 19488, about twice the budget.
 SMALL = types.SamplingParams(max_tokens=200, temperature=0.0, stop=[])
@@ -58,12 +62,12 @@ def test_a_request_larger_than_the_whole_budget_is_a_400_on_both_apis(srv):
     need = 64 * (len(PROMPT) + 200)  # 12992 > 10000
     with srv.client("tml-kv-big") as sc:
         sampler = sc.create_sampling_client(base_model=BASE_MODEL).result()
-        with pytest.raises(tinker.BadRequestError, match=rf"needs up to {need} KV-cache tokens .* budget of "
-                                                         rf"{BUDGET} tokens \(max_sampling_kv_tokens\)"):
+        refused = (rf"needs up to {need} KV-cache tokens .* one API key's share of the sampler's KV-cache budget, "
+                   rf"{SHARE} of {BUDGET} tokens \(max_sampling_kv_share_per_key x max_sampling_kv_tokens\)")
+        with pytest.raises(tinker.BadRequestError, match=refused):
             sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=64, sampling_params=SMALL).result()
         with openai.OpenAI(base_url=srv.base_url + "/v1", api_key="tml-kv-big", max_retries=0) as oai:
-            with pytest.raises(openai.BadRequestError, match=rf"needs up to {need} KV-cache tokens .* budget of "
-                                                             rf"{BUDGET} tokens \(max_sampling_kv_tokens\)"):
+            with pytest.raises(openai.BadRequestError, match=refused):
                 oai.completions.create(model=BASE_MODEL, prompt=PROMPT, n=64, max_tokens=200)
         # one that fits still runs
         assert len(sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=1,
@@ -72,18 +76,53 @@ def test_a_request_larger_than_the_whole_budget_is_a_400_on_both_apis(srv):
 
 def test_an_abandoned_request_gives_its_reservation_back(srv):
     before = sampling_metrics(srv)
-    long = {"model": BASE_MODEL, "prompt": PROMPT, "n": 2, "max_tokens": 4000}  # 2 x 4003 = 8006 of 10000
+    long = {"model": BASE_MODEL, "prompt": PROMPT, "n": 2, "max_tokens": 2400}  # 2 x 2403 = 4806 of a 5000 share
     with openai.OpenAI(base_url=srv.base_url + "/v1", api_key="tml-kv-leaver", max_retries=0) as oai, \
             oai.completions.create(stream=True, extra_body={"ignore_eos": True}, **long) as stream:
         next(iter(stream))
-        wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 2 * (len(PROMPT) + 4000),
+        wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 2 * (len(PROMPT) + 2400),
                    "only the long request's reservation held")
     after = wait_until(lambda: (m := sampling_metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
                        == before["hosted_tinker_sampling_requests_cancelled_total"] + 1 and m, "the request cancelled")
     wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 0, "its reservation given back")
     generated = after["hosted_tinker_sampled_tokens_total"] - before["hosted_tinker_sampled_tokens_total"]
-    assert generated < 2 * 4000  # given back because it was cancelled, not because it ran to its end
-    with srv.client("tml-kv-next") as sc:  # the whole budget is free again: a request needing most of it runs
+    assert generated < 2 * 2400  # given back because it was cancelled, not because it ran to its end
+    with srv.client("tml-kv-next") as sc:  # the budget is free again: a request needing most of a share runs
         sampler = sc.create_sampling_client(base_model=BASE_MODEL).result()
-        assert len(sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=40,
-                                  sampling_params=SMALL).result().sequences) == 40
+        assert len(sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=24,
+                                  sampling_params=SMALL).result().sequences) == 24
+
+
+def open_completion(srv, key: str, body: dict) -> socket.socket:
+    """A /v1/completions request sent on a raw connection whose answer is never read (closing it cancels it)."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + key.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(data)).encode() +
+                 b"\r\n\r\n" + data)
+    return sock
+
+
+def test_a_key_holding_its_share_does_not_hold_back_another_key(srv):
+    """Before the per-key share, admission was strict FIFO across keys: a key that filled the budget
+    and queued one more job made another key's 12-token job, which fitted the free space, wait for
+    the first key's rows to end (24-27 s in the issue's run)."""
+    long = {"model": BASE_MODEL, "prompt": PROMPT, "n": 2, "max_tokens": 2400, "ignore_eos": True}  # 4806 each
+    before = sampling_metrics(srv)
+    hogs = [open_completion(srv, "tml-kv-hog", long) for _ in range(3)]  # 14418 asked: 2 fit the budget
+    try:
+        wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_waiting_jobs"] == 2,
+                   "one of the hog's jobs runs, its other two wait (its share)")
+        assert sampling_metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 2 * (len(PROMPT) + 2400)
+        with srv.client("tml-kv-victim") as sc:
+            sampler = sc.create_sampling_client(base_model=BASE_MODEL).result()
+            answer = sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=1,
+                                    sampling_params=types.SamplingParams(max_tokens=9, stop=[])).result()
+        assert len(answer.sequences[0].tokens) == 9
+        done = sampling_metrics(srv)["hosted_tinker_sample_requests_total"] - before["hosted_tinker_sample_requests_total"]
+        assert done == 1, "the victim's request was answered only after one of the hog's had ended"
+    finally:
+        for sock in hogs:
+            sock.close()
+    wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_kv_reserved_tokens"] == 0,
+               "the hog's cancelled jobs give their reservations back")

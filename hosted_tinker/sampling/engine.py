@@ -10,10 +10,14 @@ training work is waiting, keeping its state (KV caches) for the next cycle.
 The KV cache the running groups hold is bounded by a budget in tokens (kv_budget.py), whoever
 sent them: a group's rows are left-padded to its longest prompt, so each row reserves the group's
 prompt width plus its job's max_tokens, from its prefill until it ends (finished, cancelled or
-failed). Admission is strict FIFO: the job at the head of the queue is admitted only when its
-rows fit beside the running ones' reservations, and no later job overtakes it (so a large job
-waits only for running rows to end, never for a stream of small ones). The head always fits an
-empty engine: a job larger than the whole budget is refused (`refusal`) instead of queued.
+failed). Each API key's running jobs may hold at most its share of the budget
+(`kv_share_per_key`, the setting `max_sampling_kv_share_per_key`): no key can reserve all of it.
+Admission is FIFO: a job is admitted when its rows fit beside the running ones' reservations and
+within its key's share. A job over its key's share waits without holding anyone back (only its
+own key's running jobs can make room for it); a job that fits its share but not the free space
+stops admission, and no later job overtakes it (so a large job waits only for running rows to
+end, never for a stream of small ones). A job larger than its key's share could never run and is
+refused (`refusal`) instead of queued.
 
 Returned logprobs are the model's own: log-softmax of the raw logits, with no temperature,
 top-k or top-p applied, so they equal the training forward's logprobs of the same tokens.
@@ -61,6 +65,7 @@ class SampleJob:
     prompt_logprobs_last_n: int | None = None
     prompt_targets: PromptTargets | None = None  # target_prompt_logprobs (prompt_scoring.py)
     prompt_alt_tokens_k: int = 0
+    owner: str = ""  # the API key's owner: its running jobs share one part of the KV-cache budget
     on_done: Callable[["SampleResult"], None] = lambda r: None
     on_error: Callable[[str], None] = lambda msg: None
     # Streaming (optional): called on the cycle thread for every chosen token, before on_done, as
@@ -136,7 +141,7 @@ class _Group:
 class SamplingEngine:
     def __init__(self, model: torch.nn.Module, routing: LoRARouting, tokenizer, device: torch.device,
                  *, max_rows_per_group: int = 256, max_prefill_tokens: int = 16384,
-                 kv_budget_tokens: int = DEFAULT_KV_TOKENS,
+                 kv_budget_tokens: int = DEFAULT_KV_TOKENS, kv_share_per_key: float = 1.0,
                  on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None):
         self.model = model
         self.routing = routing
@@ -149,6 +154,7 @@ class SamplingEngine:
         self.max_rows_per_group = max_rows_per_group
         self.max_prefill_tokens = max_prefill_tokens
         self.kv_budget_tokens = kv_budget_tokens
+        self.kv_tokens_per_key = max(1, int(kv_budget_tokens * kv_share_per_key))
         self.peak_reserved_kv_tokens = 0  # the most the running groups ever reserved together
         self._pending: list[SampleJob] = []
         self._groups: list[_Group] = []
@@ -190,15 +196,23 @@ class SamplingEngine:
         """Jobs queued, not yet admitted (waiting for the KV-cache budget or the next round)."""
         return len(self._pending)
 
+    def reserved_kv_tokens_of(self, owner: str) -> int:
+        """KV-cache tokens `owner`'s running jobs have reserved."""
+        return sum(g.width + row.job.job.max_tokens for g in list(self._groups) for row in g.rows
+                   if row.job.job.owner == owner)
+
     def refusal(self, job: SampleJob) -> str | None:
-        """Why `job` can never run here (its worst case exceeds the whole KV-cache budget), or None."""
+        """Why `job` can never run here (its worst case exceeds one key's share of the KV-cache budget), or None."""
         need = job_kv_tokens(job)
-        if need <= self.kv_budget_tokens:
+        if need <= self.kv_tokens_per_key:
             return None
+        limit = (f"the sampler's whole KV-cache budget of {self.kv_budget_tokens} tokens (max_sampling_kv_tokens)"
+                 if self.kv_tokens_per_key >= self.kv_budget_tokens else
+                 f"one API key's share of the sampler's KV-cache budget, {self.kv_tokens_per_key} of "
+                 f"{self.kv_budget_tokens} tokens (max_sampling_kv_share_per_key x max_sampling_kv_tokens)")
         return (f"a sample job needs up to {need} KV-cache tokens (num_samples {job.num_samples} x (prompt "
-                f"{len(job.prompt)} + max_tokens {job.max_tokens})), more than the sampler's whole KV-cache budget "
-                f"of {self.kv_budget_tokens} tokens (max_sampling_kv_tokens): ask for fewer samples, fewer "
-                "max_tokens or a shorter prompt")
+                f"{len(job.prompt)} + max_tokens {job.max_tokens})), more than {limit}: ask for fewer samples, "
+                "fewer max_tokens or a shorter prompt")
 
     # -- the device loop's thread --------------------------------------------------------------------
     def fail_all(self, reason: str) -> None:
@@ -243,14 +257,17 @@ class SamplingEngine:
         jobs: list[SampleJob] = []
         rows = tokens = width = generated = 0
         free = self.kv_budget_tokens - self.reserved_kv_tokens
-        while self._pending:
-            job = self._pending[0]
+        held: dict[str, int] = {}  # per key: its running jobs' reservations
+        over_share: set[str] = set()  # keys whose first waiting job is over their share: their jobs keep FIFO order
+        i = 0
+        while i < len(self._pending):
+            job = self._pending[i]
             if job.cancelled:
-                self._cancel(self._pending.pop(0))
+                self._cancel(self._pending.pop(i))
                 continue
             reason = self.refusal(job)  # refused at submission; here for jobs that reach the engine otherwise
             if reason is not None:
-                self._pending.pop(0).on_error(reason)
+                self._pending.pop(i).on_error(reason)
                 continue
             if jobs and (rows + job.num_samples > self.max_rows_per_group
                          or tokens + len(job.prompt) > self.max_prefill_tokens):
@@ -258,9 +275,16 @@ class SamplingEngine:
             # The new group's reservation with this job in it (a longer prompt widens every row).
             new_width = max(width, len(job.prompt))
             new_generated = generated + job.num_samples * job.max_tokens
+            if job.owner not in held:
+                held[job.owner] = self.reserved_kv_tokens_of(job.owner)
+            mine = sum(j.num_samples * (new_width + j.max_tokens) for j in jobs + [job] if j.owner == job.owner)
+            if job.owner in over_share or held[job.owner] + mine > self.kv_tokens_per_key:
+                over_share.add(job.owner)
+                i += 1  # over its key's share: it waits for that key's rows, holding back no other key
+                continue
             if (rows + job.num_samples) * new_width + new_generated > free:
-                break  # strict FIFO: it waits at the head until running rows end
-            jobs.append(self._pending.pop(0))
+                break  # FIFO: it waits until running rows end, and no later job overtakes it
+            jobs.append(self._pending.pop(i))
             rows += job.num_samples
             tokens += len(job.prompt)
             width, generated = new_width, new_generated

@@ -159,6 +159,7 @@ class SamplingRequests:
         made); its request id.
 
         `record(request_id)` gives what stores the request's samples (records.py), or None."""
+        job.owner = owner
         self.check_size(served, [job])
         lease = self.allowance.take(owner, [job])
         request_id, is_new = self.server.futures.create(owner, "sample", sampling_session_id, seq_id)
@@ -172,6 +173,8 @@ class SamplingRequests:
     def submit_jobs(self, owner: str, served: ServedModel, jobs: list[SampleJob]) -> None:
         """OpenAI: queue jobs on `served`'s sampler, their callbacks (on_done, on_error, on_token) set by the
         caller."""
+        for job in jobs:
+            job.owner = owner
         self.check_size(served, jobs)
         lease = self.allowance.take(owner, jobs)
         lease.release_when_done(jobs)
