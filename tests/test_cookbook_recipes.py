@@ -1,8 +1,11 @@
 """Cookbook recipes with sampling run unchanged against the server (issue 4, test 5).
 
 math_rl (arithmetic, importance_sampling) samples with the server's engine and trains on the
-rewards; chat_sl trains on a local JSONL of conversations. The model is a tiny one served under
-a cookbook-known name from a fake Hugging Face cache (see test_cookbook_sl_loop.py).
+rewards; chat_sl trains on a local JSONL of conversations; sdft distils the model into itself
+through its teacher's top-K prompt logprobs, with (N, K) cross_entropy targets (forward KL) or a
+custom loss on (N, K) logprobs (reverse KL), from a local ToolAlpaca-format data set (issue 27).
+The model is a tiny one served under a cookbook-known name from a fake Hugging Face cache (see
+test_cookbook_sl_loop.py).
 """
 
 from __future__ import annotations
@@ -72,3 +75,30 @@ def test_chat_sl_on_a_local_jsonl(cookbook_server, tmp_path):
     rows = [r for r in metrics(log_path) if "train_mean_nll" in r]
     assert len(rows) == 4
     assert rows[-1]["train_mean_nll"] < rows[0]["train_mean_nll"]
+
+
+@pytest.fixture(scope="module")
+def toolalpaca(tmp_path_factory) -> Path:
+    """A local stand-in for the SDFT paper's ToolAlpaca Arrow data (`toolalpaca_data_path`)."""
+    from datasets import Dataset
+
+    path = tmp_path_factory.mktemp("toolalpaca") / "train_data"
+    rows = [(f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.") for a, b in [(2, 3), (7, 1), (4, 4), (9, 6)]]
+    Dataset.from_dict({"prompt": [q for q, _ in rows], "golden_response": [g for _, g in rows]}).save_to_disk(path)
+    return path
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["topk_cross_entropy", "reverse_kl_custom_loss"])
+def test_sdft_distils_through_topk_targets(cookbook_server, toolalpaca, tmp_path, reverse):
+    srv, env = cookbook_server
+    log_path = tmp_path / "sdft"
+    run_recipe("tinker_cookbook.recipes.sdft.train", [
+        f"base_url={srv.base_url}", f"model_name={MODEL}", "dataset=toolalpaca",
+        f"toolalpaca_data_path={toolalpaca}", "groups_per_batch=2", "max_tokens=6", "max_steps=2", "topk=5",
+        f"reverse={reverse}", "lora_rank=8", "learning_rate=1e-3", "eval_every=0", "save_every=0",
+        "max_context_length=512", f"log_path={log_path}", "behavior_if_log_dir_exists=delete"], env, srv)
+    rows = [r for r in metrics(log_path) if "sdft/topk" in r]
+    assert len(rows) == 2 and all(r["sdft/topk"] == 5 for r in rows)
+    # the teacher's top-K reached the student: completion positions with (N, 5) targets were trained
+    key = "sdft/reverse_kl_positions" if reverse else "sdft/total_completion_tokens"
+    assert all(r.get(key, 0) > 0 for r in rows), rows
