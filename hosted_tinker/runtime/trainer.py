@@ -23,9 +23,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from itertools import groupby
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +90,19 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     rows, width, vocab = logits.shape
     return -F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1),
                             reduction="none").reshape(rows, width)
+
+
+def _one_target_losses(works: list[FBWork], runs, logprobs, inputs, mask, metric_sums) -> torch.Tensor:
+    """Per-token losses of consecutive runs of one model with (N,) targets: one `run_losses` call,
+    given only the inputs their losses take (their specs name them: run_losses slices every input
+    it is given, per block, and there is a block per model)."""
+    specs = [LOSSES[works[wi].loss_fn] for wi, _, _ in runs]
+    used = {k: v for k, v in inputs.items() if any(k in sp.required_inputs or k in sp.inputs for sp in specs)}
+    tok_loss, run_metrics = run_losses(
+        [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in runs], logprobs, used, mask)
+    for (wi, _, _), metrics in zip(runs, run_metrics):
+        merge_metrics(metric_sums[wi], metrics)
+    return tok_loss
 
 
 def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> int:
@@ -397,6 +410,7 @@ class TrainingRuntime:
             host["topk_targets"] = torch.zeros((rows, width, k_max), dtype=torch.long, pin_memory=pin)
             host["topk_weights"] = torch.zeros((rows, width, k_max), dtype=torch.float32, pin_memory=pin)
         tok, flo = host["tokens"].numpy(), host["floats"].numpy()
+        top_t, top_w = (host[key].numpy() if k_max else None for key in ("topk_targets", "topk_weights"))
         for r, (wi, di) in enumerate(mb.rows):
             d = works[wi].data[di]
             n = mb.lengths[r]
@@ -404,8 +418,8 @@ class TrainingRuntime:
             flo[0, r, :n] = 1.0
             k = works[wi].targets_k
             if k:
-                host["topk_targets"].numpy()[r, :n, :k] = d.inputs["target_tokens"]
-                host["topk_weights"].numpy()[r, :n, :k] = d.inputs["weights"]
+                top_t[r, :n, :k] = d.inputs["target_tokens"]
+                top_w[r, :n, :k] = d.inputs["weights"]
                 continue
             tok[1, r, :n] = d.inputs["target_tokens"]
             for i, key in enumerate(keys):
@@ -518,23 +532,13 @@ class TrainingRuntime:
         parts = []
         for _, s, e in segments:
             mine = [(wi, rs, re) for wi, rs, re in runs if s <= rs < e]
-            for topk_run, chunk in groupby(mine, key=lambda run: bool(works[run[0]].targets_k)):
-                chunk = list(chunk)
-                if topk_run:
-                    for wi, rs, re in chunk:
-                        weights = topk_weights[rs:re, :, :works[wi].targets_k].contiguous()
-                        parts.append(topk_cross_entropy(topk[rs], weights) * mask[rs:re])
+            for topk_runs, chunk in groupby(mine, key=lambda run: bool(works[run[0]].targets_k)):
+                if not topk_runs:
+                    parts.append(_one_target_losses(works, list(chunk), logprobs, inputs, mask, metric_sums))
                     continue
-                # Only the inputs its losses take (their specs name them): run_losses slices every
-                # input it is given, per block, and there is a block per model.
-                specs = [LOSSES[works[wi].loss_fn] for wi, _, _ in chunk]
-                used = {k: v for k, v in inputs.items()
-                        if any(k in sp.required_inputs or k in sp.inputs for sp in specs)}
-                tok_loss, run_metrics = run_losses(
-                    [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in chunk], logprobs, used, mask)
-                parts.append(tok_loss)
-                for (wi, _, _), metrics in zip(chunk, run_metrics):
-                    merge_metrics(metric_sums[wi], metrics)
+                for wi, rs, re in chunk:
+                    weights = topk_weights[rs:re, :, :works[wi].targets_k].contiguous()
+                    parts.append(topk_cross_entropy(topk[rs], weights) * mask[rs:re])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # -- the fusion probe (see invariance.py) -----------------------------------------------------
