@@ -205,10 +205,11 @@ def _position(mask: np.ndarray) -> str:
 def check_one_targets_shape(ks: list[int]) -> None:
     """Every datum of a request has (N,) targets, or (N, K) ones with one K: a request's outputs
     come back as one tensor per field over all its datums, with one trailing shape."""
+    def form(k: int) -> str:
+        return f"[N, {k}]" if k else "[N]"
+
     for i, k in enumerate(ks):
         if k != ks[0]:
-            def form(k: int) -> str:
-                return f"[N, {k}]" if k else "[N]"
             raise LossInputError(
                 f"datum {i}: loss_fn_inputs['target_tokens'] has shape {form(k)} but datum 0's is {form(ks[0])}; "
                 "every datum of one request needs the same K (send other K in another request)")
