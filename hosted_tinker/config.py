@@ -184,6 +184,9 @@ class ServerConfig(BaseSettings):
                                 "forward_backward finished wait)")
     max_datums_per_request: int = Field(1024, ge=1, description="datums per forward_backward request (the SDK "
                                                                 "chunks to this)")
+    max_targets_per_position: int = Field(
+        100, ge=1, description="largest K of cross_entropy's (N, K) target_tokens and weights (top-K distillation); "
+                               "100 is the most topk_prompt_logprobs a sample request returns")
     max_pending_per_key: int = Field(
         4096, ge=1, description="unfinished requests one API key may have queued; beyond it submissions get 429 "
                                 "(back-pressure)")

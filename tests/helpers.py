@@ -42,19 +42,25 @@ TENANTS = [  # (loss, config, rank, train flags)
     ("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5}, 4, dict()),
     ("importance_sampling", {}, 1, dict(train_mlp=False, train_unembed=False)),
     ("gspo", {}, 8, dict()),  # computes on the host: eager where the others are CUDA graphs
+    ("cross_entropy", {}, 4, dict()),  # (N, 5) top-K targets (TOPK_TENANTS)
+    ("cross_entropy", {}, 8, dict(train_mlp=False)),  # (N, 2) top-K targets
 ]
+TOPK_TENANTS = {9: 5, 10: 2}  # tenant -> K of its (N, K) target_tokens and weights
 
 
-def random_work(i: int, model_id: str, loss_fn: str, cfg: dict, lengths: tuple[int, ...] | None = None) -> FBWork:
-    """A request of random datums; with `lengths`, of exactly those lengths (same shape for all)."""
+def random_work(i: int, model_id: str, loss_fn: str, cfg: dict, lengths: tuple[int, ...] | None = None,
+                targets_k: int = 0) -> FBWork:
+    """A request of random datums; with `lengths`, of exactly those lengths (same shape for all);
+    with `targets_k`, cross_entropy datums with (N, K) targets and weights."""
     rng = np.random.default_rng(1000 + i)
     data = []
     if lengths is None:  # lengths cross several padding buckets
         lengths = tuple(int(rng.integers(5, 90)) for _ in range(int(rng.integers(2, 5))))
     for n in lengths:
-        inputs = {"target_tokens": rng.integers(0, 1000, n)}
+        shape = (n, targets_k) if targets_k else n
+        inputs = {"target_tokens": rng.integers(0, 1000, shape)}
         if loss_fn == "cross_entropy":
-            inputs["weights"] = rng.normal(0, 1, n).astype(np.float32)
+            inputs["weights"] = rng.normal(0, 1, shape).astype(np.float32)
         else:
             inputs["logprobs"] = rng.normal(-7, 0.3, n).astype(np.float32)
             inputs["advantages"] = rng.normal(0, 1, n).astype(np.float32)
@@ -80,7 +86,8 @@ def train_tenants(runtime: TrainingRuntime, tenants: list[int], steps: int = 2, 
         runtime.create_adapter(f"t{i}", LoRAConfig(rank=rank, seed=i, **flags))
     history = {i: [] for i in tenants}
     for step in range(steps):
-        works = [random_work(i * 10 + step, f"t{i}", TENANTS[i][0], TENANTS[i][1]) for i in tenants]
+        works = [random_work(i * 10 + step, f"t{i}", TENANTS[i][0], TENANTS[i][1], targets_k=TOPK_TENANTS.get(i, 0))
+                 for i in tenants]
         outs = runtime.forward_backward(works) if fused else [runtime.forward_backward([w])[0] for w in works]
         if fused:
             steps_out = runtime.optim_steps([(f"t{i}", tenant_adam(i)) for i in tenants])

@@ -1,9 +1,12 @@
 """Cookbook recipes with sampling run unchanged against the server (issue 4, test 5).
 
 math_rl (arithmetic, importance_sampling) samples with the server's engine and trains on the
-rewards; chat_sl trains on a local JSONL of conversations; the decisions recipes (issue 27) score
-their choices with target_prompt_logprobs, on a small stand-in for the Prophet Arena CSV. The model
-is a tiny one served under a cookbook-known name from a fake Hugging Face cache (see
+rewards; chat_sl trains on a local JSONL of conversations; sdft distils the model into itself
+through its teacher's top-K prompt logprobs, with (N, K) cross_entropy targets (forward KL) or a
+custom loss on (N, K) logprobs (reverse KL), from a local ToolAlpaca-format data set; the decisions
+recipes score their choices with target_prompt_logprobs and train a Brier loss on (N, K) logprobs,
+on a small stand-in for the Prophet Arena CSV (issue 27). The model is a tiny one served under a
+cookbook-known name from a fake Hugging Face cache (see
 test_cookbook_sl_loop.py).
 """
 
@@ -125,9 +128,34 @@ def test_decisions_forecasting_scores_the_validation_markets(cookbook_server, tm
     assert len(scored) == 1 and 0.0 <= scored[0]["test/accuracy"] <= 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 27: its Brier loss trains through forward_backward_custom with (N, K) "
-                                       "targets, the topk branch's half; remove this mark once both halves are merged")
 def test_decisions_forecasting_trains_with_a_brier_loss(cookbook_server, tmp_path):
     rows = run_decisions_forecasting(cookbook_server, tmp_path, max_steps=2)
     assert len([r for r in rows if "train/loss" in r]) == 2
     assert len([r for r in rows if "test/brier_reward" in r]) == 2  # before and after training
+
+
+@pytest.fixture(scope="module")
+def toolalpaca(tmp_path_factory) -> Path:
+    """A local stand-in for the SDFT paper's ToolAlpaca Arrow data (`toolalpaca_data_path`)."""
+    from datasets import Dataset
+
+    path = tmp_path_factory.mktemp("toolalpaca") / "train_data"
+    rows = [(f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.") for a, b in [(2, 3), (7, 1), (4, 4), (9, 6)]]
+    Dataset.from_dict({"prompt": [q for q, _ in rows], "golden_response": [g for _, g in rows]}).save_to_disk(path)
+    return path
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["topk_cross_entropy", "reverse_kl_custom_loss"])
+def test_sdft_distils_through_topk_targets(cookbook_server, toolalpaca, tmp_path, reverse):
+    srv, env = cookbook_server
+    log_path = tmp_path / "sdft"
+    run_recipe("tinker_cookbook.recipes.sdft.train", [
+        f"base_url={srv.base_url}", f"model_name={MODEL}", "dataset=toolalpaca",
+        f"toolalpaca_data_path={toolalpaca}", "groups_per_batch=2", "max_tokens=6", "max_steps=2", "topk=5",
+        f"reverse={reverse}", "lora_rank=8", "learning_rate=1e-3", "eval_every=0", "save_every=0",
+        "max_context_length=512", f"log_path={log_path}", "behavior_if_log_dir_exists=delete"], env, srv)
+    rows = [r for r in metrics(log_path) if "sdft/topk" in r]
+    assert len(rows) == 2 and all(r["sdft/topk"] == 5 for r in rows)
+    # the teacher's top-K reached the student: completion positions with (N, 5) targets were trained
+    key = "sdft/reverse_kl_positions" if reverse else "sdft/total_completion_tokens"
+    assert all(r.get(key, 0) > 0 for r in rows), rows

@@ -49,9 +49,9 @@ def test_the_runtime_says_which_path_is_in_force(runtime):
 
 
 def test_cobatched_tenants_of_every_loss_and_rank_get_their_solo_bits(runtime):
-    """Nine tenants -- every loss (gspo eager, the others graphed), ranks 1-32, ragged lengths,
-    some clipping -- three steps fused vs each alone: losses, metrics, logprobs, grad norms,
-    weights and AdamW moments bit for bit."""
+    """Eleven tenants -- every loss (gspo eager, the others graphed), (N, K) cross_entropy targets
+    too, ranks 1-32, ragged lengths, some clipping -- three steps fused vs each alone: losses,
+    metrics, logprobs, grad norms, weights and AdamW moments bit for bit."""
     ids = list(range(len(TENANTS)))
     fused_hist, fused_state = train_tenants(runtime, ids, steps=3)
     policy = runtime.policy.describe()

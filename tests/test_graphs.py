@@ -78,8 +78,9 @@ def assert_same_training(a, b):
 
 
 def test_graphed_steps_give_the_eager_steps_bits(runtimes):
-    """Nine tenants (every loss, ranks 1-32, ragged lengths, gspo among them), three steps: a
-    layout's first step captures it, later ones replay; every result equals the eager runtime's."""
+    """Eleven tenants (every loss, (N, K) cross_entropy targets too, ranks 1-32, ragged lengths,
+    gspo among them), three steps: a layout's first step captures it, later ones replay; every
+    result equals the eager runtime's."""
     eager, graphed = runtimes
     tenants = list(range(len(TENANTS)))
     expected = train_tenants(eager, tenants, steps=3)

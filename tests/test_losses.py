@@ -4,6 +4,7 @@ validation messages, hand-computed per-token losses and gradients, and sum seman
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -12,11 +13,13 @@ import torch
 from hosted_tinker.runtime.losses import (
     KNOWN_UNSUPPORTED,
     LossInputError,
+    check_one_targets_shape,
     merge_metrics,
     per_token_loss,
     prepare_inputs,
     resolve_loss_config,
     run_losses,
+    topk_cross_entropy,
     validate_datum,
 )
 
@@ -85,7 +88,7 @@ def test_clip_low_above_high_is_rejected():
 # validate_datum
 # ---------------------------------------------------------------------------------------------
 
-V, CTX, IDX = 50, 16, 7
+V, CTX, IDX, MAX_K = 50, 16, 7, 4
 
 
 def ce_inputs(n: int) -> dict[str, np.ndarray]:
@@ -98,7 +101,7 @@ def rl_inputs(n: int) -> dict[str, np.ndarray]:
 
 
 def check(tokens, inputs, loss_fn="cross_entropy"):
-    validate_datum(IDX, np.asarray(tokens, dtype=np.int64), inputs, loss_fn, V, CTX)
+    validate_datum(IDX, np.asarray(tokens, dtype=np.int64), inputs, loss_fn, V, CTX, MAX_K)
 
 
 def test_valid_datums_pass():
@@ -132,6 +135,29 @@ def test_valid_datums_pass():
     ("ppo", [1, 2, 3], lambda d: {**d, "logprobs": np.array([-1, -1, -np.inf], np.float32)}, "logprobs", "non-finite value at position 2"),
     ("dro", [1, 2, 3], lambda d: {**d, "advantages": np.array([np.inf, 0, 0], np.float32)}, "advantages", "non-finite value at position 0"),
     ("importance_sampling", [1, 2, 3], lambda d: {**d, "advantages": np.ones(5, np.float32)}, "advantages", "expected [3]"),
+    # (N, K) targets: cross_entropy's only, weights alike, K bounded
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "target_tokens": np.ones((3, 2), np.int64)}, "weights",
+     "has shape [3], expected [3, 2] (one weight per target)"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "weights": np.ones((3, 2), np.float32)}, "weights",
+     "has shape [3, 2], expected [3] (one value per model_input token)"),
+    ("cross_entropy", [1, 2, 3], lambda d: {"target_tokens": np.ones((3, 2), np.int64), "weights": np.ones((3, 3), np.float32)},
+     "weights", "has shape [3, 3], expected [3, 2]"),
+    ("cross_entropy", [1, 2, 3], lambda d: {"target_tokens": np.ones((2, 2), np.int64), "weights": np.ones((2, 2), np.float32)},
+     "target_tokens", "has shape [2, 2], expected [3, 2] (K targets per model_input token)"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "target_tokens": np.ones((3, MAX_K + 1), np.int64)}, "target_tokens",
+     f"has shape [3, {MAX_K + 1}], expected [3] or [3, K] with 1 <= K <= {MAX_K} (this server's max_targets_per_position)"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "target_tokens": np.ones((3, 0), np.int64)}, "target_tokens",
+     "expected [3] or [3, K] with 1 <= K"),
+    ("cross_entropy", [1, 2, 3], lambda d: {**d, "target_tokens": np.ones((3, 1, 1), np.int64)}, "target_tokens",
+     "has shape [3, 1, 1], expected [3] or [3, K] (one target, or K, per model_input token)"),
+    ("cross_entropy", [1, 2, 3], lambda d: {"target_tokens": np.array([[1, 2], [3, V], [4, 5]]), "weights": np.ones((3, 2), np.float32)},
+     "target", f"target token {V} at position 1 (target 1) is outside the vocabulary"),
+    ("cross_entropy", [1, 2, 3], lambda d: {"target_tokens": np.ones((3, 2), np.int64), "weights": np.array([[1, 1], [1, 1], [np.inf, 1]], np.float32)},
+     "weights", "non-finite value at position 2 (target 0)"),
+    ("importance_sampling", [1, 2, 3], lambda d: {**d, "target_tokens": np.ones((3, 2), np.int64)}, "target_tokens",
+     "has shape [3, 2], expected [3] (one target per model_input token): loss 'importance_sampling' needs the "
+     "sampler's logprob of each position's one token; only cross_entropy takes [N, K] targets"),
+    ("ppo", [1, 2, 3], lambda d: {**d, "target_tokens": np.ones((3, 2), np.int64)}, "target_tokens", "only cross_entropy"),
 ])
 def test_validate_datum_errors_name_datum_and_field(loss_fn, tokens, mutate, field_name, fragment):
     """Every validation failure is a LossInputError naming the datum index and the field."""
@@ -142,6 +168,26 @@ def test_validate_datum_errors_name_datum_and_field(loss_fn, tokens, mutate, fie
     msg = str(exc.value)
     assert msg.startswith(f"datum {IDX}:"), msg
     assert field_name in msg and fragment in msg, msg
+
+
+def test_one_targets_shape_per_request():
+    """(N,) targets, or (N, K) ones with one K, in every datum of a request: its outputs come back
+    as one tensor per field with one trailing shape."""
+    check_one_targets_shape([0, 0, 0])
+    check_one_targets_shape([5, 5])
+    for ks, fragment in (([0, 3], "datum 1: loss_fn_inputs['target_tokens'] has shape [N, 3] but datum 0's is [N]"),
+                         ([4, 4, 2], "datum 2: loss_fn_inputs['target_tokens'] has shape [N, 2] but datum 0's is [N, 4]")):
+        with pytest.raises(LossInputError, match=re.escape(fragment)):
+            check_one_targets_shape(ks)
+
+
+def test_topk_cross_entropy_sums_weighted_logprobs_over_k():
+    lp = t([[-1.0, -2.0], [-0.5, -3.0]], grad=True)
+    w = t([[0.75, 0.25], [1.0, -2.0]])
+    loss = topk_cross_entropy(lp, w)
+    assert loss.tolist() == [1.25, 0.5 - 6.0]
+    loss.sum().backward()
+    assert lp.grad.tolist() == (-w).tolist()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
-from hosted_tinker.runtime.trainer import TrainingRuntime
+from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
 from tiny_model import CPU, TINY_VOCAB as VOCAB, ce_work, grads, logits, one_torch_thread, random_seqs, randomize_b, \
     tiny_qwen3, tiny_runtime  # noqa: F401 (one_torch_thread: an autouse fixture)
 
@@ -112,6 +112,41 @@ def test_split_batch_gradient_equals_whole_batch(rt_ab):
     assert whole == pytest.approx(l1 + l2, rel=1e-5)
     for name in g_whole:
         assert_close(g_split[name], g_whole[name], name)
+
+
+def test_topk_targets_are_the_sum_of_their_columns_in_any_split(rt_ab):
+    """cross_entropy with (N, K) targets and weights is K (N,) datums, one per column: its [N, K]
+    logprobs are theirs, its per-position loss the sum of theirs, its gradient theirs; and so it
+    stays with every datum in a micro-batch of its own (the split invariance)."""
+    rng, k = np.random.default_rng(3), 3
+    topk, columns = [], []
+    for s in random_seqs(4, 9):
+        tokens = np.asarray(s[:-1], dtype=np.int64)
+        targets = rng.integers(0, VOCAB, (len(tokens), k))
+        weights = rng.normal(size=(len(tokens), k)).astype(np.float32)
+        topk.append(DatumWork(tokens, {"target_tokens": targets, "weights": weights}))
+        columns += [DatumWork(tokens, {"target_tokens": targets[:, j].copy(), "weights": weights[:, j].copy()})
+                    for j in range(k)]
+
+    def step(data):
+        rt_ab.adapter("a").zero_grad()
+        out = rt_ab.forward_backward([FBWork("a", data, "cross_entropy", {}, forward_only=False)])[0]
+        return out, grads(rt_ab.adapter("a"))
+
+    ref, g_ref = step(columns)
+    whole, g_whole = step(topk)
+    rt_ab.max_tokens_per_micro_batch = 16  # one row of the 16-token bucket per micro-batch
+    split, g_split = step(topk)
+    assert rt_ab.last_pass.micro_batches == len(topk)
+    for out, g in ((whole, g_whole), (split, g_split)):
+        assert out.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-5)
+        for i, o in enumerate(out.outputs):
+            cols = ref.outputs[k * i:k * (i + 1)]
+            np.testing.assert_allclose(o["logprobs"], np.stack([c["logprobs"] for c in cols], -1), rtol=1e-6)
+            np.testing.assert_allclose(o["elementwise_loss"], sum(c["elementwise_loss"] for c in cols),
+                                       rtol=1e-5, atol=1e-6)
+        for name in g_ref:
+            assert_close(g[name], g_ref[name], name)
 
 
 def test_removing_an_adapter_leaves_the_others_unchanged(rt_ab):

@@ -17,7 +17,7 @@ from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import same_bits
 from hosted_tinker.runtime.losses import resolve_loss_config
 from hosted_tinker.runtime.trainer import FBWork, TrainingRuntime
-from helpers import random_work, train_tenants
+from helpers import TENANTS, TOPK_TENANTS, random_work, train_tenants
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
@@ -36,6 +36,28 @@ def test_cobatched_equals_solo_for_every_loss_and_rank(runtime):
         for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
             assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
             for fo, so in zip(f.outputs, s.outputs):
+                assert same_bits(torch.from_numpy(fo["logprobs"]), torch.from_numpy(so["logprobs"]))
+                assert same_bits(torch.from_numpy(fo["elementwise_loss"]), torch.from_numpy(so["elementwise_loss"]))
+        for k in solo_state[i]:
+            assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
+
+
+def test_topk_and_one_target_tenants_cobatched_equal_solo(runtime):
+    """Tenants with (N, 5) and (N, 2) cross_entropy targets next to (N,) cross_entropy and an RL
+    loss, two steps fused vs each alone: bit for bit. Where this machine lets tenants share
+    micro-batches, rows of (N,) and (N, K) targets really share one."""
+    tenants = [0, 1, *TOPK_TENANTS]
+    fused_hist, fused_state = train_tenants(runtime, tenants, steps=2)
+    works = [random_work(i * 10, f"t{i}", *TENANTS[i][:2], targets_k=TOPK_TENANTS.get(i, 0)) for i in tenants]
+    both = [mb for mb in runtime.plan(works).micro_batches
+            if len({bool(works[wi].targets_k) for wi, _, _ in mb.runs}) == 2]
+    assert both or not runtime.policy.describe()["mix_tenants"]
+    for i in tenants:
+        solo_hist, solo_state = train_tenants(runtime, [i], steps=2)
+        for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
+            assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
+            for fo, so in zip(f.outputs, s.outputs):
+                assert fo["logprobs"].shape[1:] == ((TOPK_TENANTS[i],) if i in TOPK_TENANTS else ())
                 assert same_bits(torch.from_numpy(fo["logprobs"]), torch.from_numpy(so["logprobs"]))
                 assert same_bits(torch.from_numpy(fo["elementwise_loss"]), torch.from_numpy(so["elementwise_loss"]))
         for k in solo_state[i]:

@@ -1,9 +1,10 @@
 """The worker pool (issue 16): real `serve --workers 2` servers (rank 0 + one torchrun rank, gloo
 on CPU), driven through the real SDK.
 
-- A mixed multi-tenant workload (three tenants; LoRA ranks 4 and 8; cross_entropy,
-  importance_sampling, ppo; 5-, 3- and 1-datum requests; a forward-only request; sampling) gives
-  on 2 ranks the losses, logprobs and adapter weights it gives on 1 rank (fp32, <= 1e-5).
+- A mixed multi-tenant workload (four tenants; LoRA ranks 4 and 8; cross_entropy with (N,) and
+  with (N, K) targets, importance_sampling, ppo; 5-, 4-, 3- and 1-datum requests; a forward-only
+  request; sampling) gives on 2 ranks the losses, logprobs and adapter weights it gives on 1 rank
+  (fp32, <= 1e-5).
 - The same with the base model sharded over the 2 ranks by FSDP2 (--shard-base).
 - A rank killed (SIGKILL, by a fault point, mid-pass: its gradients already summed into rank
   0's, its outputs not yet sent) fails that request with category `server`; the pool is
@@ -33,12 +34,15 @@ WAIT = 300  # bound on any one result: a hung future fails the test here
 START = 300  # two Python processes importing torch on a busy 2-core machine
 ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
 TOL = dict(rtol=1e-5, atol=1e-5)
-# (LoRA settings, loss, datums per request): requests of 5, 3 and 1 datums split unevenly over 2 ranks.
+# (LoRA settings, loss, datums per request): requests of 5, 4, 3 and 1 datums split unevenly over
+# 2 ranks; "top_k" is cross_entropy with (N, 3) targets and weights (LOSS_FN).
 TENANTS = [
     (dict(rank=4, seed=1), "cross_entropy", 5),
     (dict(rank=8, seed=2, train_attn=False), "importance_sampling", 3),
     (dict(rank=4, seed=3, train_mlp=False), "ppo", 1),
+    (dict(rank=8, seed=4), "top_k", 4),
 ]
+LOSS_FN = {"top_k": "cross_entropy"}
 PROMPT = [5, 17, 3, 99, 42, 7]
 
 
@@ -46,6 +50,11 @@ def batch(loss: str, n: int, step: int) -> list:
     if loss == "cross_entropy":
         return sft_batch(n, seed=100 * step + n)
     rng = np.random.default_rng(100 * step + n)
+    if loss == "top_k":
+        return [types.Datum(model_input=types.ModelInput.from_ints(rng.integers(0, 1000, length).tolist()),
+                            loss_fn_inputs={"target_tokens": torch.as_tensor(rng.integers(0, 1000, (length, 3))),
+                                            "weights": torch.as_tensor(rng.random((length, 3)), dtype=torch.float32)})
+                for length in rng.integers(6, 30, n)]
     out = []
     for _ in range(n):
         tokens = rng.integers(0, 1000, int(rng.integers(6, 30))).tolist()
@@ -62,7 +71,8 @@ def run_workload(server: ServerProcess) -> dict:
         clients = [sc.create_lora_training_client(base_model=BASE_MODEL, **lora).result(timeout=WAIT)
                    for lora, _, _ in TENANTS]
         for step in range(2):
-            fbs = [tc.forward_backward(batch(loss, n, step), loss) for tc, (_, loss, n) in zip(clients, TENANTS)]
+            fbs = [tc.forward_backward(batch(loss, n, step), LOSS_FN.get(loss, loss))
+                   for tc, (_, loss, n) in zip(clients, TENANTS)]
             for fb in fbs:
                 out = fb.result(timeout=WAIT)
                 got["loss"].append(out.metrics["loss:sum"])

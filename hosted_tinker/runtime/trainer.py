@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +39,9 @@ from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpo
 from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
 from .graphs import CudaGraphCapture, StepGraphs
 from .invariance import FusionPolicy, RowIndependenceProbe
-from .losses import LOSSES, merge_metrics, run_losses
+from .losses import LOSSES, merge_metrics, run_losses, targets_per_position, topk_cross_entropy
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
-from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, shared_shapes
+from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ class FBWork:
     loss_fn: str
     loss_config: dict[str, float]
     forward_only: bool
+
+    @property
+    def targets_k(self) -> int:
+        """K of the request's (N, K) target_tokens, 0 for (N,) ones (one form per request: the API
+        checks it). A pool rank's share may hold no datum: 0."""
+        return targets_per_position(self.data[0].inputs) if self.data else 0
 
 
 @dataclass
@@ -85,6 +92,19 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     rows, width, vocab = logits.shape
     return -F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1),
                             reduction="none").reshape(rows, width)
+
+
+def _one_target_losses(works: list[FBWork], runs, logprobs, inputs, mask, metric_sums) -> torch.Tensor:
+    """Per-token losses of consecutive runs of one model with (N,) targets: one `run_losses` call,
+    given only the inputs their losses take (their specs name them: run_losses slices every input
+    it is given, per block, and there is a block per model)."""
+    specs = [LOSSES[works[wi].loss_fn] for wi, _, _ in runs]
+    used = {k: v for k, v in inputs.items() if any(k in sp.required_inputs or k in sp.inputs for sp in specs)}
+    tok_loss, run_metrics = run_losses(
+        [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in runs], logprobs, used, mask)
+    for (wi, _, _), metrics in zip(runs, run_metrics):
+        merge_metrics(metric_sums[wi], metrics)
+    return tok_loss
 
 
 def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> int:
@@ -129,6 +149,7 @@ class Launched:
     mb: MicroBatch
     logprobs: torch.Tensor  # [rows, width] float32, host (pinned on CUDA)
     losses: torch.Tensor  # [rows, width] float32, host
+    topk: torch.Tensor | None = None  # [rows, width, K] float32, host: the logprobs of rows with (N, K) targets
 
 
 class TrainingRuntime:
@@ -315,7 +336,7 @@ class TrainingRuntime:
                     after_phase(grad, len(phase))
             if before_commit is not None:
                 before_commit()
-            self._collect(launched, per_datum, metric_sums, stats)
+            self._collect(launched, works, per_datum, metric_sums, stats)
         except BaseException:
             grad_pass.rollback()
             raise
@@ -371,36 +392,48 @@ class TrainingRuntime:
         if not static:
             on_device = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
             outputs = self._step(mb, works, keys, on_device, metric_sums)
-        lp, tok_loss = (self._to_host(t, static) for t in outputs)
-        return Launched(mb, lp, tok_loss)
+        return Launched(mb, *(self._to_host(t, static) for t in outputs))
 
     def _host_inputs(self, mb: MicroBatch, works: list[FBWork]) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
-        """The micro-batch's padded inputs as two host tensors (pinned on CUDA): "tokens" [2, rows,
+        """The micro-batch's padded inputs as host tensors (pinned on CUDA): "tokens" [2, rows,
         width] (ids, targets) and "floats" [1 + k, rows, width] (mask, then the k loss inputs its
-        losses read, whose names are returned). Built in numpy: no tensor op per datum."""
+        losses read, whose names are returned); with rows of (N, K) targets, also those targets
+        and weights, "topk_targets" and "topk_weights" [rows, width, largest K] (their rows' targets
+        and weights in the first two are 0). Built in numpy: no tensor op per datum."""
         specs = {works[wi].loss_fn for wi, _, _ in mb.runs}
         keys = tuple(sorted({k for fn in specs for k in (*LOSSES[fn].required_inputs, *LOSSES[fn].inputs)}
                             - {"target_tokens"}))
         rows, width = len(mb.rows), mb.width
+        k_max = max(works[wi].targets_k for wi, _, _ in mb.runs)
         pin = self.device.type == "cuda"
-        tokens = torch.zeros((2, rows, width), dtype=torch.long, pin_memory=pin)
-        floats = torch.zeros((1 + len(keys), rows, width), dtype=torch.float32, pin_memory=pin)
-        tok, flo = tokens.numpy(), floats.numpy()
+        host = {"tokens": torch.zeros((2, rows, width), dtype=torch.long, pin_memory=pin),
+                "floats": torch.zeros((1 + len(keys), rows, width), dtype=torch.float32, pin_memory=pin)}
+        if k_max:
+            host["topk_targets"] = torch.zeros((rows, width, k_max), dtype=torch.long, pin_memory=pin)
+            host["topk_weights"] = torch.zeros((rows, width, k_max), dtype=torch.float32, pin_memory=pin)
+        tok, flo = host["tokens"].numpy(), host["floats"].numpy()
+        top_t, top_w = (host[key].numpy() if k_max else None for key in ("topk_targets", "topk_weights"))
         for r, (wi, di) in enumerate(mb.rows):
             d = works[wi].data[di]
             n = mb.lengths[r]
             tok[0, r, :n] = d.tokens
-            tok[1, r, :n] = d.inputs["target_tokens"]
             flo[0, r, :n] = 1.0
-            for i, k in enumerate(keys):
-                if k in d.inputs:
-                    flo[1 + i, r, :n] = d.inputs[k]
-        return {"tokens": tokens, "floats": floats}, keys
+            k = works[wi].targets_k
+            if k:
+                top_t[r, :n, :k] = d.inputs["target_tokens"]
+                top_w[r, :n, :k] = d.inputs["weights"]
+                continue
+            tok[1, r, :n] = d.inputs["target_tokens"]
+            for i, key in enumerate(keys):
+                if key in d.inputs:
+                    flo[1 + i, r, :n] = d.inputs[key]
+        return host, keys
 
     def _step(self, mb: MicroBatch, works: list[FBWork], keys: tuple[str, ...], t: dict[str, torch.Tensor],
-              metric_sums) -> tuple[torch.Tensor, torch.Tensor]:
+              metric_sums) -> tuple[torch.Tensor, ...]:
         """Forward (and backward) of one micro-batch from its device inputs: what a graph captures.
-        Returns per-token logprobs and losses ([rows, width] float32)."""
+        Returns per-token logprobs and losses ([rows, width] float32) and, with rows of (N, K)
+        targets, their logprobs ([rows, width, largest K], 0 elsewhere)."""
         ids, targets = t["tokens"][0], t["tokens"][1]
         mask = t["floats"][0]
         inputs = {k: t["floats"][1 + i] for i, k in enumerate(keys)}
@@ -408,19 +441,51 @@ class TrainingRuntime:
         with self.routing.batch(segments), training_kernels(self.device), torch.set_grad_enabled(mb.grad):
             # Right padding and a causal mask: real tokens never see the pads after them.
             logits = self.model(input_ids=ids, use_cache=False, **self.forward_kwargs).logits
-            logprobs = token_logprobs(logits, targets)
+            logprobs, topk = self._target_logprobs(mb, works, logits, targets, t.get("topk_targets"))
             del logits
             tok_loss = self._losses(works, list(mb.runs), segments, logprobs, inputs, mask,
-                                    metric_sums if metric_sums is not None else [{} for _ in works])
+                                    metric_sums if metric_sums is not None else [{} for _ in works],
+                                    topk, t.get("topk_weights"))
             if mb.grad and tok_loss.requires_grad:
                 tok_loss.sum().backward()
-        return logprobs.detach(), tok_loss.detach()
+        if not topk:
+            return logprobs.detach(), tok_loss.detach()
+        topk_out = torch.zeros_like(t["topk_weights"])
+        for s, lp in topk.items():
+            topk_out[s:s + lp.shape[0], :, :lp.shape[2]] = lp.detach()
+        return logprobs.detach(), tok_loss.detach(), topk_out
+
+    @staticmethod
+    def _target_logprobs(mb: MicroBatch, works: list[FBWork], logits: torch.Tensor, targets: torch.Tensor,
+                         topk_targets: torch.Tensor | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Log p(target) per position, [rows, width] (0 on rows of (N, K) targets), and per run of
+        (N, K) targets, keyed by its first row, its [rows, width, K] logprobs of the K targets.
+
+        Without (N, K) rows this is one `token_logprobs` call, as it always was. With them, the
+        logits are `split` into groups of rows -- runs of (N,) rows, and each (N, K) run alone --
+        so that every tenant's rows take the op they take alone (each (N, K) run on a block of its
+        own shape) and the backward of the split concatenates the groups' gradients: no tenant's
+        gradient is ever summed with another's, not even with zeros (that would flip -0.0)."""
+        if topk_targets is None:
+            return token_logprobs(logits, targets), {}
+        groups = segments_of([(s, works[wi].targets_k) if works[wi].targets_k else None
+                              for wi, s, e in mb.runs for _ in range(s, e)])
+        flat, topk = [], {}
+        for (key, s, e), piece in zip(groups, logits.split([e - s for _, s, e in groups])):
+            if key is None:
+                flat.append(token_logprobs(piece, targets[s:e]))
+                continue
+            lp = torch.log_softmax(piece.float(), dim=-1).gather(-1, topk_targets[s:e, :, :key[1]])
+            topk[s] = lp
+            flat.append(torch.zeros_like(targets[s:e], dtype=lp.dtype))
+        return torch.cat(flat), topk
 
     def _graph_key(self, mb: MicroBatch, works: list[FBWork]) -> tuple:
         """What a captured step depends on: the layout, each run's loss and config (constants of
         the graph), each model's adapter (config and slots: where its rows read and add), and
         where the slot stacks live."""
-        runs = tuple((s, e, works[wi].loss_fn, tuple(sorted(works[wi].loss_config.items()))) for wi, s, e in mb.runs)
+        runs = tuple((s, e, works[wi].loss_fn, tuple(sorted(works[wi].loss_config.items())), works[wi].targets_k)
+                     for wi, s, e in mb.runs)
         adapters = tuple((mid, s, e, self.adapters[mid].config, self.adapters[mid].slots()) for mid, s, e in mb.segments)
         return (mb.grad, mb.width, len(mb.rows), runs, adapters, self.routing.storage_version)
 
@@ -439,16 +504,17 @@ class TrainingRuntime:
         out.copy_(t, non_blocking=True)
         return out
 
-    def _collect(self, launched: list[Launched], per_datum, metric_sums, stats: PassStats) -> None:
+    def _collect(self, launched: list[Launched], works: list[FBWork], per_datum, metric_sums, stats: PassStats) -> None:
         """Wait for the device once, then hand every datum its outputs."""
         wait_for_device(self.device)
         for item in launched:
             mb = item.mb
             lp_cpu, el_cpu = item.logprobs.numpy(), item.losses.numpy()
+            topk_cpu = item.topk.numpy() if item.topk is not None else None
             for r, (wi, di) in enumerate(mb.rows):
-                n = mb.lengths[r]
+                n, k = mb.lengths[r], works[wi].targets_k
                 per_datum[(wi, di)] = {
-                    "logprobs": lp_cpu[r, :n].astype(np.float32, copy=True),
+                    "logprobs": (topk_cpu[r, :n, :k] if k else lp_cpu[r, :n]).astype(np.float32, copy=True),
                     "elementwise_loss": el_cpu[r, :n].astype(np.float32, copy=True),
                 }
                 metric_sums[wi]["loss:sum"] += float(el_cpu[r, :n].astype(np.float64).sum())
@@ -457,23 +523,24 @@ class TrainingRuntime:
             stats.padded_tokens += mb.padded_tokens
 
     @staticmethod
-    def _losses(works, runs, segments, logprobs, inputs, mask, metric_sums) -> torch.Tensor:
+    def _losses(works, runs, segments, logprobs, inputs, mask, metric_sums, topk=None, topk_weights=None
+                ) -> torch.Tensor:
         """Per-token losses, one `run_losses` call per model with its own runs only: the loss ops
         then see the model's rows exactly as when it trains alone (row slices of the same shape),
         and never a block merged with another model's rows (elementwise kernels may round a value
-        differently at another position in a bigger tensor, see invariance.py)."""
+        differently at another position in a bigger tensor, see invariance.py). A run of (N, K)
+        targets takes `topk_cross_entropy` on its own logprobs and a contiguous copy of its own
+        weights (its K columns of the micro-batch's), as alone."""
         parts = []
         for _, s, e in segments:
             mine = [(wi, rs, re) for wi, rs, re in runs if s <= rs < e]
-            # Only the inputs its losses take (their specs name them): run_losses slices every
-            # input it is given, per block, and there is a block per model.
-            specs = [LOSSES[works[wi].loss_fn] for wi, _, _ in mine]
-            used = {k: v for k, v in inputs.items() if any(k in sp.required_inputs or k in sp.inputs for sp in specs)}
-            tok_loss, run_metrics = run_losses(
-                [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in mine], logprobs, used, mask)
-            parts.append(tok_loss)
-            for (wi, _, _), metrics in zip(mine, run_metrics):
-                merge_metrics(metric_sums[wi], metrics)
+            for topk_runs, chunk in groupby(mine, key=lambda run: bool(works[run[0]].targets_k)):
+                if not topk_runs:
+                    parts.append(_one_target_losses(works, list(chunk), logprobs, inputs, mask, metric_sums))
+                    continue
+                for wi, rs, re in chunk:
+                    weights = topk_weights[rs:re, :, :works[wi].targets_k].contiguous()
+                    parts.append(topk_cross_entropy(topk[rs], weights) * mask[rs:re])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # -- the fusion probe (see invariance.py) -----------------------------------------------------

@@ -17,7 +17,8 @@ from fastapi import HTTPException
 from ..access import Access
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..runtime.adapters import AdamParams, LoRAConfig
-from ..runtime.losses import LossInputError, resolve_loss_config, validate_datum
+from ..runtime.losses import (LossInputError, check_one_targets_shape, resolve_loss_config, targets_per_position,
+                              validate_datum)
 from ..runtime.provenance import RecordNotFound, loss_inputs, named_sequences
 from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request
@@ -135,7 +136,9 @@ class TrainingRequests:
                                      "(the SDK splits larger batches itself)")
             config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
             for i, d in enumerate(call.data):
-                validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context)
+                validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context,
+                               self.config.max_targets_per_position)
+            check_one_targets_shape([targets_per_position(d.loss_fn_inputs) for d in call.data])
             records = {}  # stable_reinforce trains on recorded samples, named by the datums' provenance
             if call.loss_fn == "stable_reinforce":
                 names = set().union(*(named_sequences(d) for d in call.data))
