@@ -402,9 +402,10 @@ def check_fits(ckpt: LoadedCheckpoint, layers: dict[str, MultiLoRALinear], *, ma
             raise CheckpointError(f"the adapter has tensors other than lora_A/lora_B weights (at {p!r}); "
                                   "only plain LoRA (no bias, no modules_to_save, no embedding LoRA) is supported")
         layer = layers[p]
-        if tuple(a.shape) != (r, layer.in_features) or tuple(b.shape) != (layer.out_features, r):
+        want_a, want_b = (*layer.lora_lead, r, layer.in_features), (*layer.lora_lead, layer.out_features, r)
+        if not _fits(a.shape, want_a, b.shape, want_b):
             raise CheckpointError(f"{p}: LoRA shapes {list(a.shape)} / {list(b.shape)} do not fit this model "
-                                  f"(rank {r} needs [{r}, {layer.in_features}] / [{layer.out_features}, {r}])")
+                                  f"(rank {r} needs {list(want_a)} / {list(want_b)})")
     for name, t in ckpt.tensors.items():  # a non-finite adapter would sample and train nothing but NaN
         if not t.isfinite().all():
             raise CheckpointError(f"{name} holds values that are not finite (NaN or inf): an adapter's weights "
@@ -413,6 +414,17 @@ def check_fits(ckpt: LoadedCheckpoint, layers: dict[str, MultiLoRALinear], *, ma
         for name, t in ckpt.tensors.items():
             if f"{name}.exp_avg" in ckpt.optimizer:
                 _checked_moments(ckpt.optimizer, name, t.shape)
+
+
+def _fits(a: torch.Size, want_a: tuple, b: torch.Size, want_b: tuple) -> bool:
+    """Exact shapes; or, for MoE experts ([experts, ...] factors), one of A and B shared by every
+    expert ([1, ...]) as Tinker's checkpoints may hold it (broadcast when restored)."""
+    if tuple(a) == want_a and tuple(b) == want_b:
+        return True
+    if len(want_a) != 3 or len(a) != 3 or len(b) != 3 or (a[0] == 1 and b[0] == 1):
+        return False
+    return (tuple(a[1:]) == want_a[1:] and tuple(b[1:]) == want_b[1:]
+            and a[0] in (1, want_a[0]) and b[0] in (1, want_b[0]))
 
 
 def restore_adapter(adapter: LoRAAdapter, ckpt: LoadedCheckpoint) -> None:
@@ -427,7 +439,7 @@ def restore_adapter(adapter: LoRAAdapter, ckpt: LoadedCheckpoint) -> None:
     with torch.no_grad():
         for name, t in own.items():
             src = ckpt.tensors[name]
-            if src.shape != t.shape:
+            if src.shape != t.shape and not (src.dim() == 3 and src.shape[0] == 1 and src.shape[1:] == t.shape[1:]):
                 raise CheckpointError(f"{name}: shape {list(src.shape)} in checkpoint, model needs {list(t.shape)}")
             t.copy_(src.to(t.device))
     adapter.zero_grad()

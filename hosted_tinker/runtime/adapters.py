@@ -87,9 +87,10 @@ class LoRAAdapter:
             layer = layers[path]
             # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)),
             # B = 0, so a fresh adapter leaves the model's outputs unchanged.
+            # MoE experts (runtime/moe_lora.py) hold one A and B per expert: lead = (experts,).
             bound = 1.0 / math.sqrt(layer.in_features)
-            A = (torch.rand(config.rank, layer.in_features, generator=gen) * 2 - 1) * bound
-            B = torch.zeros(layer.out_features, config.rank)
+            A = (torch.rand(*layer.lora_lead, config.rank, layer.in_features, generator=gen) * 2 - 1) * bound
+            B = torch.zeros(*layer.lora_lead, layer.out_features, config.rank)
             self.weights[path] = LoRAWeights(A=A.to(device), B=B.to(device), scaling=config.scaling)
         if not self.weights:
             raise ValueError("the LoRA config adapts no projection of this model")

@@ -72,7 +72,7 @@ class LoRAWeights:
 
     @property
     def rank(self) -> int:
-        return self.A.shape[0]
+        return self.A.shape[-2]  # A is [rank, in], or [experts, rank, in] (runtime/moe_lora.py)
 
 
 class SlotStack:
@@ -83,8 +83,9 @@ class SlotStack:
     """
 
     def __init__(self, rank: int, in_features: int, out_features: int, device: torch.device,
-                 on_grow=lambda: None):
+                 on_grow=lambda: None, lead: tuple[int, ...] = ()):
         self.rank = rank
+        self.lead = lead  # per-slot leading dims: (experts,) for MoE experts (runtime/moe_lora.py)
         self._on_grow = on_grow  # new storage: what was captured over the old one is stale
         self.in_features = in_features
         self.out_features = out_features
@@ -105,8 +106,8 @@ class SlotStack:
 
         r, i, o = self.rank, self.in_features, self.out_features
         with torch.no_grad():
-            self.A, self.B = bigger(self.A, r, i), bigger(self.B, o, r)
-            self.grad_A, self.grad_B = bigger(self.grad_A, r, i), bigger(self.grad_B, o, r)
+            self.A, self.B = bigger(self.A, *self.lead, r, i), bigger(self.B, *self.lead, o, r)
+            self.grad_A, self.grad_B = bigger(self.grad_A, *self.lead, r, i), bigger(self.grad_B, *self.lead, o, r)
         if self.capacity:
             self._on_grow()
         self.capacity = capacity
@@ -529,6 +530,8 @@ class MultiLoRALinear(nn.Module):
         self.weight_t: torch.Tensor | None = None  # see `keep_transposed_weight`
         self.fp32_output = False  # a 16-bit unembedding with float32 logits (`Fp32Linear`)
 
+    lora_lead: tuple[int, ...] = ()  # LoRA factors are [rank, in] / [out, rank] (experts: runtime/moe_lora.py)
+
     @property
     def weight(self) -> torch.Tensor:  # some HF code (tied embeddings, dtype probes) reads .weight
         return self.base.weight
@@ -614,9 +617,11 @@ def detach_adapter(layers: dict[str, MultiLoRALinear], adapter_id: str, weights:
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_TARGETS = ("lm_head",)
+EXPERT_TARGETS = ("w1", "w2", "w3")  # MoE experts' gate, down, up (runtime/moe_lora.py)
 
 
 def attach_multi_lora(model: nn.Module, routing: LoRARouting) -> dict[str, MultiLoRALinear]:
+    from .moe_lora import attach_moe_lora  # imports this module
     """Replace every adaptable `nn.Linear` of `model` by a `MultiLoRALinear` (in place).
 
     Returns {dotted module path: layer}, e.g. "model.layers.0.self_attn.q_proj". Paths are the
@@ -634,6 +639,7 @@ def attach_multi_lora(model: nn.Module, routing: LoRARouting) -> dict[str, Multi
         layer = MultiLoRALinear(child, routing)
         setattr(parent, child_name, layer)
         layers[full] = layer
+    layers.update(attach_moe_lora(model, routing))
     if not layers:
         raise ValueError(
             "found no adaptable projections (q/k/v/o_proj, gate/up/down_proj, lm_head) in the model"
@@ -644,6 +650,8 @@ def attach_multi_lora(model: nn.Module, routing: LoRARouting) -> dict[str, Multi
 def module_kind(path: str) -> str:
     """'attn', 'mlp' or 'unembed' for a dotted module path."""
     leaf = path.rsplit(".", 1)[-1]
+    if leaf in EXPERT_TARGETS:
+        return "mlp"
     if leaf in ATTN_TARGETS:
         return "attn"
     if leaf in MLP_TARGETS:

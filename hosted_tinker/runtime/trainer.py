@@ -40,6 +40,7 @@ from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwa
 from .graphs import CudaGraphCapture, StepGraphs
 from .invariance import FusionPolicy, RowIndependenceProbe
 from .losses import LOSSES, merge_metrics, run_losses, targets_per_position, topk_cross_entropy
+from .moe_lora import moe_mixing_refusal
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
 from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
@@ -174,6 +175,7 @@ class TrainingRuntime:
         self.policy = self._fusion_policy()
         self.routing = LoRARouting(self.policy)
         self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing)
+        self.policy.mixing_refused = moe_mixing_refusal(self.layers)
         self.logits_fp32 = self._logits_in_fp32()
         self.adapters: dict[str, LoRAAdapter] = {}
         # Adapters attached to the layers and resident on `device`, least recently used first.
@@ -218,7 +220,9 @@ class TrainingRuntime:
         return "float32 (a 16-bit GEMM with a float32 result)"
 
     def _fusion_policy(self) -> FusionPolicy:
-        return FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
+        policy = FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
+        policy.mixing_refused = moe_mixing_refusal(self.layers) if hasattr(self, "layers") else None
+        return policy
 
     def check_fusion(self) -> None:
         """Whether tenants may share micro-batches, decided on this machine before any request, on

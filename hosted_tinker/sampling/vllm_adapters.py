@@ -144,6 +144,12 @@ class AdapterVersions:
                     f"model {model_id!r} trains lm_head, and this vLLM runs without lm_head LoRA (it would drop "
                     "that part of the adapter); its sampling goes to the built-in engine")
             return
+        if any(".experts." in k for k in tensors):
+            with self._lock:
+                self._refused[model_id] = (
+                    f"model {model_id!r} trains MoE experts, whose LoRA this vLLM sidecar does not take (it would "
+                    "drop that part of the adapter); its sampling goes to the built-in engine")
+            return
         snapshot = {k: t.detach().clone() for k, t in tensors.items()}  # the next step may start at once
         with self._lock:
             self._refused.pop(model_id, None)

@@ -1,0 +1,294 @@
+"""LoRA on mixture-of-experts experts, the way Tinker gives it: per-expert A/B, routed with the tokens.
+
+transformers >= 5 keeps a MoE layer's experts as fused 3-D parameters in one module (the classes
+decorated by `use_experts_implementation`: Qwen3-MoE, Mixtral, GPT-OSS, DeepSeek, ...):
+`gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] (GPT-OSS: transposed, gate/up interleaved,
+with biases). `MultiLoRAExperts` replaces such a module and computes the same thing plus, for each
+routed (token, expert) pair, the delta of the token's tenant's LoRA for that expert, on the expert's
+gate (w1), up (w3) and down (w2) projections -- weighted by the router like the expert's output.
+
+Tinker's checkpoint layout (what `tinker_cookbook.weights` reads): one LoRA per projection and
+layer under `<experts path>.w1|w2|w3`, with 3-D factors A [E, rank, in] and B [E, out, rank].
+Each projection is an `ExpertProjection` in the runtime's layer map, so adapters, slots,
+optimizer, checkpoints and sampler snapshots treat it like any other projection; its slot stack
+holds [slots, E, rank, in] / [slots, E, out, rank].
+
+Grouped calls: every GEMM is one `torch._grouped_mm` over groups of rows. The base projections
+run one group per expert (all tenants' tokens of an expert together, like the dense projections
+run all tenants' rows together; the start-up mixing probe covers them). The LoRA factors run one
+group per (tenant, expert): a group holds exactly the rows its tenant alone would give that
+expert, in the same order, and each group is its own GEMM, so a tenant's LoRA bits do not depend
+on who shares the call (measured: a group's rows equal the same group run alone). Weight
+gradients come from the same kernel (2-D x 2-D grouped by rows), added into the slots' gradient
+rows by index, like `GroupedLoRA`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .multi_lora import EXPERT_TARGETS, LoRARouting, LoRAWeights, SlotStack
+
+# Tinker's names of the expert projections (cookbook `MergeProfile.expert_key_remaps`).
+GATE, DOWN, UP = EXPERT_TARGETS
+
+
+# `torch._grouped_mm` wants row strides of whole 16 bytes: LoRA ranks are padded to 4 (fp32).
+RANK_MULTIPLE = 4
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows offs[g-1]:offs[g] of x [N, in] times w[g] [in, out]; or, with x [in, N] and w [N, out]
+    (both 2-D), the per-group products [G, in, out] (weight gradients)."""
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+class FrozenGroupedLinear(torch.autograd.Function):
+    """Base expert GEMM `x_g @ w_fwd[g]` of frozen weights; its input gradient is `gy_g @ w_bwd[g]`
+    (w_bwd [E, out, in]: a view of the stored weight, or of a transposed copy, see
+    `MultiLoRAExperts.keep_transposed_weight`). torch's own autograd of `_grouped_mm` does not
+    run on CPU (torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x, w_fwd, w_bwd, offs):
+        ctx.w_bwd, ctx.offs = w_bwd, offs  # frozen: nothing for autograd to version-check
+        return grouped_mm(x, w_fwd, offs)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return grouped_mm(gy.contiguous(), ctx.w_bwd, ctx.offs), None, None, None
+
+
+class ExpertLoRA(torch.autograd.Function):
+    """LoRA deltas of rows grouped by (tenant, expert): x [N, in] -> [N, out].
+
+    Group g = u * E + e uses expert e of slot `slots[u]` of the stack. The weight gradients are
+    added into the stack's gradient rows of those slots (nothing is returned for them); `anchor`
+    makes the backward run where x needs no gradient (as in `GroupedLoRA`)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, stack: SlotStack, slots: torch.Tensor, offs: torch.Tensor, scaling: float):
+        A = stack.A.index_select(0, slots).flatten(0, 1)  # [U*E, r, in]
+        B = stack.B.index_select(0, slots).flatten(0, 1)  # [U*E, out, r]
+        pad = -stack.rank % RANK_MULTIPLE
+        if pad:  # zero rank rows: the same deltas, and rows of h whose stride _grouped_mm takes
+            A, B = F.pad(A, (0, 0, 0, pad)), F.pad(B, (0, pad))
+        xa = x.to(A.dtype)
+        h = grouped_mm(xa, A.transpose(1, 2), offs)  # [N, r]
+        d = grouped_mm(h, B.transpose(1, 2), offs) * scaling  # [N, out]
+        ctx.save_for_backward(xa, A, B, h)
+        ctx.stack, ctx.slots, ctx.offs, ctx.scaling, ctx.x_dtype = stack, slots, offs, scaling, x.dtype
+        return d.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gd):
+        x, A, B, h = ctx.saved_tensors
+        offs, stack = ctx.offs, ctx.stack
+        g = gd.to(A.dtype).contiguous() * ctx.scaling
+        grad_B = grouped_mm(h.t(), g, offs).transpose(1, 2)  # [G, out, r]
+        gh = grouped_mm(g, B, offs)  # [N, r]
+        grad_A = grouped_mm(x.t(), gh, offs).transpose(1, 2)  # [G, r, in]
+        grad_x = grouped_mm(gh, A, offs).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        n, r = ctx.slots.shape[0], stack.rank
+        grad_A, grad_B = grad_A[:, :r], grad_B[:, :, :r]
+        stack.grad_A.index_add_(0, ctx.slots, grad_A.reshape(n, *stack.grad_A.shape[1:]))
+        stack.grad_B.index_add_(0, ctx.slots, grad_B.reshape(n, *stack.grad_B.shape[1:]))
+        return grad_x, None, None, None, None, None
+
+
+class ExpertProjection:
+    """One expert projection (w1, w2 or w3) of one MoE layer, as the runtime's layer map sees it:
+    the adapters that adapt it and their slot stacks ([slots, E, rank, ...])."""
+
+    def __init__(self, owner: "MultiLoRAExperts", name: str, in_features: int, out_features: int):
+        self.owner = owner
+        self.name = name
+        self.routing = owner.routing
+        self.in_features = in_features
+        self.out_features = out_features
+        self.lora_lead = (owner.num_experts,)  # LoRA factors are [E, rank, in] / [E, out, rank]
+        self.adapters: dict[str, LoRAWeights] = {}
+        self.stacks: dict[int, SlotStack] = {}
+        self.members = self.routing.member_set((), None)
+
+    def attach(self, adapter_id: str, w: LoRAWeights, slot: int) -> None:
+        stack = self.stacks.get(w.rank)
+        if stack is None:
+            stack = self.stacks[w.rank] = SlotStack(w.rank, self.in_features, self.out_features,
+                                                    self.owner.device, self.routing.storage_moved,
+                                                    lead=self.lora_lead)
+        stack.put(slot, w)
+        self.adapters[adapter_id] = w
+        self.members = self.routing.member_set(self.adapters, self.members)
+
+    def detach(self, adapter_id: str, device: torch.device) -> None:
+        w = self.adapters.pop(adapter_id)
+        self.stacks[w.rank].take(w.slot, w, device)
+        self.members = self.routing.member_set(self.adapters, self.members)
+
+    def keep_transposed_weight(self, keep: bool) -> int:
+        # The module keeps one copy of both base weights; the gate projection answers for it.
+        return self.owner.keep_transposed_weight(keep) if self.name == GATE else 0
+
+    def delta(self, x: torch.Tensor, token_of_row: torch.Tensor, expert_of_row: torch.Tensor,
+              tokens_per_row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(rows, their deltas) of this projection for x [N, in] (rows in expert order): one
+        `ExpertLoRA` call per rank among the batch's adapters."""
+        segments = self.routing.segments
+        if not segments or not self.adapters:
+            return []
+        out = []
+        kinds = {(w.rank, w.scaling) for w in self.adapters.values()}
+        for rank, scaling in sorted(kinds):  # one call per rank and scaling, as `LoRACall`
+            slots: list[int] = []
+            user = torch.full((segments[-1][2] * tokens_per_row,), -1, dtype=torch.long)
+            for adapter_id, start, end in segments:
+                w = self.adapters.get(adapter_id) if adapter_id is not None else None
+                if w is None or (w.rank, w.scaling) != (rank, scaling):
+                    continue
+                if w.slot not in slots:
+                    slots.append(w.slot)
+                user[start * tokens_per_row:end * tokens_per_row] = slots.index(w.slot)
+            if not slots:
+                continue
+            E = self.owner.num_experts
+            u = user.to(x.device)[token_of_row]
+            rows = torch.nonzero(u >= 0).squeeze(1)
+            key = u[rows] * E + expert_of_row[rows]
+            key, order = torch.sort(key, stable=True)  # by (tenant, expert), each in token order
+            rows = rows[order]
+            offs = torch.cumsum(torch.bincount(key, minlength=len(slots) * E), 0).to(torch.int32)
+            slot_t = torch.tensor(slots, dtype=torch.long, device=x.device)
+            d = ExpertLoRA.apply(x.index_select(0, rows), self.routing.grad_anchor(x.device), self.stacks[rank], slot_t, offs,
+                                 scaling)
+            out.append((rows, d))
+        return out
+
+
+def _with_deltas(y: torch.Tensor, deltas: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """y with each (rows, delta) added to its rows; other rows keep their bits (no +0)."""
+    for rows, d in deltas:
+        y = y.index_add(0, rows, d)
+    return y
+
+
+class MultiLoRAExperts(nn.Module):
+    """A frozen transformers experts module (3-D gate_up/down weights) plus every tenant's per-expert
+    LoRA on its gate, up and down projections. Called as the module it replaces:
+    (hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]."""
+
+    def __init__(self, base: nn.Module, routing: LoRARouting):
+        super().__init__()
+        self.base = base
+        self.routing = routing
+        self.num_experts = base.num_experts
+        self.device = base.gate_up_proj.device
+        self.transposed = bool(base.is_transposed)  # weights stored [E, in, out] (GPT-OSS)
+        self.interleaved = not base.is_concatenated  # gate/up columns g0, u0, g1, u1, ...
+        E, a, b = base.gate_up_proj.shape
+        hidden, inter2 = (a, b) if self.transposed else (b, a)
+        self.projections = {GATE: ExpertProjection(self, GATE, hidden, inter2 // 2),
+                            UP: ExpertProjection(self, UP, hidden, inter2 // 2),
+                            DOWN: ExpertProjection(self, DOWN, inter2 // 2, hidden)}
+        self._copies: dict[str, torch.Tensor] | None = None  # see keep_transposed_weight
+
+    def keep_transposed_weight(self, keep: bool) -> int:
+        """Take the input gradients of the base GEMMs from contiguous copies of the weights in the
+        forward's layout (as `MultiLoRALinear.keep_transposed_weight`); returns their bytes."""
+        self._copies = None
+        if keep and not self.transposed:  # stored [E, in, out] (GPT-OSS): the backward reads it so already
+            with torch.no_grad():
+                self._copies = {n: getattr(self.base, n).transpose(1, 2).contiguous()
+                                for n in ("gate_up_proj", "down_proj")}
+        return 0 if self._copies is None else sum(t.numel() * t.element_size() for t in self._copies.values())
+
+    def _weights(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward [E, in, out], backward [E, out, in]) views of base weight `name`: the backward
+        reads the transpose of a contiguous [E, in, out] tensor where there is one."""
+        w = getattr(self.base, name)
+        fwd = w if self.transposed else w.transpose(1, 2)
+        source = fwd if self._copies is None else self._copies[name]
+        return fwd, source.transpose(1, 2)
+
+    def _linear(self, x, name: str, offs, experts):
+        y = FrozenGroupedLinear.apply(x, *self._weights(name), offs)
+        bias = getattr(self.base, f"{name}_bias", None) if self.base.has_bias else None
+        return y if bias is None else y + bias[experts]
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        T, K = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        experts, order = torch.sort(flat, stable=True)  # (token, k) pairs by expert, each in token order
+        token = order // K
+        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        rows_total = self.routing.segments[-1][2] if self.routing.segments else 0
+        per_row = T // rows_total if rows_total and T % rows_total == 0 else 0
+        p = self.projections
+
+        def deltas(name: str, x: torch.Tensor):
+            return p[name].delta(x, token, experts, per_row) if per_row else []
+
+        x = hidden.index_select(0, token)
+        gate_up = self._linear(x, "gate_up_proj", offs, experts)
+        gate_d, up_d = deltas(GATE, x), deltas(UP, x)
+        if gate_d or up_d:
+            half = gate_up.shape[1] // 2
+            gate_cols = slice(0, None, 2) if self.interleaved else slice(0, half)
+            up_cols = slice(1, None, 2) if self.interleaved else slice(half, None)
+            gate = _with_deltas(gate_up[:, gate_cols], gate_d)
+            up = _with_deltas(gate_up[:, up_cols], up_d)
+            gate_up = (torch.stack([gate, up], 2).flatten(1) if self.interleaved else torch.cat([gate, up], 1))
+        h = self.base._apply_gate(gate_up)
+        y = _with_deltas(self._linear(h, "down_proj", offs, experts), deltas(DOWN, h))
+        y = y * top_k_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+        per_pair = torch.empty_like(y).index_copy(0, order, y).view(T, K, -1)
+        out = per_pair[:, 0]
+        for k in range(1, K):  # elementwise adds: a token's sum never depends on the other tokens
+            out = out + per_pair[:, k]
+        return out.to(hidden.dtype)
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A transformers >= 5 experts module with 3-D weights (`use_experts_implementation`)."""
+    w = getattr(module, "gate_up_proj", None) if hasattr(module, "is_transposed") else None
+    return isinstance(w, nn.Parameter) and w.dim() == 3
+
+
+def refusal(path: str, module: nn.Module) -> str | None:
+    """Why the experts at `path` cannot take LoRA here, or None."""
+    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
+        return f"{path}: experts without a fused gate/up projection or with a post-expert norm are not supported"
+    if getattr(module, "_is_expert_parallel", False):
+        return f"{path}: expert-parallel experts are not supported"
+    return None
+
+
+def attach_moe_lora(model: nn.Module, routing: LoRARouting) -> dict[str, ExpertProjection]:
+    """Replace every fused experts module of `model` by a `MultiLoRAExperts` (in place).
+
+    Returns {"<experts path>.w1|w2|w3": projection}; raises ValueError naming experts it cannot adapt."""
+    found = [(path, module) for path, module in model.named_modules() if is_fused_experts(module)]
+    out: dict[str, ExpertProjection] = {}
+    for path, module in found:
+        why = refusal(path, module)
+        if why:
+            raise ValueError(why)
+        parent_path, _, name = path.rpartition(".")
+        wrapped = MultiLoRAExperts(module, routing)
+        setattr(model.get_submodule(parent_path), name, wrapped)
+        out.update({f"{path}.{n}": proj for n, proj in wrapped.projections.items()})
+    return out
+
+
+def moe_mixing_refusal(layers: dict) -> str | None:
+    """Why tenants of a model with LoRA-adapted experts do not share micro-batches, or None.
+
+    Measured on the tiny Qwen3-MoE of tests/test_moe_lora.py (AVX-512, 1 thread): with tenants
+    mixed in one micro-batch, logprobs, losses and first-step gradients kept their solo bits, but
+    the expert LoRA gradients of the second step (B != 0) did not; until that is found, each
+    tenant runs its own micro-batches (still in one pass and one grouped call per layer)."""
+    if any(isinstance(layer, ExpertProjection) for layer in layers.values()):
+        return "MoE expert LoRA gradients are not yet proven bit-exact across tenants in one micro-batch"
+    return None
