@@ -187,6 +187,11 @@ class ServerConfig(BaseSettings):
     max_targets_per_position: int = Field(
         100, ge=1, description="largest K of cross_entropy's (N, K) target_tokens and weights (top-K distillation); "
                                "100 is the most topk_prompt_logprobs a sample request returns")
+    max_image_bytes: int = Field(10 << 20, ge=1, description="largest image chunk (encoded png or jpeg) a "
+                                                            "vision-language model takes")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="most pixels (width x height) of one decoded image")
+    max_images_per_request: int = Field(64, ge=1, description="image chunks in one forward_backward, forward "
+                                                              "or sample request")
     max_pending_per_key: int = Field(
         4096, ge=1, description="unfinished requests one API key may have queued; beyond it submissions get 429 "
                                 "(back-pressure)")

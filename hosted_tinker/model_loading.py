@@ -127,7 +127,7 @@ def _weights_bytes(source: str) -> int | None:
 
 def load_base_model(name: str, data_dir: Path, device: torch.device, dtype: torch.dtype):
     """Return (model, tokenizer) for `name`, on `device`, frozen. Logs each stage: a big model takes minutes."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     source = resolve_model_source(name, data_dir)
     t0 = time.perf_counter()
@@ -136,7 +136,9 @@ def load_base_model(name: str, data_dir: Path, device: torch.device, dtype: torc
              f", {size / 2**20:.1f} MiB of weights" if size else "")
     tokenizer = AutoTokenizer.from_pretrained(source)
     log.info("loading base model: tokenizer ready (%d tokens); reading weights ...", len(tokenizer))
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    # A vision-language model whole (its vision tower too), so that it takes images.
+    vision = getattr(AutoConfig.from_pretrained(source), "vision_config", None) is not None
+    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(source, dtype=dtype)
     if device.type != "cpu":
         log.info("loading base model: weights read in %.1fs; moving them to %s ...", time.perf_counter() - t0, device)
     model.to(device)

@@ -29,6 +29,7 @@ from .sampling.backend import SamplingBackend
 from .sampling.kv_budget import KVBudget
 from .sampling.service import SamplingService
 from .scheduler import ClockCycleScheduler
+from .vision import ImageEncoder
 from .worker import TrainingWorker
 
 
@@ -44,6 +45,7 @@ class ServedModel:
     sampler: SamplingService
     loop: DeviceLoop
     kv_budget: KVBudget  # the built-in sampler's KV-cache budget, and how it was chosen
+    images: ImageEncoder | None = None  # a vision-language model's image processor; None: text only
 
 
 def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir: Path) -> tuple[ModelRuntime, Any]:

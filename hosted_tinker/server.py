@@ -31,7 +31,7 @@ from .config import ModelEntry, ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
-from .model_loading import model_directory, pick_device, pick_dtype
+from .model_loading import model_directory, pick_device, pick_dtype, resolve_model_source
 from .model_runtime import ModelRuntime
 from .runtime.cpu_threads import on_passing_thread
 from .sampling.backend import EngineBackend, SamplingBackend
@@ -49,6 +49,7 @@ from .served_models import ModelRegistry, ServedModel, make_runtime
 from .startup import vllm_child_devices, vllm_python
 from .store import Store, db_path
 from .telemetry_log import TelemetryLog
+from .vision import ImageLimits, image_encoder
 from .worker import TrainingWorker
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,9 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                        sampler=SamplingService(backend, futures),
                        loop=DeviceLoop(scheduler, worker, backend, futures, wake,
                                        on_cycle=functools.partial(observer.observe_cycle, name)),
-                       kv_budget=kv_budget)
+                       kv_budget=kv_budget,
+                       images=image_encoder(model, resolve_model_source(name, data_dir), ImageLimits(
+                           config.max_image_bytes, config.max_image_pixels, config.max_images_per_request)))
 
 
 def vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builtin: EngineBackend, dtype: str,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import faults
 from .checkpoints.catalog import MAX_TTL_S, CheckpointCatalog, CheckpointExists
+from .checkpoints.encryption import save_encrypted
 from .checkpoints.format import CheckpointError, check_fits
 from .checkpoints.paths import TinkerPath
 from .errors import UserError
@@ -45,6 +46,7 @@ class SaveSpec:
     ttl_seconds: int | None = None
     user_metadata: dict | None = None
     sampling_session_id: str | None = None  # set for the ephemeral save_weights_and_get_sampling_client
+    age_recipients: list = field(default_factory=list)  # pyrage recipients: encrypt the files to them (external)
 
     def __post_init__(self) -> None:
         if self.ttl_seconds is not None and not 1 <= self.ttl_seconds <= MAX_TTL_S:
@@ -242,11 +244,19 @@ class TrainingWorker:
         """Write the model's checkpoint and its record together; (its path, its size in bytes)."""
         spec: SaveSpec = req.payload
         path = TinkerPath(req.model_id, spec.kind, spec.name)
+
+        def write_plain(folder: Path) -> None:
+            self.runtime.save(req.model_id, folder, with_optimizer=with_optimizer, overwrite=True)
+
+        def write(folder: Path) -> None:
+            if spec.age_recipients:
+                save_encrypted(folder, write_plain, spec.age_recipients)
+            else:
+                write_plain(folder)
+
         try:
             size = self.checkpoints.save(
-                path, spec.owner,
-                lambda folder: self.runtime.save(req.model_id, folder, with_optimizer=with_optimizer, overwrite=True),
-                overwrite=spec.overwrite, ttl_seconds=spec.ttl_seconds, user_metadata=spec.user_metadata)
+                path, spec.owner, write, overwrite=spec.overwrite, ttl_seconds=spec.ttl_seconds, user_metadata=spec.user_metadata)
         except CheckpointExists as e:
             raise CheckpointError(f"{e}; save with overwrite=True to replace it") from None
         return path, size

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from hosted_tinker.checkpoints import format as checkpoints
 from hosted_tinker.checkpoints.paths import InvalidPath, TinkerPath
@@ -313,3 +313,36 @@ def test_fits_refuses_rank_above_the_limit_and_optimizer_state_of_other_shapes(t
         check_fits(ckpt, trained.layers, max_rank=4)
     with pytest.raises(CheckpointError, match="does not fit its weights"):
         trained.load("b", ckpt)
+
+
+def test_an_encrypted_export_survives_recovery_and_leaves_no_plaintext(trained, tmp_path):
+    """An age-encrypted export holds only `.age` files; start-up recovery keeps its record, and
+    removes the plaintext folder a crash between writing and encrypting would leave."""
+    import pyrage
+
+    from hosted_tinker.checkpoints.catalog import CheckpointCatalog
+    from hosted_tinker.checkpoints.encryption import parse_recipients, save_encrypted
+    from hosted_tinker.checkpoints.recovery import recover
+    from hosted_tinker.store import Store
+
+    store = Store(tmp_path / "db.sqlite")
+    store.create_session("s", "alice", [], {}, None, None)
+    store.create_model("run", "s", "alice", "tiny", CFG.to_dict(), {}, {})
+    catalog = CheckpointCatalog(store, tmp_path / "checkpoints")
+    identity = pyrage.x25519.Identity.generate()
+    path = TinkerPath("run", "external_weights", "enc")
+    catalog.save(path, "alice", lambda folder: save_encrypted(
+        folder, lambda out: trained.save("a", out, with_optimizer=False), parse_recipients([str(identity.to_public())])),
+        overwrite=True)
+    folder = catalog.folder(path)
+    assert sorted(f.name for f in folder.iterdir()) == [
+        "adapter_config.json.age", "adapter_model.safetensors.age", "manifest.json.age"]
+    crashed = folder.parent / ".tmp-enc-plain-0123abcd"  # what a kill before the encryption leaves
+    trained.save("a", crashed, with_optimizer=False)
+
+    report = recover(catalog)
+    assert catalog.record(path) is not None and not report.removed_records
+    assert not crashed.exists() and no_temp_dirs(folder.parent)
+    tensors = load(pyrage.decrypt((folder / "adapter_model.safetensors.age").read_bytes(), [identity]))
+    want = trained.adapters["a"].named_tensors()
+    assert all(torch.equal(tensors[PEFT_PREFIX + k], v.float()) for k, v in want.items())

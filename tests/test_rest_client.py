@@ -1,20 +1,25 @@
 """The SDK's `RestClient` against the server: every run / checkpoint / session method returns the
 right content (not just no exception), ownership is enforced everywhere, published checkpoints are
 readable by others, save_state's overwrite and user_metadata behave, external weights download
-through signed URLs with a plain GET, and a TTL removes a checkpoint's files and record."""
+through signed URLs with a plain GET (age-encrypted when asked, so the cookbook's
+`weights.download` works), and a TTL removes a checkpoint's files and record."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from datetime import datetime, timedelta, timezone
 
 import httpx
 import numpy as np
+import pyrage
 import pytest
 import tinker
+import torch
 from safetensors.torch import load_file
 from tinker import types
+from tinker_cookbook import weights
 
 from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, read_adapter, sft_batch, wait_until
 from hosted_tinker.auth import anonymous_owner
@@ -284,13 +289,56 @@ def test_external_weights_and_signed_urls(server, world):
     r = httpx.get(f"{server.base_url}/api/v1/training_runs/{tc.model_id}/checkpoints/weights/s1/external_weights_urls",
                   headers={"X-API-Key": ALICE}, timeout=30)  # ... and so does the server
     assert r.status_code == 400 and "external weights only" in r.json()["detail"]
-    with pytest.raises(tinker.BadRequestError, match="age encryption"):
-        tc.save_weights_external("enc", age_encryption_recipients=["age1xyz"]).result()
     # saving again under the same name replaces it; deleting it kills its URLs
     assert tc.save_weights_external("ext").result().path == ext
     alice.delete_checkpoint_from_tinker_path(ext).result()
     r = httpx.get(got.urls["adapter_config.json"], timeout=30)
     assert r.status_code == 404 and "no longer exists" in r.json()["detail"]
+
+
+def test_age_encrypted_export_decrypts_to_the_plain_one(server, world):
+    """Every file of an export with age recipients is encrypted to each of them (and only the
+    encrypted files are on the server); decrypted, they are the plain export's files."""
+    alice, tc = world["alice"], world["tc"]
+    ids = [pyrage.x25519.Identity.generate() for _ in range(2)]
+    enc = tc.save_weights_external("enc", age_encryption_recipients=[str(i.to_public()) for i in ids]).result().path
+    plain = tc.save_weights_external("plain").result().path
+    urls = alice.get_external_weights_urls(enc).result().urls
+    assert set(urls) == {"adapter_config.json.age", "adapter_model.safetensors.age", "manifest.json.age"}
+    assert sorted(f.name for f in checkpoint_dir(server, enc).iterdir()) == sorted(urls)
+    plain_files = {f.name: f.read_bytes() for f in checkpoint_dir(server, plain).iterdir()}
+    for identity in ids:
+        decrypted = {name.removesuffix(".age"): pyrage.decrypt(httpx.get(url, timeout=30).content, [identity])
+                     for name, url in urls.items()}
+        assert decrypted["adapter_model.safetensors"] == plain_files["adapter_model.safetensors"]
+        assert decrypted["adapter_config.json"] == plain_files["adapter_config.json"]
+        assert set(decrypted) == set(plain_files)
+    for path in (enc, plain):
+        alice.delete_checkpoint_from_tinker_path(path).result()
+
+
+def test_a_bad_age_recipient_is_a_400_naming_it(world):
+    good = str(pyrage.x25519.Identity.generate().to_public())
+    with pytest.raises(tinker.BadRequestError, match=r"age_encryption_recipients\[1\] 'age1xyz' is not an age recipient"):
+        world["tc"].save_weights_external("bad", age_encryption_recipients=[good, "age1xyz"]).result()
+
+
+def test_cookbook_downloads_a_training_checkpoint(server, world, tmp_path, monkeypatch):
+    """`tinker_cookbook.weights.download` of a `weights/` path: it loads the checkpoint into a new
+    run, exports it encrypted to a key of its own, downloads and decrypts the files, and deletes
+    the export."""
+    monkeypatch.setenv("TINKER_API_KEY", ALICE)
+    out = weights.download(tinker_path=world["s2"], output_dir=str(tmp_path / "adapter"), base_url=server.base_url)
+    got = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    want = read_adapter(server, world["s2"])
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "manifest.json"]
+    assert out == str(tmp_path / "adapter")
+    exports = [c.tinker_path for c in world["alice"].list_user_checkpoints().result().checkpoints
+               if "/external_weights/download" in c.tinker_path]
+    assert exports == []  # the temporary export is gone
 
 
 @pytest.mark.parametrize("method,path,needle", [

@@ -29,6 +29,7 @@ from hosted_tinker.wire import (
     encode_forward_backward_output,
     encode_sample_response,
 )
+from hosted_tinker.vision import ImageIn
 from hosted_tinker.wire import tinker_wire_pb2 as pb
 
 
@@ -162,6 +163,18 @@ def test_decode_provenance_spans_as_the_sdk_sends_them():
     assert d0.loss_fn_input_spans == [ProvenanceSpan("prompt", "s:0:1", 1, 2), ProvenanceSpan("sampled", "s:0:1", 0, 2),
                                       ProvenanceSpan("sampled", "s:5:0", 4, 0)]
     assert d1.model_input_spans == [] and d1.loss_fn_input_spans == []
+
+
+def test_decode_image_chunks_at_their_place_among_the_tokens():
+    """An image chunk arrives as its bytes, format, expected_tokens (if set) and the number of
+    text tokens before it; the server's processor turns it into tokens later (vision.py)."""
+    model_input = types.ModelInput(chunks=[
+        types.EncodedTextChunk(tokens=[1, 2]), types.ImageChunk(data=b"png-bytes", format="png", expected_tokens=4),
+        types.EncodedTextChunk(tokens=[3]), types.ImageChunk(data=b"jpeg-bytes", format="jpeg")])
+    d = types.Datum(model_input=model_input, loss_fn_inputs={"target_tokens": [0] * 7, "weights": [1.0] * 7})
+    (got,) = decode_forward_backward_request(sdk_post([d])[0]).data
+    assert got.tokens.tolist() == [1, 2, 3]
+    assert got.images == [ImageIn(2, b"png-bytes", "png", 4), ImageIn(3, b"jpeg-bytes", "jpeg", None)]
 
 
 def test_decode_multi_frame_zstd_and_zstd_without_content_size():
@@ -314,8 +327,6 @@ def _csr(msg, crow, col, values, shape=(2, 3)):
 
 
 MUTATIONS = {
-    "image chunk": (lambda m: setattr(m.data[1].model_input.add().image, "format", "png"),
-                    "data[1].model_input[1]: image chunks are not supported; this server hosts text-only"),
     "dmel chunk": (lambda m: setattr(m.data[1].model_input.add().dmel, "dmel", b"\x00"),
                    "data[1].model_input[1]: dmel chunks are not supported"),
     "empty chunk": (lambda m: m.data[1].model_input.add(), "data[1].model_input[1]: empty chunk"),

@@ -18,6 +18,7 @@ from ..server import Server
 from ..served_models import ServedModel
 from ..services import served_model
 from ..services.sampling import SamplingRequests
+from ..vision import no_images
 from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
 from .training import _checkpoint_for_load
@@ -93,7 +94,7 @@ def get_sampler(sampler_id: str, owner: str = Depends(require_owner), access: Ac
     return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
 
 
-def _prompt_tokens(prompt: dict) -> list[int]:
+def _prompt_tokens(prompt: dict, served: ServedModel) -> list[int]:
     chunks = prompt.get("chunks") or []
     if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
         raise HTTPException(400, "prompt.chunks must be a list of chunk objects, e.g. "
@@ -101,8 +102,14 @@ def _prompt_tokens(prompt: dict) -> list[int]:
     tokens: list[int] = []
     for i, chunk in enumerate(chunks):
         kind = chunk.get("type", "encoded_text")
+        if kind == "image" and served.images is None:
+            raise HTTPException(400, str(no_images(f"prompt chunk {i}", served.name)))
+        if kind == "image":
+            raise HTTPException(400, f"prompt chunk {i} is an image: this server takes images in forward and "
+                                     "forward_backward only, not yet in sampling or compute_logprobs")
         if kind != "encoded_text":
-            raise HTTPException(400, f"prompt chunk {i} is {kind!r}: this server hosts text-only models")
+            raise HTTPException(400, f"prompt chunk {i} is {kind!r}: this server takes encoded_text chunks "
+                                     "(and images in forward and forward_backward)")
         toks = chunk.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise HTTPException(400, f"prompt chunk {i}: tokens must be a list of integers")
@@ -115,7 +122,7 @@ def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter
     cfg, runtime = server.config, served.runtime
     if body.num_samples > cfg.max_num_samples:
         raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples}")
-    prompt = _prompt_tokens(body.prompt)
+    prompt = _prompt_tokens(body.prompt, served)
     if not prompt:
         raise HTTPException(400, "the prompt is empty")
     bad = [t for t in prompt if not 0 <= t < runtime.vocab_size]

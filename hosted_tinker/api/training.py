@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from ..access import Access
+from ..checkpoints.encryption import parse_recipients
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..checkpoints.paths import TinkerPath, check_name
 from ..server import Server
@@ -151,13 +152,15 @@ class SaveWeightsExternalRequest(Body):
 def save_weights_external(body: SaveWeightsExternalRequest, owner: str = Depends(require_owner),
                           training: TrainingRequests = Depends(get_training)):
     """The adapter as a standard PEFT directory, downloadable through signed URLs
-    (`GET .../external_weights_urls`). Saving again under the same name replaces it."""
+    (`GET .../external_weights_urls`). Saving again under the same name replaces it. With
+    `age_encryption_recipients`, every file is encrypted to them and named with `.age`."""
     def spec() -> SaveSpec:
-        if body.age_encryption_recipients:
-            raise HTTPException(400, "age encryption of exported weights is not supported by this server; "
-                                     "save without age_encryption_recipients")
+        try:
+            recipients = parse_recipients(body.age_encryption_recipients or [])
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
         return SaveSpec(kind="external_weights", name=check_name(body.path), owner=owner, overwrite=True,
-                        ttl_seconds=body.ttl_seconds)
+                        ttl_seconds=body.ttl_seconds, age_recipients=recipients)
 
     return training.save(owner, body.model_id, body.seq_id, "save_weights_external", spec)
 

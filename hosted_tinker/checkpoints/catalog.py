@@ -22,6 +22,7 @@ from typing import BinaryIO, Callable
 
 from .. import faults
 from ..store import Store
+from .encryption import ENCRYPTED_FILES
 from .format import CHECKPOINT_FILES, CheckpointError
 from .paths import TinkerPath
 
@@ -124,7 +125,7 @@ class CheckpointCatalog:
         lock: never in the middle of an overwrite's two renames."""
         folder = self.folder(path)
         with self.lock:
-            return sorted((folder / n for n in CHECKPOINT_FILES
+            return sorted((folder / n for n in CHECKPOINT_FILES + ENCRYPTED_FILES
                            if (folder / n).is_file() and not (folder / n).is_symlink()), key=lambda f: f.name)
 
     def open_files(self, path: TinkerPath, names: set[str] | None = None) -> list[OpenFile]:

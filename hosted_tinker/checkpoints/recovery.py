@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .catalog import CheckpointCatalog, dir_size
-from .format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LATEST_TIME, CheckpointError, read_manifest
+from .encryption import holds_adapter, is_encrypted
+from .format import LATEST_TIME, CheckpointError, read_manifest
 from .paths import KINDS, InvalidPath, TinkerPath
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,10 @@ def _recover_kind_dir(kind_dir: Path, report: RecoveryReport) -> None:
 
 
 def _written_at(folder: Path, path: TinkerPath) -> float | None:
-    """When the folder's files were written, by its manifest; None if it has no valid one."""
+    """When the folder's files were written, by its manifest; None if it has no valid one (or an
+    encrypted one: the record's time stands)."""
+    if is_encrypted(folder):
+        return None
     try:
         return read_manifest(folder).created_at
     except CheckpointError as e:
@@ -98,7 +102,7 @@ def recover(catalog: CheckpointCatalog) -> RecoveryReport:
             except InvalidPath:  # saved before names were matched whole (a trailing newline)
                 path = None
             folder = catalog.folder(path) if path is not None else None
-            if folder is None or not ((folder / ADAPTER_WEIGHTS).is_file() and (folder / ADAPTER_CONFIG).is_file()):
+            if folder is None or not holds_adapter(folder):
                 store.delete_checkpoint_if(row["model_id"], row["checkpoint_id"])
                 report.removed_records.append(tag)
                 continue

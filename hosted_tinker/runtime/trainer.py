@@ -44,6 +44,7 @@ from .moe_lora import moe_mixing_refusal
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
 from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
+from ..vision import Pixels
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 class DatumWork:
     tokens: np.ndarray  # int64 [N]
     inputs: dict[str, np.ndarray]  # loss_fn_inputs, already validated
+    pixels: Pixels | None = None  # a vision-language model's images, their tokens already in `tokens`
 
 
 @dataclass
@@ -128,6 +130,9 @@ def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> 
 # Packing kinds (runtime/packing.py `Request.kind`) where steps run as CUDA graphs: micro-batches
 # of graphed and of eager requests are never shared, so a tenant's path never depends on others.
 GRAPHED, EAGER = "graph", "eager"
+# A request with images runs eagerly in micro-batches of its own: the fusion probe and the
+# batch-invariant kernels cover text rows, not a vision tower (and text tenants must not change).
+IMAGES = "images"
 
 
 def wait_for_device(device: torch.device) -> None:
@@ -184,7 +189,9 @@ class TrainingRuntime:
         self.page_outs = 0
         cfg = model.config
         self.vocab_size = int(model.get_output_embeddings().out_features)
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 20))
+        self.max_context = int(getattr(cfg, "max_position_embeddings", None)
+                               or getattr(getattr(cfg, "text_config", None), "max_position_embeddings", 1 << 20))
+        self.image_token_id = getattr(cfg, "image_token_id", None)  # a vision-language model's
         self.last_pass = PassStats()
         self.graphs: StepGraphs | None = None
         self.graphs_how = "off on CPU" if device.type != "cuda" else "off (--cuda-graphs off)"
@@ -358,11 +365,14 @@ class TrainingRuntime:
     def requests(self, works: list[FBWork]) -> list[Request]:
         """What the packing plan needs of each request. Where steps run as CUDA graphs, a loss that
         computes on the host (`LossSpec.host_side`) makes its request of the eager kind."""
-        def kind(w: FBWork):
+        def kind(i: int, w: FBWork):
+            if any(d.pixels is not None for d in w.data):
+                return (IMAGES, i)  # eager, in micro-batches of this request only
             if self.graphs is None:
                 return 0
             return EAGER if LOSSES[w.loss_fn].host_side else GRAPHED
-        return [Request(w.model_id, tuple(len(d.tokens) for d in w.data), w.forward_only, kind(w)) for w in works]
+        return [Request(w.model_id, tuple(len(d.tokens) for d in w.data), w.forward_only, kind(i, w))
+                for i, w in enumerate(works)]
 
     def plan(self, works: list[FBWork]) -> PackingPlan:
         return pack(self.requests(works), self.max_tokens_per_micro_batch, may_mix=self.policy.mix_tenants,
@@ -431,6 +441,10 @@ class TrainingRuntime:
             for i, key in enumerate(keys):
                 if key in d.inputs:
                     flo[1 + i, r, :n] = d.inputs[key]
+        pixels = [works[wi].data[di].pixels for wi, di in mb.rows if works[wi].data[di].pixels is not None]
+        if pixels:  # in row order: the model fills its image tokens in that order
+            host["pixel_values"] = torch.cat([p.pixel_values for p in pixels]).to(next(self.model.parameters()).dtype)
+            host["image_grid_thw"] = torch.cat([p.grid_thw for p in pixels])
         return host, keys
 
     def _step(self, mb: MicroBatch, works: list[FBWork], keys: tuple[str, ...], t: dict[str, torch.Tensor],
@@ -444,7 +458,7 @@ class TrainingRuntime:
         segments = list(mb.segments)
         with self.routing.batch(segments), training_kernels(self.device), torch.set_grad_enabled(mb.grad):
             # Right padding and a causal mask: real tokens never see the pads after them.
-            logits = self.model(input_ids=ids, use_cache=False, **self.forward_kwargs).logits
+            logits = self.model(input_ids=ids, use_cache=False, **self.forward_kwargs, **self._image_kwargs(ids, t)).logits
             logprobs, topk = self._target_logprobs(mb, works, logits, targets, t.get("topk_targets"))
             del logits
             tok_loss = self._losses(works, list(mb.runs), segments, logprobs, inputs, mask,
@@ -458,6 +472,14 @@ class TrainingRuntime:
         for s, lp in topk.items():
             topk_out[s:s + lp.shape[0], :, :lp.shape[2]] = lp.detach()
         return logprobs.detach(), tok_loss.detach(), topk_out
+
+    def _image_kwargs(self, ids: torch.Tensor, t: dict[str, torch.Tensor]) -> dict:
+        """A micro-batch's images for a vision-language model's forward: pixels, grids, and which
+        tokens are image tokens (for its multimodal rotary positions)."""
+        if "pixel_values" not in t:
+            return {}
+        return {"pixel_values": t["pixel_values"], "image_grid_thw": t["image_grid_thw"],
+                "mm_token_type_ids": (ids == self.image_token_id).long()}
 
     @staticmethod
     def _target_logprobs(mb: MicroBatch, works: list[FBWork], logits: torch.Tensor, targets: torch.Tensor,

@@ -24,7 +24,8 @@ from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request
 from ..server import Server
 from ..served_models import ServedModel
-from ..wire.codec import ForwardBackwardCall, WireError
+from ..vision import Pixels, no_images
+from ..wire.codec import ForwardBackwardCall, WireDatum, WireError
 from ..worker import LoadSpec, SaveSpec
 from . import checkpoint_base_model, served_model
 
@@ -135,6 +136,7 @@ class TrainingRequests:
                 raise LossInputError(f"{len(call.data)} datums in one request; this server takes at most {limit} "
                                      "(the SDK splits larger batches itself)")
             config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
+            pixels = expand_images(served, call.data)
             for i, d in enumerate(call.data):
                 validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context,
                                self.config.max_targets_per_position)
@@ -144,8 +146,8 @@ class TrainingRequests:
                 names = set().union(*(named_sequences(d) for d in call.data))
                 records = self.server.sample_records.for_training(owner, model["session_id"], names)
             try:
-                data = [DatumWork(d.tokens, loss_inputs(i, d, call.loss_fn, config, len(call.data), records))
-                        for i, d in enumerate(call.data)]
+                data = [DatumWork(d.tokens, loss_inputs(i, d, call.loss_fn, config, len(call.data), records), p)
+                        for i, (d, p) in enumerate(zip(call.data, pixels))]
             except RecordNotFound as e:
                 raise HTTPException(404, str(e)) from None
             return FBWork(model_id=call.model_id, data=data, loss_fn=call.loss_fn, loss_config=config,
@@ -258,3 +260,22 @@ def in_parts(work: FBWork, max_tokens: int) -> list[tuple[FBWork, int]]:
         tokens += len(d.tokens)
     parts.append((replace(work, data=data), tokens))
     return parts
+
+
+def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | None]:
+    """Each datum's images processed by the served model's image processor: their placeholder
+    tokens put into `datum.tokens` (so every later check sees the model's sequence), the pixels
+    returned. Raises ImageError (a 400) for a text-only model or an image it cannot use."""
+    images = sum(len(d.images) for d in data)
+    if images and served.images is None:
+        raise no_images(f"datum {next(i for i, d in enumerate(data) if d.images)}", served.name)
+    if images:
+        served.images.check_count(images)
+    pixels: list[Pixels | None] = []
+    for i, d in enumerate(data):
+        if not d.images:
+            pixels.append(None)
+            continue
+        d.tokens, p = served.images.expand(f"datum {i}", d.tokens, d.images)
+        pixels.append(p)
+    return pixels

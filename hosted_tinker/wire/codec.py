@@ -43,6 +43,7 @@ import numpy as np
 import zstandard
 
 from . import tinker_wire_pb2 as pb
+from ..vision import ImageIn
 
 __all__ = [
     "TOPK_EMPTY_LOGPROB",
@@ -91,6 +92,7 @@ class ProvenanceSpan:
 class WireDatum:
     tokens: np.ndarray  # int64 [N], all encoded_text chunks concatenated
     loss_fn_inputs: dict[str, np.ndarray]  # dense float32 or int64, in the declared shape (none: 1-D)
+    images: list[ImageIn] = field(default_factory=list)  # image chunks, each at its place among the tokens
     # Runs tiling model_input / the rows of target_tokens; empty = no provenance.
     model_input_spans: list[ProvenanceSpan] = field(default_factory=list)
     loss_fn_input_spans: list[ProvenanceSpan] = field(default_factory=list)
@@ -240,14 +242,19 @@ def _decode_loss_fn_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | 
 
 
 def _decode_datum(where: str, datum: pb.Datum, allowance: _Allowance) -> WireDatum:
-    parts = []
+    parts, images = [], []
     for j, chunk in enumerate(datum.model_input):
         at = f"{where}.model_input[{j}]"
         kind = chunk.WhichOneof("chunk")
         if kind is None:
             raise WireError(f"{at}: empty chunk")
+        if kind == "image":
+            allowance.take(len(chunk.image.data), f"{at}.image.data")
+            expected = chunk.image.expected_tokens if chunk.image.HasField("expected_tokens") else None
+            images.append(ImageIn(sum(p.size for p in parts), chunk.image.data, chunk.image.format, expected))
+            continue
         if kind != "encoded_text":
-            raise WireError(f"{at}: {kind} chunks are not supported; this server hosts text-only models")
+            raise WireError(f"{at}: {kind} chunks are not supported; this server takes text and image chunks")
         parts.append(_from_bytes(chunk.encoded_text.tokens, _I32, f"{at}.encoded_text.tokens"))
     n_tokens = sum(p.size for p in parts)
     allowance.take(n_tokens * 8, f"{where}.model_input")
@@ -258,7 +265,7 @@ def _decode_datum(where: str, datum: pb.Datum, allowance: _Allowance) -> WireDat
         name: _decode_tensor(f"{where}.loss_fn_inputs[{name!r}]", tensor, allowance)
         for name, tensor in datum.loss_fn_inputs.items()
     }
-    return WireDatum(tokens=tokens, loss_fn_inputs=inputs,
+    return WireDatum(tokens=tokens, loss_fn_inputs=inputs, images=images,
                      model_input_spans=_decode_spans(f"{where}.model_input_spans", datum.model_input_spans),
                      loss_fn_input_spans=_decode_spans(f"{where}.loss_fn_input_spans", datum.loss_fn_input_spans))
 

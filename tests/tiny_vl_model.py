@@ -1,0 +1,62 @@
+"""A tiny random Qwen3-VL model directory built offline: the embedded model's tokenizer plus
+Qwen-VL's vision tokens, a 2-layer text model, a 2-block vision tower and a Qwen2-VL image
+processor whose 16-pixel patches merge 2x2 into one token (a 64x32 image is 2 tokens)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def build_tiny_vl_model(out_dir: Path, seed: int = 0) -> Path:
+    import torch
+    from tokenizers import AddedToken
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from hosted_tinker.embedded_model import ENDOFTEXT, TinyModelSpec, _tokenizer_config, _write_json, build_tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = TinyModelSpec()
+    tok = build_tokenizer(spec)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    tok.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tok, spec))
+    ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
+    eot = tok.token_to_id(ENDOFTEXT)
+    vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                          "mrope_interleaved": True},
+                         tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False, dtype="float32")
+    rng = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen3VLForConditionalGeneration(config).float().eval()
+    finally:
+        torch.random.set_rng_state(rng)
+    model.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32,
+                             max_pixels=128 * 128, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(out_dir)
+    return out_dir
+
+
+def png(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt)
+    return out.getvalue()
