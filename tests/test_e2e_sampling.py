@@ -136,10 +136,10 @@ def test_a_seeded_request_samples_the_same_alone_and_among_32_others(base):
     shares: 32 concurrent requests with other prompts and settings do not change its tokens."""
     p = types.SamplingParams(max_tokens=12, temperature=1.0, seed=99)
     alone = sample(base, p).sequences[0].tokens
-    others = [base.sample(prompt([11 + i, 12, 13][: 1 + i % 3]), num_samples=1 + i % 2,
-                          sampling_params=types.SamplingParams(max_tokens=12, temperature=0.5 + i / 32, top_k=i % 4,
-                                                               seed=i))
-              for i in range(32)]
+    settings = [types.SamplingParams(max_tokens=12, temperature=0.5 + i / 32, top_k=i % 4 or -1, seed=i)
+                for i in range(32)]
+    others = [base.sample(prompt([11 + i, 12, 13][: 1 + i % 3]), num_samples=1 + i % 2, sampling_params=s)
+              for i, s in enumerate(settings)]
     crowded = base.sample(prompt(), num_samples=1, sampling_params=p)
     assert crowded.result().sequences[0].tokens == alone
     assert all(len(f.result().sequences[0].tokens) == 12 for f in others)
