@@ -73,13 +73,14 @@ def test_draws_follow_the_tempered_and_masked_distribution(settings, kept):
 
 
 def test_greedy_rows_take_the_argmax_and_logprobs_are_the_models_own():
-    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 1.0, 2.0]])
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 1.0, 2.0], [0.0, 1.0, 2.0, 30.0]])
     rows = [RowSampling(temperature=0.0, top_k=-1, top_p=1.0, key=1, logprobs_k=2),
-            RowSampling(temperature=0.01, top_k=1, top_p=0.5, key=2, logprobs_k=0)]
+            RowSampling(temperature=0.01, top_k=1, top_p=0.5, key=2, logprobs_k=0),
+            RowSampling(temperature=1e-40, top_k=-1, top_p=1.0, key=3, logprobs_k=0)]  # 30 / 1e-40 overflows
     tokens, picks = BatchPicker(rows, CPU).pick(logits, step=0)
     lp = torch.log_softmax(logits, dim=-1)
-    assert tokens.tolist() == [1, 0] and [p.token for p in picks] == [1, 0]
-    assert [p.logprob for p in picks] == [lp[0, 1].item(), lp[1, 0].item()]  # no temperature in them
+    assert tokens.tolist() == [1, 0, 3] and [p.token for p in picks] == [1, 0, 3]
+    assert [p.logprob for p in picks] == [lp[0, 1].item(), lp[1, 0].item(), lp[2, 3].item()]  # no temperature
     assert picks[0].topk_ids == [1, 3] and picks[0].topk_logprobs == [lp[0, 1].item(), lp[0, 3].item()]
     assert picks[1].topk_ids == [] and picks[0].finite and picks[1].finite
 

@@ -99,28 +99,32 @@ class BatchPicker:
         vocab = logits.shape[-1]
         k = min(max(self.logprobs_k, default=0), vocab)
         logprobs = torch.log_softmax(logits, dim=-1)
+        largest = logits.amax(dim=-1, keepdim=True)
+        # amax and amin propagate NaN: both are finite exactly when every logit is.
+        finite = torch.isfinite(largest) & torch.isfinite(logits.amin(dim=-1, keepdim=True))
         tokens = torch.argmax(logits, dim=-1)
         if not self.all_greedy:
-            tokens = torch.where(self.greedy, tokens, self._sample(logits, step))
+            tokens = torch.where(self.greedy, tokens, self._sample(logits, largest, step))
         top = torch.topk(logprobs, k, dim=-1)
-        packed = torch.cat([tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double(),
-                            torch.isfinite(logits).all(dim=-1, keepdim=True).double(),
+        packed = torch.cat([tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double(), finite.double(),
                             top.indices.double(), top.values.double()], dim=1)  # token ids < 2^53: exact
         rows = packed.tolist()  # the step's one device->host read
         return tokens, [Picked(int(row[0]), row[1], row[2] == 1.0, [int(t) for t in row[3:3 + n]],
                                row[3 + k:3 + k + n]) for row, n in zip(rows, self.logprobs_k)]
 
-    def _sample(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        # Relative to the row's max, a tiny temperature sends the others to -inf, never the max to
-        # inf: float32 keeps the tempered distribution finite.
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / self.temperature[:, None]
+    def _sample(self, logits: torch.Tensor, largest: torch.Tensor, step: int) -> torch.Tensor:
+        # Relative to the row's max (`largest`), a tiny temperature sends the others to -inf, never
+        # the max to inf: float32 keeps the tempered distribution finite.
+        scaled = torch.sub(logits, largest).div_(self.temperature[:, None])
         vocab = logits.shape[-1]
         kmax = max((k for k in self.top_ks if k < vocab), default=0)
         if kmax > 0:
             scaled = self._top_k(scaled, kmax, vocab)
         if self.any_top_p:
             scaled = self._top_p(scaled)
-        cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1, dtype=torch.float64)
+        # Unnormalized (the max is exp(0) = 1), summed in float64 so that no token's interval,
+        # however small, is lost to rounding against the running sum.
+        cdf = scaled.exp_().double().cumsum_(dim=-1)
         target = uniforms(self.keys, step) * cdf[:, -1]
         # The first token whose CDF exceeds the target: it has non-zero probability.
         return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
