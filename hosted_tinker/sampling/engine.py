@@ -22,6 +22,11 @@ refused (`refusal`) instead of queued.
 Returned logprobs are the model's own: log-softmax of the raw logits, with no temperature,
 top-k or top-p applied, so they equal the training forward's logprobs of the same tokens.
 Temperature, top-k and top-p shape only the choice of the next token.
+
+A group's next tokens are picked for all its rows at once on the device (pick.py), and come back
+to the host in one copy per step, with their logprobs and top-k; the tokens also stay on the
+device as the next step's input. Seeded rows draw from their own counter-based streams, so a
+seed gives the same samples whatever else is in the batch.
 """
 
 from __future__ import annotations
