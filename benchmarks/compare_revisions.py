@@ -15,10 +15,17 @@ Here both revisions' code runs in every round, in rotating order:
              in-process runtimes here; a round is one step each of (a) in-process and (b) SDK
              pipelined for each revision. Prints each revision's ratio median(b)/median(a), as
              overhead.py does, and the paired differences new - old.
+  sampling   one process holds both revisions' SamplingEngine, each on its own copy of one model
+             (sampling.py's preset) with the same adapters; a round runs sampling.py's load
+             (--requests concurrent x --new-tokens, 4 adapters of rank 16, temperature 1, seeded)
+             through each engine. Prints each revision's generated tokens/s (medians) and the
+             median of per-round new/old ratios.
 
     .venv/bin/python benchmarks/compare_revisions.py training --old REV [--sizes tiny,small,medium]
         [--tenants 1,2,4,8,16] [--rounds-scale 1.0] [--threads 1]
     .venv/bin/python benchmarks/compare_revisions.py overhead --old REV [--rounds 150]
+    .venv/bin/python benchmarks/compare_revisions.py sampling --old REV [--rounds 5] [--preset small]
+        [--requests 64] [--new-tokens 64] [--threads 1]
 
 REV is any git revision of this repository (its code is taken with `git archive`). A benchmark,
 not a test: it asserts nothing about time and exits 0.
@@ -207,24 +214,93 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
         print(f"  ({mode}) new - old, median of paired differences: {statistics.median(diffs):+.2f} ms")
 
 
+# ---- sampling -------------------------------------------------------------------------------------
+def sampling(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from hosted_tinker.embedded_model import SPEC_PRESETS, build_tiny_model
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    cpu, adapters = torch.device("cpu"), 4
+    with tempfile.TemporaryDirectory() as tmp:
+        src = build_tiny_model(Path(tmp), SPEC_PRESETS[args.preset])
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        engines = {}
+        for tag, package in REVISIONS:
+            trainer, lora, _ = modules(package)
+            engine = importlib.import_module(f"{package}.sampling.engine")
+            runtime = trainer.TrainingRuntime(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), "bench",
+                                              device=cpu)
+            for a in range(adapters):
+                adapter = runtime.create_adapter(f"a{a}", lora.LoRAConfig(rank=16, seed=a))
+                with torch.no_grad():  # non-zero B, as after training
+                    for w in adapter.weights.values():
+                        w.B.copy_(torch.randn(w.B.shape, generator=torch.Generator().manual_seed(a)) * 1e-2)
+            engines[tag] = (engine, engine.SamplingEngine(runtime.model, runtime.routing, tokenizer, cpu))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 1000, int(rng.integers(28, 37))).tolist() for _ in range(args.requests)]
+
+    def run(tag: str, max_tokens: int, seed0: int) -> float:
+        module, engine = engines[tag]
+        done: list = []
+        engine.submit_all([module.SampleJob(prompt=p, num_samples=1, max_tokens=max_tokens,
+                                            adapter_id=f"a{i % adapters}", temperature=1.0, seed=seed0 + i,
+                                            on_done=done.append, on_error=done.append)
+                           for i, p in enumerate(prompts)])
+        t = time.perf_counter()
+        engine.run(lambda: False, max_seconds=1e9)
+        wall = time.perf_counter() - t
+        tokens = sum(len(s.tokens) for r in done for s in r.sequences)
+        if tokens != args.requests * max_tokens:
+            raise RuntimeError(f"{tag}: {tokens} tokens generated, expected {args.requests * max_tokens}: {done[:1]}")
+        return tokens / wall
+
+    for tag, _ in REVISIONS:
+        run(tag, 4, seed0=10_000)  # warm-up
+    tps: dict[str, list[float]] = {tag: [] for tag, _ in REVISIONS}
+    order = [tag for tag, _ in REVISIONS]
+    for rnd in range(args.rounds):
+        for tag in order:
+            tps[tag].append(run(tag, args.new_tokens, seed0=1000 * rnd))
+        order.reverse()
+    med = statistics.median
+    print(f"sampling: old = {args.old}, new = this checkout; model {args.preset}, {args.requests} concurrent x "
+          f"{args.new_tokens} tokens, {adapters} adapters, temperature 1, torch threads {args.threads}, "
+          f"{args.rounds} rounds")
+    for tag, _ in REVISIONS:
+        print(f"  {tag}: {med(tps[tag]):.0f} generated tokens/s (rounds: "
+              + ", ".join(f"{t:.0f}" for t in tps[tag]) + ")")
+    print(f"  new/old, median of per-round ratios: {med(n / o for n, o in zip(tps['new'], tps['old'])):.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("training", "overhead"))
+    ap.add_argument("what", choices=("training", "overhead", "sampling"))
     ap.add_argument("--old", required=True, help="the git revision to compare this checkout with")
     ap.add_argument("--sizes", default="tiny,small,medium", help="training: sizes of multi_tenant.py")
     ap.add_argument("--tenants", default="1,2,4,8,16", help="training: tenant counts (default 1,2,4,8,16)")
     ap.add_argument("--rounds-scale", type=float, default=1.0,
                     help="training: multi_tenant.py's CPU rounds (25/7/5) times this (default 1)")
-    ap.add_argument("--threads", type=int, default=1, help="training: torch intra-op threads (default 1)")
-    ap.add_argument("--rounds", type=int, default=150, help="overhead: measured rounds (default 150)")
+    ap.add_argument("--threads", type=int, default=1, help="training, sampling: torch intra-op threads (default 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="overhead (default 150), sampling (default 5): rounds")
+    ap.add_argument("--preset", default="small", help="sampling: the model, a preset of embedded_model (default small)")
+    ap.add_argument("--requests", type=int, default=64, help="sampling: concurrent requests (default 64)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="sampling: tokens per request (default 64)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ht-compare-"))
     try:
         old_tree = checkout(args.old, tmp)
         if args.what == "training":
             training(args, tmp)
-        else:
+        elif args.what == "overhead":
+            args.rounds = args.rounds or 150
             overhead(args, tmp, old_tree)
+        else:
+            args.rounds = args.rounds or 5
+            sampling(args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -131,6 +131,20 @@ def test_seed(base):
     assert [s.tokens for s in c.sequences] != [s.tokens for s in a.sequences]
 
 
+def test_a_seeded_request_samples_the_same_alone_and_among_32_others(base):
+    """Each row draws from its own seeded stream (sampling/pick.py), not a generator the batch
+    shares: 32 concurrent requests with other prompts and settings do not change its tokens."""
+    p = types.SamplingParams(max_tokens=12, temperature=1.0, seed=99)
+    alone = sample(base, p).sequences[0].tokens
+    settings = [types.SamplingParams(max_tokens=12, temperature=0.5 + i / 32, top_k=i % 4 or -1, seed=i)
+                for i in range(32)]
+    others = [base.sample(prompt([11 + i, 12, 13][: 1 + i % 3]), num_samples=1 + i % 2, sampling_params=s)
+              for i, s in enumerate(settings)]
+    crowded = base.sample(prompt(), num_samples=1, sampling_params=p)
+    assert crowded.result().sequences[0].tokens == alone
+    assert all(len(f.result().sequences[0].tokens) == 12 for f in others)
+
+
 def test_stop_token_ids_and_strings(server, base):
     g = sample(base, greedy(10, stop=[])).sequences[0].tokens
     cut = sample(base, greedy(10, stop=[g[3]])).sequences[0]

@@ -22,13 +22,17 @@ refused (`refusal`) instead of queued.
 Returned logprobs are the model's own: log-softmax of the raw logits, with no temperature,
 top-k or top-p applied, so they equal the training forward's logprobs of the same tokens.
 Temperature, top-k and top-p shape only the choice of the next token.
+
+A group's next tokens are picked for all its rows at once on the device (pick.py), and come back
+to the host in one copy per step, with their logprobs and top-k; the tokens also stay on the
+device as the next step's input. Seeded rows draw from their own counter-based streams, so a
+seed gives the same samples whatever else is in the batch.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -41,6 +45,7 @@ from transformers import DynamicCache
 from ..runtime.multi_lora import LoRARouting
 from ..runtime.packing import segments_of
 from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
+from .pick import BatchPicker, Picked, RowSampling
 from .prompt_scoring import (PromptAlternatives, PromptTargets, ScoredTargets, alternatives_seed, draw_alternatives,
                              score_targets)
 
@@ -104,7 +109,7 @@ class SampleResult:
 class _Row:
     job: "_JobState"
     index: int
-    generator: torch.Generator
+    sampling: RowSampling
     adapter_id: str | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -131,6 +136,9 @@ class _Group:
     positions: torch.Tensor  # [rows] position of the last token
     next_logits: torch.Tensor  # [rows, vocab] logits for the next token
     width: int  # prompt columns (the longest prompt's length): every row's cache starts this wide
+    picker: BatchPicker  # the rows' sampling settings, on the device
+    last_tokens: torch.Tensor | None = None  # [rows] the newest tokens, on the device: the next step's input
+    steps: int = 0  # tokens chosen per row so far (the same for every row: they start together)
     kv_tokens: int = 0  # reserved KV-cache tokens: sum over rows of width + their job's max_tokens
 
     def reserve(self) -> None:
@@ -336,15 +344,11 @@ class SamplingEngine:
         expand = torch.tensor([r for r, (st, _) in enumerate(states) for _ in range(st.job.num_samples)],
                               device=self.device)
         cache.batch_select_indices(expand)
-        rows = []
-        for st, aid in states:
-            job = st.job
-            for i in range(job.num_samples):
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(_row_seed(job.seed, i))
-                rows.append(_Row(job=st, index=i, generator=gen, adapter_id=aid))
+        rows = [_Row(job=st, index=i, sampling=_row_sampling(st.job, i), adapter_id=aid)
+                for st, aid in states for i in range(st.job.num_samples)]
         group = _Group(rows=rows, cache=cache, mask=mask[expand], positions=positions[expand, -1],
-                       next_logits=logits[expand, -1], width=width)
+                       next_logits=logits[expand, -1], width=width,
+                       picker=BatchPicker([row.sampling for row in rows], self.device))
         group.reserve()
         self._groups.append(group)
         self.peak_reserved_kv_tokens = max(self.peak_reserved_kv_tokens, self.reserved_kv_tokens)
@@ -374,7 +378,7 @@ class SamplingEngine:
             self._groups.remove(group)
             return
         try:
-            last = torch.tensor([row.tokens[-1] for row in group.rows], device=self.device)[:, None]
+            last = group.last_tokens[:, None]
             group.mask = torch.cat([group.mask, group.mask.new_ones(len(group.rows), 1)], dim=1)
             group.positions = group.positions + 1
             with self.routing.batch(segments_of([row.adapter_id for row in group.rows]), exact=self.exact_lora):
@@ -391,21 +395,26 @@ class SamplingEngine:
                     row.job.job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
 
     def _choose(self, group: _Group) -> None:
-        """Pick each row's next token, record it, retire finished rows and jobs. A row that cannot
-        have one fails its own job, whose rows leave the group; the other jobs go on."""
-        finite = torch.isfinite(group.next_logits).all(dim=-1).tolist()
-        logprobs_all = torch.log_softmax(group.next_logits, dim=-1)
+        """Pick every row's next token in one batched call, record them, retire finished rows and
+        jobs. A row that cannot have one fails its own job, whose rows leave the group; the other
+        jobs go on."""
+        group.last_tokens, picks = group.picker.pick(group.next_logits, group.steps)
+        group.steps += 1
+        vocab = group.next_logits.shape[-1]
         keep: list[int] = []
-        for r, row in enumerate(group.rows):
-            if not finite[r]:
+        for r, (row, picked) in enumerate(zip(group.rows, picks)):
+            if not picked.finite:
                 self._fail_job(row, "the next-token logits are not finite (NaN or inf): the sampler weights make the "
                                     "model's outputs non-finite, so nothing can be sampled from them")
+            elif row.sampling.logprobs_k > vocab:
+                self._fail_job(row, f"sampling failed on the server: {row.sampling.logprobs_k} top-k logprobs were "
+                                    f"asked per token, more than the model's {vocab} vocabulary entries")
             if row.job.failed:
                 continue
             try:
-                done = self._next_token(row, group.next_logits[r], logprobs_all[r])
+                done = self._record(row, picked)
             except Exception as e:
-                log.exception("choosing a sampled token failed")
+                log.exception("recording a sampled token failed")
                 self._fail_job(row, f"sampling failed on the server: {type(e).__name__}: {e}")
                 continue
             if done:
@@ -418,16 +427,15 @@ class SamplingEngine:
             if not keep:
                 self._groups.remove(group)
 
-    def _next_token(self, row: _Row, logits: torch.Tensor, logprobs: torch.Tensor) -> bool:
-        """Pick and record `row`'s next token; whether the row is finished."""
+    def _record(self, row: _Row, picked: Picked) -> bool:
+        """Record `row`'s next token; whether the row is finished."""
         job = row.job.job
-        token = _pick(logits, job, row.generator)
+        token = picked.token
         row.tokens.append(token)
-        row.logprobs.append(float(logprobs[token]))
+        row.logprobs.append(picked.logprob)
         if job.topk_sample_logprobs:
-            top = torch.topk(logprobs, job.topk_sample_logprobs)
-            row.topk_ids.append(top.indices.tolist())
-            row.topk_lps.append(top.values.tolist())
+            row.topk_ids.append(picked.topk_ids)
+            row.topk_lps.append(picked.topk_logprobs)
         self.tokens_generated += 1
         if token in job.stop_token_ids or (job.stop_strings and self._hit_stop_string(row, job)):
             row.stop_reason = "stop"
@@ -446,11 +454,13 @@ class SamplingEngine:
 
     def _keep_rows(self, group: _Group, keep: list[int]) -> None:
         """Retire every row of `group` but those at the indices `keep` (their KV cache rows too)."""
+        group.rows = [group.rows[r] for r in keep]
         if keep:
             idx = torch.tensor(keep, device=self.device)
             group.cache.batch_select_indices(idx)
             group.mask, group.positions = group.mask[idx], group.positions[idx]
-        group.rows = [group.rows[r] for r in keep]
+            group.last_tokens = group.last_tokens[idx]
+            group.picker = BatchPicker([row.sampling for row in group.rows], self.device)
         group.reserve()  # the rows that left give their reservation back
 
     def _hit_stop_string(self, row: _Row, job: SampleJob) -> bool:
@@ -495,6 +505,11 @@ def _report_token(job: SampleJob, row: _Row) -> None:
         log.exception("a streaming on_token callback failed")
 
 
+def _row_sampling(job: SampleJob, index: int) -> RowSampling:
+    return RowSampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, key=_row_seed(job.seed, index),
+                       logprobs_k=job.topk_sample_logprobs)
+
+
 def _row_seed(seed: int | None, index: int) -> int:
     if seed is None:
         return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
@@ -508,25 +523,6 @@ def _stop_window(stop_strings: tuple[str, ...]) -> int:
     to at least one byte, so the last B + 1 tokens hold any B-byte span ending in the newest; a few
     more absorb a partial character or a stripped leading space at the window's start."""
     return max(len(s.encode()) for s in stop_strings) + 4
-
-
-def _pick(logits: torch.Tensor, job: SampleJob, generator: torch.Generator) -> int:
-    if job.temperature <= 0.0:
-        return int(torch.argmax(logits))
-    # float64: a tiny temperature must sharpen the distribution, not overflow it to inf/NaN.
-    scaled = logits.double() / job.temperature
-    if 0 < job.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, job.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    if job.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = (probs.cumsum(-1) - probs) >= job.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-        scaled = torch.full_like(scaled, -math.inf).scatter(0, order, sorted_logits)
-    probs = torch.softmax(scaled, dim=-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _needs_prompt_logits(job: SampleJob) -> bool:
