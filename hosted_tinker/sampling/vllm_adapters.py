@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from ..runtime.adapters import LoRAConfig
 from ..runtime.projections import Projection
 from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, peft_adapter_config
-from .vllm_sidecar import VLLMSidecar, VLLMUnavailable
+from .vllm_sidecar import DECODER_LORA_MODULES, VLLMSidecar, VLLMUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +113,22 @@ def _trains_lm_head(module_paths) -> bool:
 
 
 def layout_refusal(projections: list[Projection]) -> str | None:
-    """Why no adapter of this model goes to vLLM, or None: the PEFT form of a LoRA on a fused
-    projection (one LoRA of rank components x rank, `checkpoints.format.to_peft`) or on a Conv1D
-    has not been checked against vLLM's own packing of those modules, so it must not sample them."""
-    odd = next((p for p in projections if p.kind in ("fused", "conv1d")), None)
-    if odd is None:
-        return None
-    what = "a fused projection" if odd.kind == "fused" else "a transformers Conv1D"
-    return (f"this model's {odd.path.rsplit('.', 1)[-1]} is {what}, whose LoRA this server does not give to vLLM; "
-            "its sampling goes to the built-in engine")
+    """Why no adapter of this model goes to vLLM, or None. vLLM is launched with LoRA on the
+    modules in `DECODER_LORA_MODULES` (and lm_head) and would drop a LoRA on any other; the PEFT
+    form of a LoRA on a fused projection (one LoRA of rank components x rank,
+    `checkpoints.format.to_peft`) or on a Conv1D has not been checked against vLLM's own packing
+    of those modules. Either way it must not sample them."""
+    known = set(DECODER_LORA_MODULES) | {"lm_head"}
+    for p in projections:
+        leaf = p.path.rsplit(".", 1)[-1]
+        if p.kind in ("fused", "conv1d"):
+            what = "a fused projection" if p.kind == "fused" else "a transformers Conv1D"
+        elif p.role in ("attn", "mlp", "unembed") and leaf not in known:
+            what = "not among the modules vLLM is launched to adapt"
+        else:
+            continue
+        return f"this model's {leaf} is {what}, so its LoRAs do not go to vLLM; their sampling goes to the built-in engine"
+    return None
 
 
 class AdapterVersions:
