@@ -61,7 +61,6 @@ import torch.nn.functional as F  # noqa: E402
 from hosted_tinker.embedded_model import SPEC_PRESETS, TinyModelSpec, build_tiny_model  # noqa: E402
 from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
-from hosted_tinker.runtime.multi_lora import ATTN_TARGETS, MLP_TARGETS  # noqa: E402
 from hosted_tinker.runtime.trainer import FBWork, TrainingRuntime  # noqa: E402
 from bench_common import (cpu_stall_us, fb_work, host_op_counts, matmul_peak_tflops, paired_ratio,  # noqa: E402
                           tenant_rows)
@@ -69,7 +68,8 @@ from bench_common import (cpu_stall_us, fb_work, host_op_counts, matmul_peak_tfl
 RANK = 16
 ALPHA = 32.0
 LR = 1e-4
-TARGETS = list(ATTN_TARGETS + MLP_TARGETS)  # PEFT "all-linear" for a Qwen3 (no lm_head)
+# PEFT "all-linear" for a Qwen3 (no lm_head): its attention and MLP projections
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 SIZES: dict[str, TinyModelSpec] = {
     "tiny": SPEC_PRESETS["tiny"],

@@ -108,7 +108,7 @@ def _fetch_local(path: TinkerPath, dest: Path, data_dir: Path, progress: Progres
                 shutil.copyfile(f, dest / f.name)
                 done += f.stat().st_size
                 progress(done, total)
-            read_checkpoint(dest, with_optimizer=False)  # verifies the manifest checksums
+            read_checkpoint(dest, with_optimizer=False, layers=None)  # verifies the manifest checksums
             return
         except (OSError, CheckpointError) as e:
             if attempt == 2:

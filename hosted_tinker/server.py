@@ -40,7 +40,7 @@ from .sampling.kv_budget import choose_kv_budget
 from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
 from .sampling.snapshots import SnapshotCache
-from .sampling.vllm_adapters import AdapterVersions
+from .sampling.vllm_adapters import AdapterVersions, layout_refusal
 from .sampling.vllm_backend import VLLMSamplingBackend
 from .sampling.vllm_server_backend import VLLMBackend
 from .sampling.vllm_sidecar import VLLMLaunch, VLLMSidecar
@@ -140,7 +140,8 @@ def vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builtin
             devices=vllm_child_devices(config.vllm_devices, os.environ.get("CUDA_VISIBLE_DEVICES")))
         sidecar = VLLMSidecar(launch=launch, log_file=data_dir / "vllm.log")
     adapters = AdapterVersions(sidecar, name, lora_lm_head=config.vllm_lora_lm_head,
-                               max_snapshots=config.max_sampler_snapshots)
+                               max_snapshots=config.max_sampler_snapshots,
+                               refused_layout=layout_refusal(runtime.projections))
     backend = VLLMBackend(runtime, builtin, sidecar, adapters, VLLMSamplingBackend(sidecar, adapters),
                           on_request_done=functools.partial(observer.observe_vllm_request, name),
                           max_pins=config.max_sampler_snapshots)

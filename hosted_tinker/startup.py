@@ -27,6 +27,7 @@ from . import __version__
 from .auth import ENV_VAR, KeyConfigError, KeyRing
 from .config import ModelEntry, ServerConfig, flag
 from .model_loading import ModelUnavailable, check_model_available
+from .runtime.projections import coverage
 from .sampling.vllm_sidecar import VLLM_LORA_RANKS
 
 # Where tools/install_vllm_cpu.sh puts vLLM's virtualenv (run from the repository root, as launch.sh is).
@@ -319,6 +320,7 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
         f"  data dir   {data_dir}",
         f"  database   {server.store.path.resolve()}",
         *(line for served in server.models for line in (f"  model      {_model_line(served)}",
+                                                          f"  LoRA       covers: {coverage(served.runtime.projections)}",
                                                           f"  training   {served.runtime.describe_training()}")),
         *pool,
         f"  sampling   {_sampling_line(config)}",

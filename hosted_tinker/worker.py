@@ -25,6 +25,7 @@ from .futures import FutureStore
 from .model_runtime import ModelRuntime
 from .runtime.adapters import LoRAConfig, SkippedStep
 from .runtime.losses import merge_metrics
+from .runtime.projections import refusal
 from .runtime.trainer import FBOutcome, FBWork
 from .sampling.backend import SamplingBackend
 from .scheduler import CyclePlan, Request
@@ -213,7 +214,10 @@ class TrainingWorker:
     # -- lifecycle and checkpoints ---------------------------------------------------------------
     def _create_model(self, req: Request) -> None:
         config: LoRAConfig = req.payload
-        if not any(config.adapts(path) for path in self.runtime.layers):
+        refused = refusal(self.runtime.projections, config.roles)
+        if refused:
+            raise UserError(refused)
+        if not any(config.adapts(path, layer) for path, layer in self.runtime.layers.items()):
             raise UserError("the LoRA config adapts no projection of this model")
         self.runtime.create_adapter(req.model_id, config)
         self.futures.resolve(req.request_id, {"type": "create_model", "model_id": req.model_id})

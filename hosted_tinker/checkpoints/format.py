@@ -2,12 +2,15 @@
 
 Layout of one checkpoint folder:
 
-    adapter_config.json          PEFT LoraConfig (r, lora_alpha, target_modules, ...)
+    adapter_config.json          PEFT LoraConfig (r, lora_alpha, target_modules, rank_pattern, ...)
     adapter_model.safetensors    PEFT key names: base_model.model.<path>.lora_{A,B}.weight
     optimizer.safetensors        AdamW moments + step per tensor (training state only)
     manifest.json                base model, LoRA config, step, creation time, sizes, sha256
 
-PEFT and vLLM load the first two as they are. Every folder is written under a temporary name
+PEFT and vLLM load the first two as they are. A fused projection (Phi3's qkv_proj, GPT-2's c_attn)
+is trained as one LoRA per component (Tinker's layout) and saved as PEFT's one LoRA on the fused
+module, of rank components x rank (`to_peft`): what the cookbook's `build_lora_adapter` makes of
+Tinker's component LoRAs, and what its `build_hf_model` and PEFT merge exactly. Every folder is written under a temporary name
 and renamed into place, so a reader (or a restart after kill -9) never sees half of one.
 
 A folder may come from someone else (an import), so reading one trusts nothing in it: only the
@@ -37,7 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import faults
 from ..runtime.adapters import LoRAAdapter, LoRAConfig
-from ..runtime.multi_lora import MultiLoRALinear, module_kind
+from ..runtime.multi_lora import FusedPart, MultiLoRALinear
 
 PEFT_PREFIX = "base_model.model."
 MANIFEST = "manifest.json"
@@ -247,8 +250,12 @@ def write_atomically(final_dir: Path, write, *, overwrite: bool = False) -> None
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def peft_adapter_config(config: LoRAConfig, base_model: str, module_paths: list[str]) -> dict:
+def peft_adapter_config(config: LoRAConfig, base_model: str, module_paths: list[str],
+                        fused: dict[str, int] | None = None) -> dict:
+    """PEFT's adapter_config.json; `fused`: {fused module path: components}, whose LoRA has rank
+    components x rank and alpha components x alpha (so the same scaling, alpha / rank)."""
     leaves = sorted({p.rsplit(".", 1)[-1] for p in module_paths})
+    counts = {path.rsplit(".", 1)[-1]: k for path, k in (fused or {}).items()}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -264,7 +271,71 @@ def peft_adapter_config(config: LoRAConfig, base_model: str, module_paths: list[
         "use_rslora": False,
         "use_dora": False,
         "modules_to_save": None,
+        "rank_pattern": {leaf: k * config.rank for leaf, k in counts.items()},
+        "alpha_pattern": {leaf: k * config.alpha for leaf, k in counts.items()},
     }
+
+
+def to_peft(tensors: dict[str, torch.Tensor], parts: dict[str, FusedPart]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """PEFT's form of an adapter's tensors ('<path>.lora_{A,B}.weight'; `parts`: the LoRA paths
+    that are components of a fused projection). The components of a fused projection become one
+    LoRA on it: A is theirs stacked [components x rank, in], B is block-diagonal [fused out,
+    components x rank], each component's B in its output rows and its own rank columns -- the
+    cookbook's `_merge_fused_projections`. Returns (tensors, {fused path: components})."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, list[tuple[FusedPart, torch.Tensor, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        path = name.rsplit(".lora_", 1)[0]
+        part = parts.get(path)
+        if part is None:
+            out[name] = t
+        elif name.endswith(".lora_A.weight"):
+            fused.setdefault(part.path, []).append((part, t, tensors[f"{path}.lora_B.weight"]))
+    for path, comps in fused.items():
+        comps.sort(key=lambda c: c[0].index)
+        rank = comps[0][1].shape[0]
+        B = torch.zeros(comps[0][0].fused_out, rank * len(comps), dtype=comps[0][2].dtype, device=comps[0][2].device)
+        for part, _, b in comps:
+            B[list(part.rows), part.index * rank:(part.index + 1) * rank] = b
+        out[f"{path}.lora_A.weight"] = torch.cat([a for _, a, _ in comps])
+        out[f"{path}.lora_B.weight"] = B
+    return out, {path: len(comps) for path, comps in fused.items()}
+
+
+def from_peft(tensors: dict[str, torch.Tensor], layers: dict[str, MultiLoRALinear], rank: int) -> dict[str, torch.Tensor]:
+    """The inverse of `to_peft` for the served model's `layers`: a fused module's LoRA back into its
+    components' LoRAs. One that couples the components (B not block-diagonal, or of another rank)
+    is refused: this server trains them as separate LoRAs, as Tinker does."""
+    out = dict(tensors)
+    for path, layer in layers.items():
+        part = layer.part
+        if part is None or f"{part.path}.lora_A.weight" not in tensors:
+            continue
+        A, B = tensors[f"{part.path}.lora_A.weight"], tensors[f"{part.path}.lora_B.weight"]
+        k = part.count
+        if A.ndim != 2 or B.ndim != 2 or A.shape[0] != k * rank or B.shape != (part.fused_out, k * rank):
+            raise CheckpointError(
+                f"{part.path}: a LoRA of shapes {list(A.shape)} / {list(B.shape)} on a fused projection of {k} "
+                f"components; this server trains each component as its own rank-{rank} LoRA (Tinker's layout) and "
+                f"loads them as one of rank {k * rank} with a block-diagonal B, as it saves them")
+        rows = list(part.rows)
+        cols = slice(part.index * rank, (part.index + 1) * rank)
+        out[f"{path}.lora_A.weight"] = A[cols].clone()
+        out[f"{path}.lora_B.weight"] = B[rows, cols].clone()
+        out.pop(f"{part.path}.lora_A.weight", None)
+        out.pop(f"{part.path}.lora_B.weight", None)
+    for path, layer in layers.items():  # every component read: what is left of B must be zero
+        part = layer.part
+        if part is None or part.index or f"{part.path}.lora_B.weight" not in tensors:
+            continue
+        B = tensors[f"{part.path}.lora_B.weight"].clone()
+        for other in layers.values():
+            if other.part is not None and other.part.path == part.path:
+                B[list(other.part.rows), other.part.index * rank:(other.part.index + 1) * rank] = 0
+        if B.count_nonzero():
+            raise CheckpointError(f"{part.path}: its LoRA B is not block-diagonal: it couples the fused projection's "
+                                  "components, which this server trains as separate LoRAs (Tinker's layout)")
+    return out
 
 
 def describe(folder: Path, names: list[str], *, base_model: str, config: LoRAConfig, step: int,
@@ -278,8 +349,8 @@ def describe(folder: Path, names: list[str], *, base_model: str, config: LoRACon
 def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_optimizer: bool,
                  overwrite: bool = False) -> int:
     """Write the adapter (and optionally its optimizer state) atomically; return total bytes."""
-    tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous()
-               for k, v in adapter.named_tensors().items()}
+    peft, fused = to_peft(adapter.named_tensors(), adapter.parts)
+    tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in peft.items()}
     optim: dict[str, torch.Tensor] = {}
     if with_optimizer:
         names = list(adapter.named_tensors())
@@ -296,7 +367,8 @@ def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_o
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         faults.crash_point("checkpoint.after_tensors")
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(
-            peft_adapter_config(adapter.config, base_model, list(adapter.weights)), indent=2))
+            peft_adapter_config(adapter.config, base_model, sorted({k.rsplit(".lora_", 1)[0] for k in peft}),
+                                fused), indent=2))
         files = [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
         if with_optimizer:
             save_file(optim, str(tmp / OPTIMIZER_STATE))
@@ -329,7 +401,7 @@ def _verify(folder: Path, manifest: Manifest) -> None:
             raise CheckpointError(f"{name}: checksum mismatch, the checkpoint is corrupt")
 
 
-def _config_of_peft(peft_cfg: dict, paths: list[str]) -> tuple[LoRAConfig, str]:
+def _config_of_peft(peft_cfg: dict, paths: list[str], layers: dict[str, MultiLoRALinear]) -> tuple[LoRAConfig, str]:
     """The LoRA config of an adapter made elsewhere (PEFT), from its adapter_config.json and files."""
     rank, alpha = peft_cfg.get("r"), peft_cfg.get("lora_alpha", peft_cfg.get("r"))
     if type(rank) is not int or not 1 <= rank <= 1 << 16:
@@ -341,7 +413,7 @@ def _config_of_peft(peft_cfg: dict, paths: list[str]) -> tuple[LoRAConfig, str]:
         raise CheckpointError(f"{ADAPTER_CONFIG}: base_model_name_or_path must be a string")
     if peft_cfg.get("use_dora") or peft_cfg.get("use_rslora"):
         raise CheckpointError("DoRA and rsLoRA adapters are not supported")
-    kinds = {module_kind(p) for p in paths}
+    kinds = {layers[p].role for p in paths if p in layers}  # one that is not: `check_fits` names it
     leaves = tuple(sorted({p.rsplit(".", 1)[-1] for p in paths}))
     if not all(_MODULE_NAME_RE.fullmatch(m) for m in leaves):
         raise CheckpointError(f"{ADAPTER_WEIGHTS}: tensor names are not LoRA projection names")
@@ -349,8 +421,10 @@ def _config_of_peft(peft_cfg: dict, paths: list[str]) -> tuple[LoRAConfig, str]:
                       train_unembed="unembed" in kinds, alpha=float(alpha), target_modules=leaves), base_model
 
 
-def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint:
-    """Read a checkpoint written by `save_adapter`, or a plain PEFT adapter folder."""
+def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
+                    layers: dict[str, MultiLoRALinear] | None = None) -> LoadedCheckpoint:
+    """Read a checkpoint written by `save_adapter`, or a plain PEFT adapter folder, for the served
+    model's `layers` (its tensors under their LoRA paths: `from_peft`); None only checks the files."""
     if not (_present(ckpt_dir, ADAPTER_WEIGHTS) and _present(ckpt_dir, ADAPTER_CONFIG)):
         raise CheckpointError(f"not a LoRA adapter (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
     # Verify checksums before parsing anything they cover (adapter_config.json included).
@@ -366,10 +440,14 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint
         name = name.replace(".lora_A.default.weight", ".lora_A.weight").replace(
             ".lora_B.default.weight", ".lora_B.weight")
         tensors[name] = value.to(torch.float32)
+    rank = manifest.lora_config.rank if manifest is not None else peft_cfg.get("r")
+    if layers is not None and type(rank) is int:  # a bad r is named below
+        tensors = from_peft(tensors, layers, rank)
     if manifest is not None:
         config, base_model, step = manifest.lora_config.config(), manifest.base_model, manifest.step
     else:  # an adapter made elsewhere (PEFT): derive the config from its files
-        config, base_model = _config_of_peft(peft_cfg, sorted({k.rsplit(".lora_", 1)[0] for k in tensors}))
+        config, base_model = _config_of_peft(peft_cfg, sorted({k.rsplit(".lora_", 1)[0] for k in tensors}),
+                                             layers or {})
         step = 0
     optimizer = None
     if with_optimizer:
@@ -390,7 +468,7 @@ def check_fits(ckpt: LoadedCheckpoint, layers: dict[str, MultiLoRALinear], *, ma
     if unknown:
         raise CheckpointError(f"the adapter does not fit the served base model: it adapts {unknown[0][:200]!r}, "
                               "which is not a linear projection of this model")
-    expected = [p for p in sorted(layers) if ckpt.config.adapts(p)]
+    expected = [p for p in sorted(layers) if ckpt.config.adapts(p, layers[p])]
     missing = [p for p in expected if p not in present]
     if missing:
         raise CheckpointError(f"the adapter leaves out {missing[0]!r} among the projections it targets; adapters "

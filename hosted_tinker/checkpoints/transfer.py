@@ -262,7 +262,7 @@ def prepare_import(src: Path, *, base_model: str, layers: dict[str, MultiLoRALin
         problem = _peft_config_problems(read_json_object(src, ADAPTER_CONFIG))
         if problem:
             raise CheckpointError(f"unsupported adapter: {problem}")
-    ckpt = read_checkpoint(src, with_optimizer=OPTIMIZER_STATE in present)
+    ckpt = read_checkpoint(src, with_optimizer=OPTIMIZER_STATE in present, layers=layers)
     if has_manifest and ckpt.base_model != base_model:
         raise CheckpointError(f"the checkpoint was trained on {ckpt.base_model[:200]!r}; this server serves "
                               f"{base_model!r}")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .multi_lora import LoRAWeights, MultiLoRALinear, SlotStack, attach_adapter, detach_adapter, module_kind
+from .multi_lora import FusedPart, LoRAWeights, MultiLoRALinear, SlotStack, attach_adapter, detach_adapter
 from .invariance import row_norms
 from .torch_compat import adamw_update_, norms, scale_, zero_
 
@@ -37,8 +37,8 @@ class LoRAConfig:
     train_unembed: bool = True
     alpha: float = DEFAULT_LORA_ALPHA
     # Leaf projection names to adapt (e.g. ("q_proj", "v_proj")), on top of the train_* flags.
-    # None = every projection of the enabled kinds. Set for adapters made elsewhere (PEFT), whose
-    # target_modules are often a subset of a kind.
+    # None = every projection of the enabled roles. Set for adapters made elsewhere (PEFT), whose
+    # target_modules are often a subset of a role.
     target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -49,11 +49,16 @@ class LoRAConfig:
     def scaling(self) -> float:
         return self.alpha / self.rank
 
-    def adapts(self, module_path: str) -> bool:
-        if self.target_modules is not None and module_path.rsplit(".", 1)[-1] not in self.target_modules:
+    @property
+    def roles(self) -> dict[str, bool]:
+        """Which roles of projection (`projections.ROLES`) the train_* flags ask for."""
+        return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}
+
+    def adapts(self, path: str, layer: MultiLoRALinear) -> bool:
+        """Whether the projection at LoRA path `path` gets a LoRA under this config."""
+        if self.target_modules is not None and path.rsplit(".", 1)[-1] not in self.target_modules:
             return False
-        kind = module_kind(module_path)
-        return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}[kind]
+        return self.roles[layer.role]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,9 +87,9 @@ class LoRAAdapter:
         # servers give a model the same initial adapter.
         gen = torch.Generator(device="cpu").manual_seed(config.seed)
         for path in sorted(layers):
-            if not config.adapts(path):
-                continue
             layer = layers[path]
+            if not config.adapts(path, layer):
+                continue
             # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)),
             # B = 0, so a fresh adapter leaves the model's outputs unchanged.
             # MoE experts (runtime/moe_lora.py) hold one A and B per expert: lead = (experts,).
@@ -94,6 +99,8 @@ class LoRAAdapter:
             self.weights[path] = LoRAWeights(A=A.to(device), B=B.to(device), scaling=config.scaling)
         if not self.weights:
             raise ValueError("the LoRA config adapts no projection of this model")
+        # The LoRA paths that are components of a fused projection (saved as one PEFT LoRA on it).
+        self.parts: dict[str, FusedPart] = {p: layers[p].part for p in self.weights if layers[p].part is not None}
         self.optimizer = AdamWState()
         self.step = 0
         self._layers: dict[str, MultiLoRALinear] | None = None  # set while live (in the layers' slots)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .multi_lora import EXPERT_TARGETS, LoRARouting, LoRAWeights, SlotStack
+from .projections import ROLES, Projection
 
 # Tinker's names of the expert projections (cookbook `MergeProfile.expert_key_remaps`).
 GATE, DOWN, UP = EXPERT_TARGETS
@@ -105,6 +106,8 @@ class ExpertProjection:
     def __init__(self, owner: "MultiLoRAExperts", name: str, in_features: int, out_features: int):
         self.owner = owner
         self.name = name
+        self.role = "mlp"  # train_mlp covers the experts
+        self.part = None  # not a component of a fused projection
         self.routing = owner.routing
         self.in_features = in_features
         self.out_features = out_features
@@ -250,35 +253,18 @@ class MultiLoRAExperts(nn.Module):
         return out.to(hidden.dtype)
 
 
-def is_fused_experts(module: nn.Module) -> bool:
-    """A transformers >= 5 experts module with 3-D weights (`use_experts_implementation`)."""
-    w = getattr(module, "gate_up_proj", None) if hasattr(module, "is_transposed") else None
-    return isinstance(w, nn.Parameter) and w.dim() == 3
-
-
-def refusal(path: str, module: nn.Module) -> str | None:
-    """Why the experts at `path` cannot take LoRA here, or None."""
-    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
-        return f"{path}: experts without a fused gate/up projection or with a post-expert norm are not supported"
-    if getattr(module, "_is_expert_parallel", False):
-        return f"{path}: expert-parallel experts are not supported"
-    return None
-
-
-def attach_moe_lora(model: nn.Module, routing: LoRARouting) -> dict[str, ExpertProjection]:
-    """Replace every fused experts module of `model` by a `MultiLoRAExperts` (in place).
-
-    Returns {"<experts path>.w1|w2|w3": projection}; raises ValueError naming experts it cannot adapt."""
-    found = [(path, module) for path, module in model.named_modules() if is_fused_experts(module)]
+def attach_moe_lora(model: nn.Module, routing: LoRARouting, projections: list[Projection]
+                    ) -> dict[str, ExpertProjection]:
+    """Replace each experts module `discover` gave a role (those it can adapt) by a
+    `MultiLoRAExperts` (in place). Returns {"<experts path>.w1|w2|w3": projection}."""
     out: dict[str, ExpertProjection] = {}
-    for path, module in found:
-        why = refusal(path, module)
-        if why:
-            raise ValueError(why)
-        parent_path, _, name = path.rpartition(".")
-        wrapped = MultiLoRAExperts(module, routing)
+    for proj in projections:
+        if proj.kind != "experts" or proj.role not in ROLES:
+            continue
+        parent_path, _, name = proj.path.rpartition(".")
+        wrapped = MultiLoRAExperts(model.get_submodule(proj.path), routing)
         setattr(model.get_submodule(parent_path), name, wrapped)
-        out.update({f"{path}.{n}": proj for n, proj in wrapped.projections.items()})
+        out.update({f"{proj.path}.{n}": p for n, p in wrapped.projections.items()})
     return out
 
 

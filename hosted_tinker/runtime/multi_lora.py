@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .projections import ROLES, Projection, SplitProjection, as_linear
+
 if TYPE_CHECKING:
     from .invariance import FusionPolicy
 
@@ -512,13 +514,27 @@ class LoRARouting:
         return t
 
 
+@dataclass(frozen=True)
+class FusedPart:
+    """A component of a fused projection (`projections.SplitProjection`): PEFT and the cookbook
+    see the fused module's components as one LoRA on it (`checkpoints.format.to_peft`)."""
+
+    path: str  # the fused module's path
+    index: int  # which component, in Tinker's order (q, k, v; gate, up)
+    count: int
+    rows: tuple[int, ...]  # where its outputs sit in the fused output
+    fused_out: int  # the fused output size
+
+
 class MultiLoRALinear(nn.Module):
     """A frozen `nn.Linear` plus the LoRA adapters of every live model that adapts it."""
 
-    def __init__(self, base: nn.Linear, routing: LoRARouting):
+    def __init__(self, base: nn.Linear, routing: LoRARouting, role: str, part: FusedPart | None = None):
         super().__init__()
         self.base = base
         self.routing = routing
+        self.role = role  # "attn", "mlp" or "unembed": which train_* flag covers it
+        self.part = part  # set for a component of a fused projection
         # Plain attributes, not properties reading `base` (a submodule: nn.Module.__getattr__ per
         # read), as the plan lookup reads them in every layer's forward.
         self.in_features = base.in_features
@@ -612,48 +628,52 @@ def detach_adapter(layers: dict[str, MultiLoRALinear], adapter_id: str, weights:
         routing.release(rank, slot)
 
 
-# Leaf module names of the projections each `train_*` flag adapts. These are the names used by
-# Qwen2/Qwen3, Llama, Mistral and most decoder-only families in transformers.
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_TARGETS = ("lm_head",)
-EXPERT_TARGETS = ("w1", "w2", "w3")  # MoE experts' gate, down, up (runtime/moe_lora.py)
+EXPERT_TARGETS = ("w1", "w2", "w3")  # MoE experts' gate, down, up, Tinker's names (runtime/moe_lora.py)
 
 
-def attach_multi_lora(model: nn.Module, routing: LoRARouting) -> dict[str, MultiLoRALinear]:
-    from .moe_lora import attach_moe_lora  # imports this module
-    """Replace every adaptable `nn.Linear` of `model` by a `MultiLoRALinear` (in place).
+def attach_multi_lora(model: nn.Module, routing: LoRARouting, projections: list[Projection],
+                      moved: dict[str, MultiLoRALinear] | None = None) -> dict[str, MultiLoRALinear]:
+    """Put a `MultiLoRALinear` around every projection `discover` found a role for (in place).
 
-    Returns {dotted module path: layer}, e.g. "model.layers.0.self_attn.q_proj". Paths are the
-    ones PEFT uses under "base_model.model.", which keeps checkpoint key names standard.
+    Returns {LoRA path: layer}. A plain projection's path is its module path, e.g.
+    "model.layers.0.self_attn.q_proj" (PEFT's names under "base_model.model."); a fused one
+    becomes a `SplitProjection` whose components are layers of their own, e.g.
+    "model.layers.0.self_attn.qkv_proj.q_proj" (saved in PEFT's form: `FusedPart`). Conv1D
+    weights are stored transposed, as an `nn.Linear` keeps them (`as_linear`).
+
+    `moved`: the layers of an earlier copy of the model (a pool reloads its base), with their
+    adapters and snapshots, to put around this copy's projections instead of new ones. Expert
+    projections are `moe_lora.attach_moe_lora`'s.
     """
-    targets = set(ATTN_TARGETS + MLP_TARGETS + UNEMBED_TARGETS)
-    found: list[tuple[str, nn.Module, str, nn.Linear]] = []
-    for path, module in model.named_modules():
-        for child_name, child in module.named_children():
-            if child_name in targets and isinstance(child, nn.Linear):
-                full = f"{path}.{child_name}" if path else child_name
-                found.append((full, module, child_name, child))
     layers: dict[str, MultiLoRALinear] = {}
-    for full, parent, child_name, child in found:
-        layer = MultiLoRALinear(child, routing)
-        setattr(parent, child_name, layer)
-        layers[full] = layer
-    layers.update(attach_moe_lora(model, routing))
+
+    def layer(path: str, base: nn.Linear, role: str, part: FusedPart | None = None) -> MultiLoRALinear:
+        if moved is None:
+            layers[path] = MultiLoRALinear(base, routing, role, part)
+            return layers[path]
+        old = layers[path] = moved[path]
+        if (base.in_features, base.out_features) != (old.in_features, old.out_features):
+            raise ValueError(f"{path} is {base.in_features} -> {base.out_features} in the reloaded model, "
+                             f"not {old.in_features} -> {old.out_features}")
+        old.base = base
+        return old
+
+    if moved is not None and any(p.kind == "experts" and p.role in ROLES for p in projections):
+        raise ValueError("LoRA on MoE experts does not run in a worker pool yet (its base reload)")
+    for proj in projections:
+        if proj.role not in ROLES or proj.kind == "experts":
+            continue  # experts: moe_lora.py's; unknown projections: `projections.refusal` speaks for them
+        parent_path, _, name = proj.path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        module = getattr(parent, name)
+        if proj.kind == "fused":
+            fused_out = sum(len(rows) for _, rows in proj.components)
+            parts = {component: layer(f"{proj.path}.{component}", as_linear(module, rows), proj.role,
+                                      FusedPart(proj.path, i, len(proj.components), rows, fused_out))
+                     for i, (component, rows) in enumerate(proj.components)}
+            setattr(parent, name, SplitProjection(parts, tuple(rows for _, rows in proj.components)))
+        else:
+            setattr(parent, name, layer(proj.path, module if proj.kind == "linear" else as_linear(module), proj.role))
     if not layers:
-        raise ValueError(
-            "found no adaptable projections (q/k/v/o_proj, gate/up/down_proj, lm_head) in the model"
-        )
+        raise ValueError("found no adaptable projections (attention, MLP or unembedding) in the model")
     return layers
-
-
-def module_kind(path: str) -> str:
-    """'attn', 'mlp' or 'unembed' for a dotted module path."""
-    leaf = path.rsplit(".", 1)[-1]
-    if leaf in EXPERT_TARGETS:
-        return "mlp"
-    if leaf in ATTN_TARGETS:
-        return "attn"
-    if leaf in MLP_TARGETS:
-        return "mlp"
-    return "unembed"

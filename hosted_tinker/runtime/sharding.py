@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from .multi_lora import MultiLoRALinear
+from .multi_lora import MultiLoRALinear, attach_multi_lora
+from .projections import discover
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -71,14 +72,4 @@ def root_unsharded(model: nn.Module) -> Iterator[None]:
 def transplant_lora_layers(model: nn.Module, layers: dict[str, MultiLoRALinear]) -> None:
     """Put the existing multi-LoRA layers (their adapters and sampler snapshots in their slots)
     into a freshly loaded copy of the base model, each around the copy's own projection."""
-    for path, layer in layers.items():
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        fresh = getattr(parent, name)
-        if not isinstance(fresh, nn.Linear):
-            raise ValueError(f"{path} is a {type(fresh).__name__} in the reloaded model, not a Linear")
-        if (fresh.in_features, fresh.out_features) != (layer.in_features, layer.out_features):
-            raise ValueError(f"{path} is {fresh.in_features} -> {fresh.out_features} in the reloaded model, "
-                             f"not {layer.in_features} -> {layer.out_features}")
-        layer.base = fresh
-        setattr(parent, name, layer)
+    attach_multi_lora(model, next(iter(layers.values())).routing, discover(model), moved=layers)

@@ -40,8 +40,9 @@ from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwa
 from .graphs import CudaGraphCapture, StepGraphs
 from .invariance import FusionPolicy, RowIndependenceProbe
 from .losses import LOSSES, merge_metrics, run_losses, targets_per_position, topk_cross_entropy
-from .moe_lora import moe_mixing_refusal
+from .moe_lora import attach_moe_lora, moe_mixing_refusal
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
+from .projections import discover
 from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from ..vision import Pixels
@@ -179,7 +180,10 @@ class TrainingRuntime:
         self.forward_kwargs = self._causal_kwargs()
         self.policy = self._fusion_policy()
         self.routing = LoRARouting(self.policy)
-        self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing)
+        # Every weight matrix of the decoder with its role (attention, MLP, unembedding, experts).
+        self.projections = discover(model)
+        self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing, self.projections)
+        self.layers.update(attach_moe_lora(model, self.routing, self.projections))
         self.policy.mixing_refused = moe_mixing_refusal(self.layers)
         self.logits_fp32 = self._logits_in_fp32()
         self.adapters: dict[str, LoRAAdapter] = {}
@@ -212,7 +216,7 @@ class TrainingRuntime:
 
     def _logits_in_fp32(self) -> str:
         """A 16-bit base on CUDA computes its logits with a float32 result (multi_lora.Fp32Linear)."""
-        head = next((layer for path, layer in self.layers.items() if path.rsplit(".", 1)[-1] == "lm_head"), None)
+        head = next((layer for layer in self.layers.values() if layer.role == "unembed"), None)
         dtype = next(self.base_module.parameters()).dtype
         if head is None or dtype == torch.float32:
             return f"{str(dtype).removeprefix('torch.')} (the model's dtype)"
@@ -607,7 +611,7 @@ class TrainingRuntime:
                             with_optimizer=with_optimizer, overwrite=overwrite)
 
     def read(self, ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint:
-        ckpt = read_checkpoint(ckpt_dir, with_optimizer=with_optimizer)
+        ckpt = read_checkpoint(ckpt_dir, with_optimizer=with_optimizer, layers=self.layers)
         if ckpt.base_model and ckpt.base_model != self.base_model_name:
             raise CheckpointError(
                 f"checkpoint was trained on base model {ckpt.base_model!r}; this server serves "

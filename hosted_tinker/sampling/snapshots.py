@@ -106,7 +106,7 @@ class SnapshotCache:
         return aid
 
     def _read(self, checkpoint_dir: Path) -> dict[str, LoRAWeights]:
-        ckpt = read_checkpoint(checkpoint_dir, with_optimizer=False)
+        ckpt = read_checkpoint(checkpoint_dir, with_optimizer=False, layers=self.layers)
         return self._weights(ckpt.tensors, ckpt.config.scaling)
 
     def _weights(self, tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, LoRAWeights]:

@@ -39,8 +39,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..runtime.adapters import LoRAConfig
+from ..runtime.projections import Projection
 from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, peft_adapter_config
-from .vllm_sidecar import VLLMSidecar, VLLMUnavailable
+from .vllm_sidecar import DECODER_LORA_MODULES, VLLMSidecar, VLLMUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,32 @@ def _trains_lm_head(module_paths) -> bool:
     return any(p.rsplit(".", 1)[-1] == "lm_head" for p in module_paths)
 
 
+def layout_refusal(projections: list[Projection]) -> str | None:
+    """Why no adapter of this model goes to vLLM, or None. vLLM is launched with LoRA on the
+    modules in `DECODER_LORA_MODULES` (and lm_head) and would drop a LoRA on any other; the PEFT
+    form of a LoRA on a fused projection (one LoRA of rank components x rank,
+    `checkpoints.format.to_peft`) or on a Conv1D has not been checked against vLLM's own packing
+    of those modules. Either way it must not sample them."""
+    known = set(DECODER_LORA_MODULES) | {"lm_head"}
+    for p in projections:
+        leaf = p.path.rsplit(".", 1)[-1]
+        if p.kind in ("fused", "conv1d"):
+            what = "a fused projection" if p.kind == "fused" else "a transformers Conv1D"
+        elif p.role in ("attn", "mlp", "unembed") and leaf not in known:
+            what = "not among the modules vLLM is launched to adapt"
+        else:
+            continue
+        return f"this model's {leaf} is {what}, so its LoRAs do not go to vLLM; their sampling goes to the built-in engine"
+    return None
+
+
 class AdapterVersions:
     def __init__(self, sidecar: VLLMSidecar, base_model: str, *, lora_lm_head: bool, root: Path | None = None,
-                 max_snapshots: int = 64):
+                 max_snapshots: int = 64, refused_layout: str | None = None):
         self.sidecar = sidecar
         self.base_model = base_model
         self.lora_lm_head = lora_lm_head
+        self.refused_layout = refused_layout  # `layout_refusal` of the served model
         self.root = root or default_adapter_root()
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_snapshots = max_snapshots
@@ -138,6 +159,10 @@ class AdapterVersions:
     # -- training side (cycle thread): never waits for vLLM ---------------------------------------
     def publish(self, model_id: str, step: int, tensors: dict[str, torch.Tensor], config: LoRAConfig) -> None:
         """Queue `model_id`'s adapter after `step` for vLLM. `tensors` as `LoRAAdapter.named_tensors()`."""
+        if self.refused_layout is not None:
+            with self._lock:
+                self._refused[model_id] = self.refused_layout
+            return
         if not self.lora_lm_head and _trains_lm_head(k.rsplit(".lora_", 1)[0] for k in tensors):
             with self._lock:
                 self._refused[model_id] = (
@@ -185,6 +210,8 @@ class AdapterVersions:
     # -- sampling side ------------------------------------------------------------------------------
     def refusal(self, adapter_ref: str) -> str | None:
         """Why this adapter is not served by vLLM (route it to the built-in engine), or None."""
+        if self.refused_layout is not None:
+            return self.refused_layout
         if adapter_ref.startswith(LATEST_PREFIX):
             with self._lock:
                 return self._refused.get(adapter_ref[len(LATEST_PREFIX):])

@@ -19,6 +19,7 @@ from ..checkpoints.format import CheckpointError, read_manifest
 from ..runtime.adapters import AdamParams, LoRAConfig
 from ..runtime.losses import (LossInputError, check_one_targets_shape, resolve_loss_config, targets_per_position,
                               validate_datum)
+from ..runtime.projections import refusal
 from ..runtime.provenance import RecordNotFound, loss_inputs, named_sequences
 from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request
@@ -58,6 +59,9 @@ class TrainingRequests:
             raise HTTPException(400, f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank}")
         if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
             raise HTTPException(400, "at least one of train_mlp, train_attn, train_unembed must be true")
+        refused = refusal(served.runtime.projections, lora.roles)  # a projection asked for that cannot be adapted
+        if refused:
+            raise HTTPException(400, refused)
         if optimizer.get("type", "adamw") != "adamw":
             raise HTTPException(400, f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
         return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, "create_model",
