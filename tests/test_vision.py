@@ -100,13 +100,37 @@ def test_a_text_only_model_refuses_images_by_name(sc):
         tc.forward_backward([image_datum(png(64, 32), 2, [5], [6], n_image=2)], "cross_entropy").result()
 
 
-@pytest.mark.parametrize("model,needle", [
-    ("vl", "takes images in forward and forward_backward only, not yet in sampling"),
-    (EMBEDDED_MODEL_NAME, "takes no images")])
-def test_sampling_with_an_image_is_a_clear_400(sc, vl_dir, model, needle):
-    """Sampling with images is not built yet (the engine's prefill takes no pixels): refused by name."""
-    client = sc.create_sampling_client(base_model=str(vl_dir) if model == "vl" else model).result()
+def test_sampling_with_an_image_matches_the_trainer(sc, vl_dir):
+    """A trained LoRA's sampler, given a prompt with an image, scores the prompt (compute_logprobs) and
+    its own samples exactly as the training forward does on the same tokens and image: the prefill's
+    multimodal rotary positions and each decode step's rope delta are the trainer's."""
+    import json
+
+    image_token = json.loads((vl_dir / "config.json").read_text())["image_token_id"]
+    tc = sc.create_lora_training_client(base_model=str(vl_dir), rank=4, seed=2).result()
+    # 64x64: 2x2 merged patches, 4 tokens on 2 rotary steps, so the text after it runs 2 positions behind
+    image, before, after = png(64, 64, seed=3), [5, 17, 230], [41, 99]
+    tc.forward_backward([image_datum(image, 4, before, after, n_image=4)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=before),
+                                      types.ImageChunk(data=image, format="png", expected_tokens=4),
+                                      types.EncodedTextChunk(tokens=after)])
+    scored = sampler.compute_logprobs(prompt).result()
+    sampled = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, seed=4, stop=[])).result().sequences[0]
+    full = before + [image_token] * 4 + after + sampled.tokens
+    datum = image_datum(image, 4, before, after + sampled.tokens, n_image=4)
+    datum.loss_fn_inputs["target_tokens"] = types.TensorData.from_numpy(np.array(full[1:] + [0]))
+    trained = logprobs_of(tc.forward([datum], "cross_entropy").result())[0]
+    n = len(full) - len(sampled.tokens)
+    assert len(scored) == n and scored[0] is None
+    np.testing.assert_allclose(np.array(scored[1:], dtype=np.float32), trained[:n - 1], atol=1e-5)
+    np.testing.assert_allclose(sampled.logprobs, trained[n - 1:-1], atol=1e-5)
+
+
+def test_a_text_only_sampler_refuses_images_by_name(sc):
+    client = sc.create_sampling_client(base_model=EMBEDDED_MODEL_NAME).result()
     prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]),
                                       types.ImageChunk(data=png(64, 32), format="png", expected_tokens=2)])
-    with pytest.raises(tinker.BadRequestError, match=needle):
+    with pytest.raises(tinker.BadRequestError, match="takes no images"):
         client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from ..server import Server
 from ..served_models import ServedModel
 from ..services import served_model
 from ..services.sampling import SamplingRequests
-from ..vision import no_images
+from ..vision import ImageError, ImageIn, Pixels, no_images
 from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
 from .training import _checkpoint_for_load
@@ -94,27 +96,48 @@ def get_sampler(sampler_id: str, owner: str = Depends(require_owner), access: Ac
     return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
 
 
-def _prompt_tokens(prompt: dict, served: ServedModel) -> list[int]:
+def _prompt(prompt: dict, served: ServedModel) -> tuple[list[int], Pixels | None]:
+    """The prompt's tokens, each image's placeholder tokens in its place, and its images' pixels (or None)."""
     chunks = prompt.get("chunks") or []
     if not isinstance(chunks, list) or not all(isinstance(c, dict) for c in chunks):
         raise HTTPException(400, "prompt.chunks must be a list of chunk objects, e.g. "
                                  '[{"type": "encoded_text", "tokens": [1, 2, 3]}]')
     tokens: list[int] = []
+    images: list[ImageIn] = []
     for i, chunk in enumerate(chunks):
         kind = chunk.get("type", "encoded_text")
-        if kind == "image" and served.images is None:
-            raise HTTPException(400, str(no_images(f"prompt chunk {i}", served.name)))
         if kind == "image":
-            raise HTTPException(400, f"prompt chunk {i} is an image: this server takes images in forward and "
-                                     "forward_backward only, not yet in sampling or compute_logprobs")
+            images.append(_image_chunk(i, chunk, len(tokens), served))
+            continue
         if kind != "encoded_text":
-            raise HTTPException(400, f"prompt chunk {i} is {kind!r}: this server takes encoded_text chunks "
-                                     "(and images in forward and forward_backward)")
+            raise HTTPException(400, f"prompt chunk {i} is {kind!r}: this server takes encoded_text and image chunks")
         toks = chunk.get("tokens")
         if not isinstance(toks, list) or not all(isinstance(t, int) for t in toks):
             raise HTTPException(400, f"prompt chunk {i}: tokens must be a list of integers")
         tokens.extend(toks)
-    return tokens
+    if not images:
+        return tokens, None
+    try:
+        served.images.check_count(len(images))
+        expanded, pixels = served.images.expand("prompt", np.asarray(tokens, dtype=np.int64), images)
+    except ImageError as e:
+        raise HTTPException(400, str(e)) from None
+    return expanded.tolist(), pixels
+
+
+def _image_chunk(i: int, chunk: dict, position: int, served: ServedModel) -> ImageIn:
+    """An image chunk of the JSON wire (base64 `data`) as the image encoder takes it."""
+    if served.images is None:
+        raise HTTPException(400, str(no_images(f"prompt chunk {i}", served.name)))
+    data, fmt, expected = chunk.get("data"), chunk.get("format"), chunk.get("expected_tokens")
+    if not isinstance(data, str) or not isinstance(fmt, str) or not (expected is None or isinstance(expected, int)):
+        raise HTTPException(400, f"prompt chunk {i}: an image chunk needs data (base64), format ('png' or 'jpeg') "
+                                 "and optionally expected_tokens (an integer)")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except binascii.Error:
+        raise HTTPException(400, f"prompt chunk {i}: image data is not valid base64") from None
+    return ImageIn(position, raw, fmt, expected)
 
 
 def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
@@ -122,7 +145,7 @@ def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter
     cfg, runtime = server.config, served.runtime
     if body.num_samples > cfg.max_num_samples:
         raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples}")
-    prompt = _prompt_tokens(body.prompt, served)
+    prompt, pixels = _prompt(body.prompt, served)
     if not prompt:
         raise HTTPException(400, "the prompt is empty")
     bad = [t for t in prompt if not 0 <= t < runtime.vocab_size]
@@ -166,7 +189,8 @@ def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter
         temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
         stop_token_ids=stop_ids, stop_strings=stop_strings, prompt_logprobs=bool(body.prompt_logprobs),
         topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
-        prompt_logprobs_last_n=n_last, prompt_targets=targets, prompt_alt_tokens_k=body.prompt_alt_tokens_k)
+        prompt_logprobs_last_n=n_last, prompt_targets=targets, prompt_alt_tokens_k=body.prompt_alt_tokens_k,
+        pixels=pixels)
 
 
 def prompt_targets(t: TensorDataIn, prompt_len: int, vocab_size: int) -> PromptTargets:

@@ -44,6 +44,8 @@ from transformers import DynamicCache
 
 from ..runtime.multi_lora import LoRARouting
 from ..runtime.packing import segments_of
+from ..vision import Pixels
+from .image_positions import decode_positions, prefill_inputs
 from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
 from .pick import BatchPicker, Picked, RowSampling
 from .prompt_scoring import (PromptAlternatives, PromptTargets, ScoredTargets, alternatives_seed, draw_alternatives,
@@ -70,6 +72,7 @@ class SampleJob:
     prompt_logprobs_last_n: int | None = None
     prompt_targets: PromptTargets | None = None  # target_prompt_logprobs (prompt_scoring.py)
     prompt_alt_tokens_k: int = 0
+    pixels: Pixels | None = None  # a vision-language model's images; their placeholder tokens are in `prompt`
     owner: str = ""  # the API key's owner: its running jobs share one part of the KV-cache budget
     on_done: Callable[["SampleResult"], None] = lambda r: None
     on_error: Callable[[str], None] = lambda msg: None
@@ -140,6 +143,7 @@ class _Group:
     last_tokens: torch.Tensor | None = None  # [rows] the newest tokens, on the device: the next step's input
     steps: int = 0  # tokens chosen per row so far (the same for every row: they start together)
     kv_tokens: int = 0  # reserved KV-cache tokens: sum over rows of width + their job's max_tokens
+    rope_deltas: torch.Tensor | None = None  # [rows] an image group's rotary offsets (image_positions.py)
 
     def reserve(self) -> None:
         """Reserve what the group's rows can hold at most (again, once rows have left)."""
@@ -278,8 +282,9 @@ class SamplingEngine:
                 self._pending.pop(i).on_error(reason)
                 continue
             if jobs and (rows + job.num_samples > self.max_rows_per_group
-                         or tokens + len(job.prompt) > self.max_prefill_tokens):
-                break
+                         or tokens + len(job.prompt) > self.max_prefill_tokens
+                         or (job.pixels is None) != (jobs[0].pixels is None)):
+                break  # jobs with images prefill in groups of their own: text groups stay as they were
             # The new group's reservation with this job in it (a longer prompt widens every row).
             new_width = max(width, len(job.prompt))
             new_generated = generated + job.num_samples * job.max_tokens
@@ -330,10 +335,13 @@ class SamplingEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         need_prompt = any(_needs_prompt_logits(st.job) for st, _ in states)
+        inputs, deltas = {"position_ids": positions}, None
+        if states[0][0].job.pixels is not None:  # a group of image jobs (_admit)
+            inputs, deltas = prefill_inputs(self.model, ids, mask, positions, [st.job.pixels for st, _ in states])
         cache = DynamicCache()
         with self.routing.batch(segments_of([aid for _, aid in states]), exact=self.exact_lora):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True, logits_to_keep=0 if need_prompt else 1)
+            out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                             logits_to_keep=0 if need_prompt else 1, **inputs)
         logits = out.logits.float()
         for r, (st, _) in enumerate(states):
             if st.job.prompt_logprobs or st.job.topk_prompt_logprobs:
@@ -348,7 +356,8 @@ class SamplingEngine:
                 for st, aid in states for i in range(st.job.num_samples)]
         group = _Group(rows=rows, cache=cache, mask=mask[expand], positions=positions[expand, -1],
                        next_logits=logits[expand, -1], width=width,
-                       picker=BatchPicker([row.sampling for row in rows], self.device))
+                       picker=BatchPicker([row.sampling for row in rows], self.device),
+                       rope_deltas=None if deltas is None else deltas[expand])
         group.reserve()
         self._groups.append(group)
         self.peak_reserved_kv_tokens = max(self.peak_reserved_kv_tokens, self.reserved_kv_tokens)
@@ -381,8 +390,10 @@ class SamplingEngine:
             last = group.last_tokens[:, None]
             group.mask = torch.cat([group.mask, group.mask.new_ones(len(group.rows), 1)], dim=1)
             group.positions = group.positions + 1
+            positions = (group.positions[:, None] if group.rope_deltas is None
+                         else decode_positions(group.positions, group.rope_deltas))
             with self.routing.batch(segments_of([row.adapter_id for row in group.rows]), exact=self.exact_lora):
-                out = self.model(input_ids=last, attention_mask=group.mask, position_ids=group.positions[:, None],
+                out = self.model(input_ids=last, attention_mask=group.mask, position_ids=positions,
                                  past_key_values=group.cache, use_cache=True)
             group.next_logits = out.logits[:, -1].float()
             self._choose(group)
@@ -460,6 +471,8 @@ class SamplingEngine:
             group.cache.batch_select_indices(idx)
             group.mask, group.positions = group.mask[idx], group.positions[idx]
             group.last_tokens = group.last_tokens[idx]
+            if group.rope_deltas is not None:
+                group.rope_deltas = group.rope_deltas[idx]
             group.picker = BatchPicker([row.sampling for row in group.rows], self.device)
         group.reserve()  # the rows that left give their reservation back
 

@@ -179,6 +179,8 @@ class VLLMSamplingBackend:
     # -- any thread -----------------------------------------------------------------------------
     def refusal(self, job: SampleJob) -> str | None:
         """Why this job must go to the built-in engine instead, or None when vLLM serves it."""
+        if job.pixels is not None:
+            return "images are sampled by the built-in engine: the vLLM sidecar here is given text prompts only"
         if self.lora_lm_head and (job.prompt_logprobs or job.topk_prompt_logprobs):
             return ("prompt logprobs are computed by the built-in engine: vLLM runs with lm_head LoRA here, and its "
                     "batched prompt-logprob path does not support it")
