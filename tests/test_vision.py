@@ -134,3 +134,54 @@ def test_a_text_only_sampler_refuses_images_by_name(sc):
                                       types.ImageChunk(data=png(64, 32), format="png", expected_tokens=2)])
     with pytest.raises(tinker.BadRequestError, match="takes no images"):
         client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+
+
+def data_url(image: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+@pytest.fixture(scope="module")
+def oai(srv):
+    import openai
+
+    with openai.OpenAI(base_url=srv.base_url + "/v1", api_key=KEY, max_retries=0) as client:
+        yield client
+
+
+def test_openai_chat_takes_data_url_images(oai, sc, vl_dir):
+    """An image_url part with a data URL lands where the model's chat template puts its placeholder:
+    the chat answer's logprobs are those compute_logprobs gives for the same prompt with an image
+    chunk there. Other URLs are refused: the server fetches nothing."""
+    import openai
+    from transformers import AutoTokenizer
+
+    image, question = png(64, 64, seed=5), "What is in the picture?"
+    r = oai.chat.completions.create(
+        model=str(vl_dir), max_tokens=5, temperature=0.7, seed=3, logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                               {"type": "text", "text": question}]}])
+    content = r.choices[0].logprobs.content
+    ids = [int(e.token.removeprefix("token_id:")) for e in content]
+    tok = AutoTokenizer.from_pretrained(vl_dir)
+    head = tok.encode("<|im_start|>user\n<|vision_start|>", add_special_tokens=False)
+    tail = tok.encode(f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=head),
+                                      types.ImageChunk(data=image, format="png", expected_tokens=4),
+                                      types.EncodedTextChunk(tokens=tail + ids)])
+    want = sc.create_sampling_client(base_model=str(vl_dir)).result().compute_logprobs(prompt).result()
+    np.testing.assert_allclose([e.logprob for e in content], want[-len(ids):], atol=1e-5, rtol=0)
+    assert r.usage.prompt_tokens == len(head) + 4 + len(tail)
+
+    def ask(url: str, model: str = str(vl_dir)):
+        return oai.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}])
+
+    with pytest.raises(openai.BadRequestError, match="this server does not fetch images; send a data URL"):
+        ask("https://example.com/cat.png")
+    with pytest.raises(openai.BadRequestError, match="takes no images"):
+        ask(data_url(image), EMBEDDED_MODEL_NAME)
+    with pytest.raises(openai.BadRequestError, match=r"max_image_pixels"):
+        ask(data_url(png(128, 96)))

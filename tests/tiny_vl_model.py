@@ -11,6 +11,21 @@ import numpy as np
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
+# Qwen3-VL's chat template, less tools and video: a content list renders each image part as the
+# image placeholder (which the server replaces with the image's own tokens) and text parts as text.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' or 'image' in part or 'image_url' in part %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in part %}{{- part.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
 
 def build_tiny_vl_model(out_dir: Path, seed: int = 0) -> Path:
     import torch
@@ -25,8 +40,15 @@ def build_tiny_vl_model(out_dir: Path, seed: int = 0) -> Path:
     tok = build_tokenizer(spec)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     tok.save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tok, spec))
     ids = {t: tok.token_to_id(t) for t in VISION_TOKENS}
+    tok_config = _tokenizer_config(tok, spec)
+    # transformers builds the tokenizer's added tokens from this list: without them AutoTokenizer
+    # splits "<|image_pad|>" into pieces, and the chat route could not find the image placeholder
+    tok_config["added_tokens_decoder"].update({str(i): {
+        "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+        for t, i in ids.items()})
+    tok_config["chat_template"] = CHAT_TEMPLATE
+    _write_json(out_dir / "tokenizer_config.json", tok_config)
     eot = tok.token_to_id(ENDOFTEXT)
     vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
     config = Qwen3VLConfig(

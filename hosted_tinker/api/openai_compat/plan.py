@@ -18,6 +18,8 @@ from ...server import Server
 from ...served_models import ServedModel
 from ...services import checkpoint_base_model, served_model
 from ..training import _checkpoint_for_load
+from ...vision import Pixels
+from .images import check_takes_images, expand_images, image_part
 from .schemas import ChatBody, CompletionBody, SamplingBody
 from .template import render_chat
 
@@ -114,7 +116,7 @@ def _stops(body: SamplingBody) -> tuple[str, ...]:
 
 
 def _make_jobs(served: ServedModel, body: SamplingBody, prompts: list[list[int]], adapter: str | None,
-               max_tokens: int | None, topk: int) -> list[SampleJob]:
+               max_tokens: int | None, topk: int, pixels: Pixels | None = None) -> list[SampleJob]:
     runtime = served.runtime
     jobs = []
     for prompt in prompts:
@@ -135,7 +137,7 @@ def _make_jobs(served: ServedModel, body: SamplingBody, prompts: list[list[int]]
             adapter_id=adapter, temperature=_temperature(body.temperature),
             top_k=body.top_k if body.top_k is not None else -1, top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed, stop_token_ids=frozenset() if body.ignore_eos else frozenset(served.eos_token_ids),
-            stop_strings=_stops(body), topk_sample_logprobs=topk))
+            stop_strings=_stops(body), topk_sample_logprobs=topk, pixels=pixels))
     return jobs
 
 
@@ -178,10 +180,11 @@ def plan_completion(server: Server, access: Access, owner: str, body: Completion
                 id=f"cmpl-{uuid.uuid4().hex}")
 
 
-def _chat_messages(messages: list[Any]) -> list[dict]:
+def _chat_messages(messages: list[Any]) -> tuple[list[dict], list[tuple[str, bytes]]]:
+    """The messages as the chat template takes them, and their images (format, data) in order."""
     if not messages:
         raise HTTPException(400, "messages must be a non-empty list")
-    out = []
+    out, images = [], []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise HTTPException(400, f"messages[{i}] must be an object with 'role' and 'content'")
@@ -190,22 +193,33 @@ def _chat_messages(messages: list[Any]) -> list[dict]:
             raise HTTPException(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
         content = m.get("content")
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise HTTPException(400, f"messages[{i}].content[{j}] is {kind!r}: this server hosts text-only "
-                                             "models; send text parts")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+            content = _content_parts(f"messages[{i}].content", content, images)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
-            raise HTTPException(400, f"messages[{i}].content must be a string or a list of text parts")
+            raise HTTPException(400, f"messages[{i}].content must be a string or a list of text and image_url parts")
         msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id")}
         msg.update(role="system" if role == "developer" else role, content=content)
         out.append(msg)
-    return out
+    return out, images
+
+
+def _content_parts(where: str, content: list, images: list[tuple[str, bytes]]) -> str | list[dict]:
+    """Text parts joined into one string; with an image among them, the parts as a list, each
+    image an `{"type": "image"}` part where the template puts its placeholder (images.py)."""
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "image_url":
+            images.append(image_part(f"{where}[{j}]", part))
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise HTTPException(400, f"{where}[{j}] is {kind!r}: send text and image_url parts")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def plan_chat(server: Server, access: Access, owner: str, body: ChatBody) -> Plan:
@@ -224,12 +238,16 @@ def plan_chat(server: Server, access: Access, owner: str, body: ChatBody) -> Pla
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise HTTPException(400, f"max_completion_tokens must be at least 1, got {max_tokens}")
-    messages = _chat_messages(body.messages)
+    messages, images = _chat_messages(body.messages)
     served, adapter = resolve_model(server, access, owner, body.model)
+    if images:
+        check_takes_images(served)  # before its template sees image parts
     tok = served.tokenizer
     text = render_chat(server.config, served, body, messages)
-    prompt = tok.encode(text, add_special_tokens=False)
-    jobs = _make_jobs(served, body, [prompt], adapter, max_tokens, top or 0)
+    prompt, pixels = tok.encode(text, add_special_tokens=False), None
+    if images:
+        prompt, pixels = expand_images(served, prompt, images)
+    jobs = _make_jobs(served, body, [prompt], adapter, max_tokens, top or 0, pixels)
     return Plan("chat", body.model, served, [prompt], jobs, body.n, (top or 0) if body.logprobs else None,
                 body.return_tokens_as_token_ids, body.stream,
                 bool(body.stream_options and body.stream_options.include_usage),
