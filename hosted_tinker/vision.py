@@ -8,6 +8,8 @@ Qwen-VL), which the model's forward replaces with the vision tower's embeddings.
 
 Bounds: every image is at most `max_image_bytes` encoded and `max_image_pixels` decoded, and a
 request holds at most `max_images_per_request` of them (config.py); a refusal names the setting.
+An API key's sample requests in flight hold at most `max_image_pixels_per_key` pixels of images
+together (services/sampling.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Pixels:
 
     pixel_values: torch.Tensor  # [patches, patch_dim] float32
     grid_thw: torch.Tensor  # [images, 3] int64
+    image_pixels: int  # width x height of the images as sent, summed: what a key's sampling bound counts
 
 
 class ImageEncoder:
@@ -63,9 +66,10 @@ class ImageEncoder:
 
     def expand(self, where: str, tokens: np.ndarray, images: list[ImageIn]) -> tuple[np.ndarray, Pixels]:
         """`tokens` with each image's placeholder tokens inserted at its position, and the pixels."""
-        parts, values, grids, start = [], [], [], 0
+        parts, values, grids, start, image_pixels = [], [], [], 0, 0
         for j, image in enumerate(images):
-            pixel_values, grid = self._process(f"{where} image {j}", image)
+            pixel_values, grid, size = self._process(f"{where} image {j}", image)
+            image_pixels += size
             n = int(grid.prod()) // self.merge ** 2
             if image.expected_tokens is not None and image.expected_tokens != n:
                 raise ImageError(f"{where} image {j}: expected_tokens is {image.expected_tokens}, but this model's "
@@ -75,9 +79,10 @@ class ImageEncoder:
             values.append(pixel_values)
             grids.append(grid)
         parts.append(tokens[start:])
-        return np.concatenate(parts), Pixels(torch.cat(values), torch.cat(grids))
+        return np.concatenate(parts), Pixels(torch.cat(values), torch.cat(grids), image_pixels)
 
-    def _process(self, where: str, image: ImageIn) -> tuple[torch.Tensor, torch.Tensor]:
+    def _process(self, where: str, image: ImageIn) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The image's pixel patches, its grid, and its pixels (width x height)."""
         from PIL import Image
 
         limits = self.limits
@@ -101,7 +106,7 @@ class ImageEncoder:
         except Exception as e:  # PIL's many ways of saying "not a valid image"
             raise ImageError(f"{where}: the data is not a valid {image.format} image ({type(e).__name__})") from None
         out = self.processor(images=[pil], return_tensors="pt")
-        return out["pixel_values"].float(), out["image_grid_thw"].long()
+        return out["pixel_values"].float(), out["image_grid_thw"].long(), width * height
 
     def check_count(self, n_images: int) -> None:
         if n_images > self.limits.max_images_per_request:

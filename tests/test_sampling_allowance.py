@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from fastapi import HTTPException
 
 from hosted_tinker.sampling.engine import SampleJob
 from hosted_tinker.services.sampling import SamplingAllowance
+from hosted_tinker.vision import Pixels
 
 
 def job(num_samples: int = 2, max_tokens: int = 10) -> SampleJob:
@@ -14,7 +16,7 @@ def job(num_samples: int = 2, max_tokens: int = 10) -> SampleJob:
 
 
 def test_limits_name_their_setting_and_other_keys_are_unaffected():
-    allowance = SamplingAllowance(max_requests=2, max_tokens=100)
+    allowance = SamplingAllowance(max_requests=2, max_tokens=100, max_image_pixels=1000)
     allowance.take("alice", [job()])
     allowance.take("alice", [job()])
     with pytest.raises(HTTPException, match="max_sampling_requests_per_key = 2") as e:
@@ -26,7 +28,7 @@ def test_limits_name_their_setting_and_other_keys_are_unaffected():
 
 
 def test_a_multi_job_request_is_given_back_once_when_its_last_job_ends():
-    allowance = SamplingAllowance(max_requests=1, max_tokens=1000)
+    allowance = SamplingAllowance(max_requests=1, max_tokens=1000, max_image_pixels=1000)
     jobs = [job(), job(), job()]
     seen = []
     for j in jobs:
@@ -39,3 +41,21 @@ def test_a_multi_job_request_is_given_back_once_when_its_last_job_ends():
     jobs[2].on_done("result")
     assert "alice" not in allowance.requests and "alice" not in allowance.tokens
     allowance.take("alice", [job()])  # the allowance came back
+
+
+def test_image_pixels_in_flight_are_bounded_per_key():
+    def image_job(pixels: int) -> SampleJob:
+        j = job()
+        j.pixels = Pixels(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), pixels)
+        return j
+
+    allowance = SamplingAllowance(max_requests=10, max_tokens=1000, max_image_pixels=1000)
+    lease = allowance.take("alice", [image_job(600)])
+    with pytest.raises(HTTPException, match="600 image pixels in flight and this one has 500 more "
+                                            r"\(max_image_pixels_per_key = 1000\)") as e:
+        allowance.take("alice", [image_job(500)])
+    assert e.value.status_code == 429
+    allowance.take("bob", [image_job(1000)])  # another key's images are its own
+    allowance.take("alice", [job()])  # text-only requests are not held back
+    lease.release()
+    allowance.take("alice", [image_job(1000)])

@@ -30,7 +30,8 @@ def vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(vl_dir, tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("srv"), env={"HOSTED_TINKER_MAX_IMAGE_PIXELS": str(MAX_PIXELS)},
+    proc = ServerProcess(tmp_path_factory.mktemp("srv"), env={"HOSTED_TINKER_MAX_IMAGE_PIXELS": str(MAX_PIXELS),
+                                                                     "HOSTED_TINKER_MAX_IMAGE_PIXELS_PER_KEY": "6000"},
                          args=("--base-model", str(vl_dir), "--base-model", EMBEDDED_MODEL_NAME)).start()
     yield proc
     proc.stop()
@@ -126,6 +127,15 @@ def test_sampling_with_an_image_matches_the_trainer(sc, vl_dir):
     assert len(scored) == n and scored[0] is None
     np.testing.assert_allclose(np.array(scored[1:], dtype=np.float32), trained[:n - 1], atol=1e-5)
     np.testing.assert_allclose(sampled.logprobs, trained[n - 1:-1], atol=1e-5)
+
+
+def test_a_sample_request_over_the_keys_image_bound_is_a_400(sc, vl_dir):
+    """Two 64x64 images are 8192 pixels, more than the 6000 a key may have in flight (the module's server)."""
+    client = sc.create_sampling_client(base_model=str(vl_dir)).result()
+    image = types.ImageChunk(data=png(64, 64), format="png", expected_tokens=4)
+    prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]), image, image])
+    with pytest.raises(tinker.BadRequestError, match=r"8192 pixels together.*6000 \(max_image_pixels_per_key\)"):
+        client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
 
 
 def test_a_text_only_sampler_refuses_images_by_name(sc):

@@ -1,8 +1,8 @@
 """`SamplingRequests`: sample requests of both APIs (Tinker `asample`, OpenAI) on their way to the sampler.
 
-Each request is bounded on its own (prompts, `n`, requested tokens, stop strings, and each job's KV cache against
-the sampler's whole KV-cache budget: a 400 naming the setting) and each API key's sampling work in
-flight (requests and requested tokens, waiting or running) is bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
+Each request is bounded on its own (prompts, `n`, requested tokens, stop strings, image pixels, and each job's KV
+cache against the sampler's whole KV-cache budget: a 400 naming the setting) and each API key's sampling work in
+flight (requests, requested tokens and image pixels, waiting or running) is bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
 and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
 A key's allowance is given back when its job ends: done, failed, or cancelled because its client
 went away.
@@ -29,19 +29,26 @@ def requested_tokens(job: SampleJob) -> int:
     return job.num_samples * job.max_tokens + (len(job.prompt) - 1) * job.prompt_alt_tokens_k
 
 
-class SamplingAllowance:
-    """Sampling requests and requested tokens in flight, per API key."""
+def image_pixels(jobs: list[SampleJob]) -> int:
+    """Pixels of the images in `jobs`' prompts (width x height, as sent)."""
+    return sum(j.pixels.image_pixels for j in jobs if j.pixels is not None)
 
-    def __init__(self, max_requests: int, max_tokens: int):
+
+class SamplingAllowance:
+    """Sampling requests, requested tokens and image pixels in flight, per API key."""
+
+    def __init__(self, max_requests: int, max_tokens: int, max_image_pixels: int):
         self.max_requests = max_requests
         self.max_tokens = max_tokens
+        self.max_image_pixels = max_image_pixels
         self._lock = threading.Lock()
         self.requests: dict[str, int] = defaultdict(int)
         self.tokens: dict[str, int] = defaultdict(int)
+        self.pixels: dict[str, int] = defaultdict(int)
 
     def take(self, owner: str, jobs: list[SampleJob]) -> "Lease":
         """A lease on `jobs`' share of `owner`'s allowance, or a 429 naming the limit it would pass."""
-        tokens = sum(requested_tokens(j) for j in jobs)
+        tokens, pixels = sum(requested_tokens(j) for j in jobs), image_pixels(jobs)
         with self._lock:
             if self.requests[owner] + 1 > self.max_requests:
                 raise HTTPException(429, f"this API key has {self.requests[owner]} sampling requests in flight "
@@ -51,23 +58,30 @@ class SamplingAllowance:
                 raise HTTPException(429, f"this API key has sampling requests for {self.tokens[owner]} tokens in flight "
                                          f"and this one asks for {tokens} more (max_sampled_tokens_per_key = "
                                          f"{self.max_tokens}); wait for some to finish", headers={"Retry-After": "1"})
+            if self.pixels[owner] + pixels > self.max_image_pixels:
+                raise HTTPException(429, f"this API key has sampling requests with {self.pixels[owner]} image pixels "
+                                         f"in flight and this one has {pixels} more (max_image_pixels_per_key = "
+                                         f"{self.max_image_pixels}); wait for some to finish",
+                                    headers={"Retry-After": "1"})
             self.requests[owner] += 1
             self.tokens[owner] += tokens
-        return Lease(self, owner, tokens)
+            self.pixels[owner] += pixels
+        return Lease(self, owner, tokens, pixels)
 
-    def _give_back(self, owner: str, tokens: int) -> None:
+    def _give_back(self, owner: str, tokens: int, pixels: int) -> None:
         with self._lock:
             self.requests[owner] -= 1
             self.tokens[owner] -= tokens
+            self.pixels[owner] -= pixels
             if not self.requests[owner]:
-                del self.requests[owner], self.tokens[owner]
+                del self.requests[owner], self.tokens[owner], self.pixels[owner]
 
 
 class Lease:
     """One request's share of a key's allowance; released once, however many times asked."""
 
-    def __init__(self, allowance: SamplingAllowance, owner: str, tokens: int):
-        self._allowance, self._owner, self._tokens = allowance, owner, tokens
+    def __init__(self, allowance: SamplingAllowance, owner: str, tokens: int, pixels: int):
+        self._allowance, self._owner, self._tokens, self._pixels = allowance, owner, tokens, pixels
         self._lock = threading.Lock()
         self._held = True
 
@@ -75,7 +89,7 @@ class Lease:
         with self._lock:
             held, self._held = self._held, False
         if held:
-            self._allowance._give_back(self._owner, self._tokens)
+            self._allowance._give_back(self._owner, self._tokens, self._pixels)
 
     def release_when_done(self, jobs: list[SampleJob]) -> None:
         """Release once every one of `jobs` has ended (done, failed or cancelled), before its own callbacks."""
@@ -108,7 +122,7 @@ class SamplingRequests:
         self.config = server.config
         self.access = access
         self.allowance = SamplingAllowance(self.config.max_sampling_requests_per_key,
-                                           self.config.max_sampled_tokens_per_key)
+                                           self.config.max_sampled_tokens_per_key, self.config.max_image_pixels_per_key)
 
     def check_size(self, served: ServedModel, jobs: list[SampleJob]) -> None:
         """One request's own bounds (the prompt count and `n` are checked where they are parsed), and that
@@ -120,6 +134,11 @@ class SamplingRequests:
                                      f"max_tokens, plus prompt positions x prompt_alt_tokens_k); the limit is {limit} "
                                      "(max_sampled_tokens_per_request): ask for fewer samples or fewer max_tokens "
                                      "per request")
+        pixels, limit = image_pixels(jobs), self.config.max_image_pixels_per_key
+        if pixels > limit:  # it could never be let in: a 400, not a 429 to retry forever
+            raise HTTPException(400, f"this request's images have {pixels} pixels together; one API key's sample "
+                                     f"requests in flight may hold {limit} (max_image_pixels_per_key): send fewer or "
+                                     "smaller images")
         for job in jobs:
             self._check_stops(job.stop_strings)
             reason = served.sampler.refusal(job)
