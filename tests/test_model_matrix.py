@@ -12,7 +12,9 @@ qkv_proj and gate_up_proj), GPT-NeoX (fused query_key_value, heads interleaved) 
 - goes through the cookbook's `build_lora_adapter` and `build_hf_model`, the merged model's
   logprobs equal to the server's. GPT-2 is the exception the cookbook makes: its 2-D merge
   computes B @ A as [out, in] and GPT-2's Conv1D weights are [in, out], so it refuses them.
-And Qwen3-MoE: its experts' LoRA (w1, w2, w3 per expert, runtime/moe_lora.py) goes the same way.
+And three MoE families, Qwen3-MoE, Mixtral and GPT-OSS (transposed experts with biases, gate/up
+interleaved, attention sinks): their experts' LoRA (w1, w2, w3 per expert, runtime/moe_lora.py)
+goes the same way.
 """
 
 from __future__ import annotations
@@ -53,13 +55,24 @@ def configs(vocab: int) -> dict[str, T.PretrainedConfig]:
         # An MoE model: LoRA on its experts too (per-expert w1, w2, w3).
         "qwen3_moe": T.Qwen3MoeConfig(vocab_size=vocab, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                       num_experts_per_tok=2, **kv, **SMALL),
+        "mixtral": T.MixtralConfig(vocab_size=vocab, num_local_experts=4, num_experts_per_tok=2, **kv, **SMALL),
+        # GPT-OSS: transposed experts with biases, gate/up interleaved, attention sinks, sliding layers.
+        "gpt_oss": T.GptOssConfig(vocab_size=vocab, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                  **kv, **SMALL),
     }
+
+
+MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
 def build(root, name: str, config, tokenizer_dir) -> str:
     out = root / name
     torch.manual_seed(0)
     model = (T.Gemma3ForCausalLM if name == "gemma3" else T.AutoModelForCausalLM.from_config)(config)
+    with torch.no_grad():  # transformers may leave 3-D expert weights uninitialised
+        for p in model.parameters():
+            if p.dim() == 3:
+                p.normal_(0, 0.1)
     model.to(torch.float32).save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / f, out / f)
@@ -95,7 +108,7 @@ def logprobs_of_model(model, tokens: list[int]) -> np.ndarray:
     return lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", *MOE])
 def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     from tinker import types
     from tinker_cookbook.weights import build_hf_model, build_lora_adapter
@@ -130,7 +143,7 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     peft_out = tmp_path / "peft"
     build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
     built = set(load_file(str(peft_out / "adapter_model.safetensors")))
-    if arch == "qwen3_moe":  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
+    if arch in MOE:  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
         per_expert = {k for k in built if ".experts." in k}
         assert per_expert == {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
                               for i in range(2) for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
@@ -143,7 +156,11 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
         with pytest.raises(Exception, match="[Ss]hape mismatch"):
             build_hf_model(base_model=base, adapter_path=str(ckpt), output_path=str(merged), dtype="float32")
         return
-    build_hf_model(base_model=base, adapter_path=str(ckpt), output_path=str(merged), dtype="float32")
+    # transformers saves Mixtral in its hub layout (block_sparse_moe.experts.N.w1) and GPT-OSS's experts
+    # transposed, which the cookbook's shard-by-shard merge does not map; its full-model merge loads
+    # them as transformers does.
+    build_hf_model(base_model=base, adapter_path=str(ckpt), output_path=str(merged), dtype="float32",
+                   merge_strategy="full" if arch in ("mixtral", "gpt_oss") else "auto")
     model = T.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     np.testing.assert_allclose(logprobs_of_model(model, TOKENS), trained, atol=PARITY)
 

@@ -152,7 +152,9 @@ def no_mask_kwargs(model: torch.nn.Module) -> dict:
         return {}
     kwargs = {"attention_mask": {"full_attention": None}}
     device = next(model.parameters()).device
-    ids = torch.zeros((1, 3), dtype=torch.long, device=device)
+    # Distinct tokens: over equal ones (equal values), attention without a mask looks causal --
+    # so GPT-OSS (eager attention, which reads None as no mask at all) passed as causal.
+    ids = torch.arange(1, 9, device=device).unsqueeze(0) % model.get_input_embeddings().num_embeddings
     try:
         with torch.no_grad():
             plain = model(input_ids=ids, use_cache=False).logits.float()

@@ -13,14 +13,17 @@ Each projection is an `ExpertProjection` in the runtime's layer map, so adapters
 optimizer, checkpoints and sampler snapshots treat it like any other projection; its slot stack
 holds [slots, E, rank, in] / [slots, E, out, rank].
 
-Grouped calls: every GEMM is one `torch._grouped_mm` over groups of rows. The base projections
-run one group per expert (all tenants' tokens of an expert together, like the dense projections
-run all tenants' rows together; the start-up mixing probe covers them). The LoRA factors run one
-group per (tenant, expert): a group holds exactly the rows its tenant alone would give that
-expert, in the same order, and each group is its own GEMM, so a tenant's LoRA bits do not depend
-on who shares the call (measured: a group's rows equal the same group run alone). Weight
-gradients come from the same kernel (2-D x 2-D grouped by rows), added into the slots' gradient
-rows by index, like `GroupedLoRA`.
+Grouped calls: every GEMM is a `torch._grouped_mm` over groups of rows, one group per (tenant,
+expert): a group holds exactly the rows its tenant alone would give that expert, in the same
+order, and each group is its own GEMM, so a tenant's bits do not depend on who shares the call
+(measured: a group's rows equal the same group run alone). That holds for the base projections
+too, which run one call per tenant over that tenant's expert groups: unlike a dense projection's
+rows, an expert's rows are not independent of how many other rows share its GEMM (AVX-512, 1
+thread: a 1-row group takes another kernel than a longer one, and with 1024 inputs groups of 1-7
+rows also give other bits than the same rows in a group of 400), so grouping all tenants' tokens
+of an expert together changed a tenant's bits as soon as another tenant sent that expert tokens.
+Weight gradients come from the same kernel (2-D x 2-D grouped by rows), added into the slots'
+gradient rows by index, like `GroupedLoRA`.
 """
 
 from __future__ import annotations
@@ -47,19 +50,41 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 class FrozenGroupedLinear(torch.autograd.Function):
-    """Base expert GEMM `x_g @ w_fwd[g]` of frozen weights; its input gradient is `gy_g @ w_bwd[g]`
-    (w_bwd [E, out, in]: a view of the stored weight, or of a transposed copy, see
+    """Base expert GEMM `x_g @ w_fwd[e]` of frozen weights, one `_grouped_mm` per tenant over its
+    expert groups (`TenantGroups`); its input gradient is `gy_g @ w_bwd[e]` grouped alike (w_bwd
+    [E, out, in]: a view of the stored weight, or of a transposed copy, see
     `MultiLoRAExperts.keep_transposed_weight`). torch's own autograd of `_grouped_mm` does not
     run on CPU (torch 2.13)."""
 
     @staticmethod
-    def forward(ctx, x, w_fwd, w_bwd, offs):
-        ctx.w_bwd, ctx.offs = w_bwd, offs  # frozen: nothing for autograd to version-check
-        return grouped_mm(x, w_fwd, offs)
+    def forward(ctx, x, w_fwd, w_bwd, groups: "TenantGroups"):
+        ctx.w_bwd, ctx.groups = w_bwd, groups  # frozen: nothing for autograd to version-check
+        return groups.map(x, w_fwd)
 
     @staticmethod
     def backward(ctx, gy):
-        return grouped_mm(gy.contiguous(), ctx.w_bwd, ctx.offs), None, None, None
+        return ctx.groups.map(gy.contiguous(), ctx.w_bwd), None, None, None
+
+
+class TenantGroups:
+    """Rows sorted by (tenant, expert): tenant u's rows are `start:end` of the sorted rows, grouped
+    by expert at the (local) offsets `offs` -- one `_grouped_mm` each, so that an expert's GEMM
+    sees exactly the rows its tenant alone would give it."""
+
+    def __init__(self, key: torch.Tensor, num_experts: int, tenants: int):
+        counts = torch.bincount(key, minlength=tenants * num_experts).view(tenants, num_experts)
+        offs = counts.cumsum(1).to(torch.int32)
+        self.parts: list[tuple[int, int, torch.Tensor]] = []  # (start, end, offs) of each tenant with rows
+        start = 0
+        for u, n in enumerate(counts.sum(1).tolist()):
+            if n:
+                self.parts.append((start, start + n, offs[u]))
+            start += n
+
+    def map(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Each tenant's rows of x [N, in] times their experts' w [E, in, out] -> [N, out]."""
+        outs = [grouped_mm(x[start:end], w, offs) for start, end, offs in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class ExpertLoRA(torch.autograd.Function):
@@ -215,26 +240,30 @@ class MultiLoRAExperts(nn.Module):
         source = fwd if self._copies is None else self._copies[name]
         return fwd, source.transpose(1, 2)
 
-    def _linear(self, x, name: str, offs, experts):
-        y = FrozenGroupedLinear.apply(x, *self._weights(name), offs)
+    def _linear(self, x, name: str, groups: TenantGroups, experts):
+        y = FrozenGroupedLinear.apply(x, *self._weights(name), groups)
         bias = getattr(self.base, f"{name}_bias", None) if self.base.has_bias else None
         return y if bias is None else y + bias[experts]
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, K = top_k_index.shape
-        flat = top_k_index.reshape(-1)
-        experts, order = torch.sort(flat, stable=True)  # (token, k) pairs by expert, each in token order
-        token = order // K
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        E = self.num_experts
         rows_total = self.routing.segments[-1][2] if self.routing.segments else 0
         per_row = T // rows_total if rows_total and T % rows_total == 0 else 0
+        tenant, tenants = self._tenant_of_tokens(per_row, hidden.device)
+        flat = top_k_index.reshape(-1)
+        key = flat if tenant is None else tenant.repeat_interleave(K) * E + flat
+        key, order = torch.sort(key, stable=True)  # (token, k) pairs by (tenant, expert), each in token order
+        experts = key % E
+        token = order // K
+        groups = TenantGroups(key, E, tenants)
         p = self.projections
 
         def deltas(name: str, x: torch.Tensor):
             return p[name].delta(x, token, experts, per_row) if per_row else []
 
         x = hidden.index_select(0, token)
-        gate_up = self._linear(x, "gate_up_proj", offs, experts)
+        gate_up = self._linear(x, "gate_up_proj", groups, experts)
         gate_d, up_d = deltas(GATE, x), deltas(UP, x)
         if gate_d or up_d:
             half = gate_up.shape[1] // 2
@@ -244,13 +273,26 @@ class MultiLoRAExperts(nn.Module):
             up = _with_deltas(gate_up[:, up_cols], up_d)
             gate_up = (torch.stack([gate, up], 2).flatten(1) if self.interleaved else torch.cat([gate, up], 1))
         h = self.base._apply_gate(gate_up)
-        y = _with_deltas(self._linear(h, "down_proj", offs, experts), deltas(DOWN, h))
+        y = _with_deltas(self._linear(h, "down_proj", groups, experts), deltas(DOWN, h))
         y = y * top_k_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
         per_pair = torch.empty_like(y).index_copy(0, order, y).view(T, K, -1)
         out = per_pair[:, 0]
         for k in range(1, K):  # elementwise adds: a token's sum never depends on the other tokens
             out = out + per_pair[:, k]
         return out.to(hidden.dtype)
+
+    def _tenant_of_tokens(self, per_row: int, device: torch.device) -> tuple[torch.Tensor | None, int]:
+        """(the tenant index of each token, the number of tenants) of the current batch: a tenant is
+        an adapter of the routing's segments (rows without one are one more); (None, 1) where the
+        batch has a single tenant or no row layout."""
+        segments = self.routing.segments
+        ids = list(dict.fromkeys(adapter_id for adapter_id, _, _ in segments))
+        if not per_row or len(ids) < 2:
+            return None, 1
+        tenant = torch.empty(segments[-1][2] * per_row, dtype=torch.long)
+        for adapter_id, start, end in segments:
+            tenant[start * per_row:end * per_row] = ids.index(adapter_id)
+        return tenant.to(device), len(ids)
 
 
 def attach_moe_lora(model: nn.Module, routing: LoRARouting, projections: list[Projection]
@@ -267,14 +309,3 @@ def attach_moe_lora(model: nn.Module, routing: LoRARouting, projections: list[Pr
         out.update({f"{proj.path}.{n}": p for n, p in wrapped.projections.items()})
     return out
 
-
-def moe_mixing_refusal(layers: dict) -> str | None:
-    """Why tenants of a model with LoRA-adapted experts do not share micro-batches, or None.
-
-    Measured on the tiny Qwen3-MoE of tests/test_moe_lora.py (AVX-512, 1 thread): with tenants
-    mixed in one micro-batch, logprobs, losses and first-step gradients kept their solo bits, but
-    the expert LoRA gradients of the second step (B != 0) did not; until that is found, each
-    tenant runs its own micro-batches (still in one pass and one grouped call per layer)."""
-    if any(isinstance(layer, ExpertProjection) for layer in layers.values()):
-        return "MoE expert LoRA gradients are not yet proven bit-exact across tenants in one micro-batch"
-    return None

@@ -20,6 +20,7 @@ a pass waits for the device once, after launching all of its micro-batches (`_co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -40,7 +41,7 @@ from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwa
 from .graphs import CudaGraphCapture, StepGraphs
 from .invariance import FusionPolicy, RowIndependenceProbe
 from .losses import LOSSES, merge_metrics, run_losses, targets_per_position, topk_cross_entropy
-from .moe_lora import attach_moe_lora, moe_mixing_refusal
+from .moe_lora import ExpertProjection, attach_moe_lora
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
 from .projections import discover
 from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, segments_of, shared_shapes
@@ -184,7 +185,6 @@ class TrainingRuntime:
         self.projections = discover(model)
         self.layers: dict[str, MultiLoRALinear] = attach_multi_lora(model, self.routing, self.projections)
         self.layers.update(attach_moe_lora(model, self.routing, self.projections))
-        self.policy.mixing_refused = moe_mixing_refusal(self.layers)
         self.logits_fp32 = self._logits_in_fp32()
         self.adapters: dict[str, LoRAAdapter] = {}
         # Adapters attached to the layers and resident on `device`, least recently used first.
@@ -231,9 +231,7 @@ class TrainingRuntime:
         return "float32 (a 16-bit GEMM with a float32 result)"
 
     def _fusion_policy(self) -> FusionPolicy:
-        policy = FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
-        policy.mixing_refused = moe_mixing_refusal(self.layers) if hasattr(self, "layers") else None
-        return policy
+        return FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
 
     def check_fusion(self) -> None:
         """Whether tenants may share micro-batches, decided on this machine before any request, on
@@ -587,7 +585,7 @@ class TrainingRuntime:
         """What a micro-batch computes from the embeddings on: logprobs and input gradients with
         grad enabled, and logprobs of a forward-only pass."""
         x = embeds.detach().requires_grad_(True)
-        with training_kernels(self.device):
+        with self._probe_tenants(embeds.shape[0]), training_kernels(self.device):
             with torch.enable_grad():
                 lp = token_logprobs(self.model(inputs_embeds=x, use_cache=False, **self.forward_kwargs).logits, targets)
                 (lp * weights).sum().backward()
@@ -595,6 +593,16 @@ class TrainingRuntime:
                 lp_forward_only = token_logprobs(
                     self.model(inputs_embeds=embeds, use_cache=False, **self.forward_kwargs).logits, targets)
         return lp.detach(), x.grad, lp_forward_only
+
+    def _probe_tenants(self, rows: int):
+        """Each probe row its own tenant, where the model has LoRA-adapted experts: their GEMMs run
+        per (tenant, expert) group (moe_lora.py), so a row's expert GEMMs see the same rows in a
+        batch as alone, as a tenant's do; run as one tenant, the probe would measure whether an
+        expert's rows keep their bits as its group grows, which no batch depends on (and which
+        fails, e.g. with 1024-wide experts on AVX-512)."""
+        if not any(isinstance(layer, ExpertProjection) for layer in self.layers.values()):
+            return contextlib.nullcontext()
+        return self.routing.batch([(f"probe row {i}", i, i + 1) for i in range(rows)])
 
     # -- optimizer -----------------------------------------------------------------------------
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
