@@ -21,6 +21,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hosted_tinker.embedded_model import TinyModelSpec, ensure_embedded_model
 
@@ -28,10 +29,14 @@ __all__ = [
     "flavor_for_repo",
     "install_fake_no_robots",
     "install_fake_hub_model",
+    "install_hub_snapshot",
     "install_fake_dataset",
     "offline_env",
     "no_robots_rows",
 ]
+
+if TYPE_CHECKING:
+    import datasets
 
 
 def flavor_for_repo(repo_id: str) -> str:
@@ -89,9 +94,14 @@ def install_fake_hub_model(
     if spec is None:
         spec = TinyModelSpec(flavor=flavor_for_repo(repo_id))  # type: ignore[arg-type]
     built = ensure_embedded_model(build_cache or hf_home / ".tiny-model-builds", spec)
+    return install_hub_snapshot(hf_home, repo_id, built, revision=spec.dir_name())
 
-    repo_dir = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
-    commit = hashlib.sha1(f"{repo_id}\n{spec.dir_name()}".encode()).hexdigest()
+
+def install_hub_snapshot(hf_home: Path, repo_id: str, built: Path, revision: str = "") -> Path:
+    """Copy the model directory ``built`` into the hub cache as ``repo_id``'s only snapshot
+    (the layout :func:`install_fake_hub_model` describes); return the snapshot directory."""
+    repo_dir = Path(hf_home) / "hub" / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(f"{repo_id}\n{revision}".encode()).hexdigest()
     snapshot = repo_dir / "snapshots" / commit
     if snapshot.parent.exists():  # only one snapshot, so refs/main is the only candidate
         shutil.rmtree(snapshot.parent)
@@ -112,7 +122,7 @@ def _datasets_cache_dir_name(repo_id: str) -> str:
 
 def install_fake_dataset(
     hf_home: Path, repo_id: str, rows: list[dict], split: str = "train",
-    config_name: str = "default",
+    config_name: str = "default", features: datasets.Features | None = None,
 ) -> None:
     """Make ``datasets.load_dataset(repo_id)`` return ``rows`` as ``split``, offline.
 
@@ -128,6 +138,11 @@ def install_fake_dataset(
     another split adds it (all splits live in one cache entry); the same split replaces it.
     The rows of every split are kept as JSONL under ``$HF_HOME/.fake-dataset-sources``.
 
+    ``features`` types the columns where JSON cannot, e.g. ``Image()`` (rows hold PIL images)
+    or ``ClassLabel(names=...)`` (``int2str``): the rows are then kept as Parquet, which
+    carries the features, and loaded with the ``parquet`` builder. Give every split the same
+    ``features``.
+
     ``config_name`` is for data sets loaded with a config, e.g.
     ``load_dataset("openai/gsm8k", "main")``: install with ``config_name="main"``.
     """
@@ -138,26 +153,30 @@ def install_fake_dataset(
     dataset_name = repo_id.split("/")[-1]
     sources = hf_home / ".fake-dataset-sources" / repo_id.replace("/", "--") / config_name
     sources.mkdir(parents=True, exist_ok=True)
-    with open(sources / f"{split}.jsonl", "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    data_files = {p.stem: str(p) for p in sorted(sources.glob("*.jsonl"))}
+    builder, suffix = ("json", "jsonl") if features is None else ("parquet", "parquet")
+    if features is None:
+        with open(sources / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    else:
+        datasets.Dataset.from_list(rows, features=features).to_parquet(sources / f"{split}.parquet")
+    data_files = {p.stem: str(p) for p in sorted(sources.glob(f"*.{suffix}"))}
 
     config_root = hf_home / "datasets" / _datasets_cache_dir_name(repo_id) / config_name
     progress_was_enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            datasets.load_dataset("json", data_files=data_files, cache_dir=scratch)
-            (built,) = [p for p in Path(scratch, "json").glob("*/*/*") if p.is_dir()]
+            datasets.load_dataset(builder, data_files=data_files, cache_dir=scratch)
+            (built,) = [p for p in Path(scratch, builder).glob("*/*/*") if p.is_dir()]
             version, hash_ = built.parts[-2:]
             if config_root.exists():
                 shutil.rmtree(config_root)
             target = config_root / version / hash_
             target.mkdir(parents=True)
             prefix = filename_prefix_for_name(dataset_name)
-            for src in built.glob("json-*.arrow"):
-                shutil.copy2(src, target / (prefix + src.name[len("json"):]))
+            for src in built.glob(f"{builder}-*.arrow"):
+                shutil.copy2(src, target / (prefix + src.name[len(builder):]))
             info = json.loads((built / "dataset_info.json").read_text(encoding="utf-8"))
             info.update(config_name=config_name, dataset_name=dataset_name)
             for split_info in info.get("splits", {}).values():

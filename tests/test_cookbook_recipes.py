@@ -5,15 +5,17 @@ rewards; chat_sl trains on a local JSONL of conversations; sdft distils the mode
 through its teacher's top-K prompt logprobs, with (N, K) cross_entropy targets (forward KL) or a
 custom loss on (N, K) logprobs (reverse KL), from a local ToolAlpaca-format data set; the decisions
 recipes score their choices with target_prompt_logprobs and train a Brier loss on (N, K) logprobs,
-on a small stand-in for the Prophet Arena CSV (issue 27). The model is a tiny one served under a
-cookbook-known name from a fake Hugging Face cache (see
-test_cookbook_sl_loop.py).
+on a small stand-in for the Prophet Arena CSV (issue 27); vlm_classifier trains a tiny Qwen3-VL on
+images from a stand-in for its caltech101 data set and evaluates it by sampling with images and by
+compute_logprobs (issue 23). The models are tiny ones served under cookbook-known names from a fake
+Hugging Face cache (see test_cookbook_sl_loop.py).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import subprocess
@@ -22,13 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from offline_hub import install_fake_hub_model, offline_env
+from offline_hub import install_fake_dataset, install_fake_hub_model, install_hub_snapshot, offline_env
 from server_process import ServerProcess
+from tiny_vl_model import build_tiny_vl_model
 
 pytestmark = pytest.mark.e2e
 cookbook = pytest.importorskip("tinker_cookbook")
 
 MODEL = "Qwen/Qwen3-8B"
+VL_MODEL = "Qwen/Qwen3-VL-30B-A3B-Instruct"  # model_info maps it to the qwen3_vl_instruct renderer
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,10 @@ def cookbook_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("cookbook")
     hf_home = root / "hf"
     install_fake_hub_model(hf_home, MODEL)
+    install_hub_snapshot(hf_home, VL_MODEL, build_tiny_vl_model(root / "tiny-qwen3-vl"))
+    install_caltech101_stand_in(hf_home)
     env = {**os.environ, **offline_env(hf_home), "TINKER_API_KEY": "tml-cookbook"}
-    srv = ServerProcess(root / "srv", base_model=MODEL, env=env).start()
+    srv = ServerProcess(root / "srv", base_model=MODEL, env=env, args=("--base-model", VL_MODEL)).start()
     yield srv, {**env, "TINKER_BASE_URL": srv.base_url}
     srv.stop()
 
@@ -159,3 +165,36 @@ def test_sdft_distils_through_topk_targets(cookbook_server, toolalpaca, tmp_path
     # the teacher's top-K reached the student: completion positions with (N, 5) targets were trained
     key = "sdft/reverse_kl_positions" if reverse else "sdft/total_completion_tokens"
     assert all(r.get(key, 0) > 0 for r in rows), rows
+
+
+def install_caltech101_stand_in(hf_home: Path) -> None:
+    """`dpdl-benchmark/caltech101` as vlm_classifier loads it: an Image column and a ClassLabel
+    column (the recipe names classes with int2str), train and test splits of 64x64 noise images
+    (4 tokens each for the tiny model's processor)."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["Faces_easy", "airplanes", "Motorbikes"])})
+    for split, n, seed in [("train", 8, 0), ("test", 2, 1)]:
+        rng = np.random.default_rng(seed)
+        rows = [{"image": Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)), "label": i % 3}
+                for i in range(n)]
+        install_fake_dataset(hf_home, "dpdl-benchmark/caltech101", rows, split, features=features)
+
+
+def test_vlm_classifier_trains_on_images_and_evaluates(cookbook_server, tmp_path):
+    """Two steps of 4 image examples; before the first, the recipe's classifier evaluator samples a
+    class name for each test image and the NLL evaluator scores the test examples (compute_logprobs)."""
+    srv, env = cookbook_server
+    run_recipe("tinker_cookbook.recipes.vlm_classifier.train", [
+        f"base_url={srv.base_url}", f"model_name={VL_MODEL}", "renderer_name=qwen3_vl_instruct",
+        "dataset=caltech101", "batch_size=4", "num_epochs=1", "lora_rank=8", "learning_rate=1e-3",
+        "eval_every=2", "save_every=0", "n_eval=2", "max_tokens=8", f"experiment_dir={tmp_path}",
+        "behavior_if_log_dir_exists=delete"], env, srv)
+    (log_path,) = [p.parent for p in tmp_path.glob("*/metrics.jsonl")]  # the recipe names its run
+    rows = [r for r in metrics(log_path) if "train_mean_nll" in r]
+    assert len(rows) == 2 and all(math.isfinite(r["train_mean_nll"]) for r in rows), rows
+    assert all(r["num_sequences"] == 4 for r in rows)
+    assert 0.0 <= rows[0]["accuracy"] <= 1.0 and math.isfinite(rows[0]["test/nll"]), rows[0]
