@@ -31,7 +31,10 @@ the runtime (its bucket widths are 16, 24, 32, 48, 64, 96, 128, ...).
 
 Sizes: tiny (the embedded model, hidden 64 x 2 layers), small (hidden 256 x 4), medium
 (hidden 512 x 8), 1b (hidden 2048 x 28, a Qwen3-1.7B-shaped body with the embedded 1k
-vocabulary; randomly initialised in memory, on by default only when a GPU is present).
+vocabulary; randomly initialised in memory, on by default only when a GPU is present), moe (a
+Qwen3-MoE body, hidden 256 x 4, 8 experts of 256, top-2; the tenants' LoRA and the ideal's PEFT
+adapter cover attention and every expert; on request only: --sizes small,moe compares it with
+its dense twin).
 
 A benchmark, not a test: it asserts nothing about time and exits 0.
 """
@@ -79,8 +82,15 @@ SIZES: dict[str, TinyModelSpec] = {
     "1b": TinyModelSpec(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                         intermediate_size=6144),
 }
-CPU_REPEATS = {"tiny": 25, "small": 7, "medium": 5, "1b": 1}
-LABELS = {"tiny": "tiny 64x2", "small": "256x4", "medium": "512x8", "1b": "2048x28 (1.4B)"}
+# A Qwen3-MoE body (transformers' fused 3-D experts): its tenants' LoRA covers every expert's w1, w3
+# and w2 too (runtime/moe_lora.py); the ideal's PEFT adapter covers them as `target_parameters`.
+MOE = {"moe": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=8,
+                   num_experts_per_tok=2)}
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+CPU_REPEATS = {"tiny": 25, "small": 7, "medium": 5, "1b": 1, "moe": 7}
+LABELS = {"tiny": "tiny 64x2", "small": "256x4", "medium": "512x8", "1b": "2048x28 (1.4B)",
+          "moe": "MoE 256x4 8e"}
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -91,6 +101,16 @@ def load_pair(size: str, tmp: Path, device: torch.device, dtype: torch.dtype):
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    if size in MOE:
+        from transformers import Qwen3MoeConfig
+
+        vocab = AutoConfig.from_pretrained(build_tiny_model(tmp / "tiny-for-config", SIZES["tiny"])).vocab_size
+        config = Qwen3MoeConfig(vocab_size=vocab, **MOE[size])
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(AutoModelForCausalLM.from_config(config, dtype=dtype).to(device))
+        return models[0], models[1]
     spec = SIZES[size]
     if size == "1b":
         # Too big to write to disk and read back for a benchmark: same config as the builder
@@ -116,11 +136,13 @@ def load_pair(size: str, tmp: Path, device: torch.device, dtype: torch.dtype):
     return tuple(AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device) for _ in range(2))
 
 
-def make_peft(model):
+def make_peft(model, moe: bool):
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                                  target_modules=TARGETS, bias="none"))
+    targets = dict(target_modules=TARGETS[:4], target_parameters=EXPERT_PARAMETERS) if moe else \
+        dict(target_modules=TARGETS)
+    peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, bias="none",
+                                                  **targets))
     peft_model.eval()  # same as the runtime: no dropout anywhere; gradients still flow
     params = [p for p in peft_model.parameters() if p.requires_grad]
     # Make B non-zero so the adapter path is a real one (as after a first step).
@@ -187,7 +209,7 @@ def measure(variants: dict, warmup: int, repeats: int, device) -> dict[str, list
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default=None,
-                    help="comma-separated of tiny,small,medium,1b (default: tiny,small,medium, plus 1b "
+                    help="comma-separated of tiny,small,medium,1b,moe (default: tiny,small,medium, plus 1b "
                          "when a GPU is present)")
     ap.add_argument("--tenants", default="1,2,4,8,16", help="tenant counts (default 1,2,4,8,16)")
     ap.add_argument("--rows", type=int, default=2, help="datums per tenant per step (default 2)")
@@ -215,8 +237,8 @@ def main() -> int:
     sizes = (args.sizes.split(",") if args.sizes
              else ["tiny", "small", "medium"] + (["1b"] if device.type == "cuda" else []))
     for s in sizes:
-        if s not in SIZES:
-            ap.error(f"unknown size {s!r}; choose from {sorted(SIZES)}")
+        if s not in SIZES and s not in MOE:
+            ap.error(f"unknown size {s!r}; choose from {sorted(SIZES) + sorted(MOE)}")
     tenants = [int(x) for x in args.tenants.split(",")]
     print(f"device {device} ({dtype}), torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} CPUs; LoRA rank {RANK} alpha {ALPHA:g} on {'/'.join(TARGETS)}; "
@@ -246,7 +268,7 @@ def main() -> int:
             with torch.no_grad():  # non-zero B, as after a first step
                 for w in adapter.weights.values():
                     w.B.normal_(0, 1e-3)
-        peft_model, opt = make_peft(peft_base)
+        peft_model, opt = make_peft(peft_base, moe=size in MOE)
         cpu = device.type == "cpu"
         repeats = args.repeats or (CPU_REPEATS[size] if cpu else 5)
         print(f"\n[{LABELS[size]}] {n_params / 1e6:.1f}M params; {repeats} rounds", flush=True)
@@ -321,7 +343,7 @@ def main() -> int:
 
 
 def report(results, big_results, op_results, peak, args) -> None:
-    sizes_order = list(SIZES)
+    sizes_order = list(SIZES) + list(MOE)
     print("\nTable 1: aggregate training tokens/s, N tenants x "
           f"{args.rows} datums x {args.seq_len} tokens per step (medians; ratios: medians of "
           "the ratios within each round)")
