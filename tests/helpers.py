@@ -5,8 +5,10 @@ own, and `serve` run as a command that should refuse to start."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tarfile
@@ -211,3 +213,14 @@ def assert_one_line_error(out: subprocess.CompletedProcess, pattern: str) -> Non
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and re.fullmatch(r"hosted-tinker serve: error: " + pattern, errors[0]), out.stderr
     assert "Traceback" not in out.stderr and "loading base model" not in out.stderr
+
+
+def open_completion(srv, key: str, body: dict) -> socket.socket:
+    """A /v1/completions request sent on a raw connection whose answer is never read (closing the
+    socket is the client leaving: the server cancels the request)."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + key.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(data)).encode() +
+                 b"\r\n\r\n" + data)
+    return sock

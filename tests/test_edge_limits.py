@@ -12,13 +12,12 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import openai
 import pytest
 
-from helpers import BASE_MODEL, WAIT, sampling_metrics, wait_until
+from helpers import BASE_MODEL, WAIT, open_completion, sampling_metrics, wait_until
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -40,16 +39,6 @@ def srv(tmp_path_factory):
 
 def post(srv, path: str, key: str = A, **kw) -> httpx.Response:
     return httpx.post(srv.base_url + path, headers={"X-API-Key": key, **kw.pop("headers", {})}, timeout=60, **kw)
-
-
-def open_request(srv, key: str, body: dict) -> socket.socket:
-    """A /v1/completions request sent on a raw connection whose answer is never read."""
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", srv.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + key.encode() +
-                 b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(data)).encode() +
-                 b"\r\n\r\n" + data)
-    return sock
 
 
 def rows_of(request: dict) -> int:
@@ -158,7 +147,7 @@ def test_one_request_is_bounded(srv):
 def test_abandoned_requests_are_cancelled_and_others_answered(srv):
     """The client of a long completion leaves: its rows are dropped, and B's 1-token request is answered."""
     before = sampling_metrics(srv)
-    sock = open_request(srv, A, LONG)
+    sock = open_completion(srv, A, LONG)
     wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_active_sequences"] == rows_of(LONG), "the long request decoding")
     sock.close()
     after = wait_until(lambda: (m := sampling_metrics(srv))["hosted_tinker_sampling_requests_cancelled_total"]
@@ -184,7 +173,7 @@ def test_abandoned_requests_are_cancelled_and_others_answered(srv):
 
 def test_sampling_in_flight_is_bounded_per_key(srv):
     """Two requests in flight is A's limit, for OpenAI and asample alike; B is not affected."""
-    socks = [open_request(srv, A, LONG) for _ in range(2)]
+    socks = [open_completion(srv, A, LONG) for _ in range(2)]
     try:
         wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_active_sequences"] == 2 * rows_of(LONG), "both decoding")
         r = httpx.post(srv.base_url + "/v1/completions", json={"model": BASE_MODEL, "prompt": "hi", "max_tokens": 1},

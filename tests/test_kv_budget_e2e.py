@@ -9,15 +9,13 @@ another key's request that fits (issue 26, item 5).
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import socket
 
 import openai
 import pytest
 import tinker
 from tinker import types
 
-from helpers import BASE_MODEL, WAIT, sampling_metrics, wait_until
+from helpers import BASE_MODEL, WAIT, open_completion, sampling_metrics, wait_until
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -91,16 +89,6 @@ def test_an_abandoned_request_gives_its_reservation_back(srv):
         sampler = sc.create_sampling_client(base_model=BASE_MODEL).result()
         assert len(sampler.sample(types.ModelInput.from_ints(PROMPT), num_samples=24,
                                   sampling_params=SMALL).result().sequences) == 24
-
-
-def open_completion(srv, key: str, body: dict) -> socket.socket:
-    """A /v1/completions request sent on a raw connection whose answer is never read (closing it cancels it)."""
-    data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", srv.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer " + key.encode() +
-                 b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(data)).encode() +
-                 b"\r\n\r\n" + data)
-    return sock
 
 
 def test_a_key_holding_its_share_does_not_hold_back_another_key(srv):
