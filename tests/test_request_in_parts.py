@@ -7,7 +7,8 @@ Against a real server with a small budget (64 tokens) and two keys:
 - the split request's answer is the unsplit one's: every datum's logprobs equal a forward of that
   datum alone, and its loss is their sum;
 - another key's short sample, sent while the large request runs, is answered before it
-  (before the fix the large request ran as one uninterruptible cycle and the sample waited for it).
+  (before the fix the large request ran as one uninterruptible cycle and the sample waited for it);
+- a datum longer than the budget, which cannot be split, is a 400 naming the setting.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+import tinker
 from tinker import types
 
 from helpers import BASE_MODEL, WAIT, logprobs_of, metric, sft_batch, wait_until
@@ -67,3 +69,13 @@ def test_another_keys_sample_is_answered_between_the_parts(srv):
         waiter.join(WAIT)
         assert alice_done.is_set()
     assert answered_first, f"bob's 4-token sample waited {bob_s:.2f} s, until alice's whole request had run"
+
+
+def test_a_datum_longer_than_a_cycle_is_a_400_naming_the_setting(srv):
+    with srv.client(ALICE) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=3).result()
+        too_long = sft_batch(1, seed=5, min_len=BUDGET + 10, max_len=BUDGET + 11)
+        with pytest.raises(tinker.BadRequestError, match=r"datum 0 has \d+ tokens, more than one clock cycle's "
+                                                         rf"budget of {BUDGET} \(max_tokens_per_cycle\)"):
+            tc.forward_backward(too_long, "cross_entropy").result()
+        assert tc.forward(sft_batch(2, seed=6), "cross_entropy").result().metrics["loss:sum"] > 0  # serves on

@@ -145,6 +145,12 @@ class TrainingRequests:
                 validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context,
                                self.config.max_targets_per_position)
             check_one_targets_shape([targets_per_position(d.loss_fn_inputs) for d in call.data])
+            budget = served.scheduler.max_tokens_per_cycle  # a request is split between datums, never inside one
+            longest = max(range(len(call.data)), key=lambda i: len(call.data[i].tokens))
+            if len(call.data[longest].tokens) > budget:
+                raise LossInputError(f"datum {longest} has {len(call.data[longest].tokens)} tokens, more than one clock "
+                                     f"cycle's budget of {budget} (max_tokens_per_cycle): a datum is never split "
+                                     "across cycles; send shorter sequences or raise the setting")
             records = {}  # stable_reinforce trains on recorded samples, named by the datums' provenance
             if call.loss_fn == "stable_reinforce":
                 names = set().union(*(named_sequences(d) for d in call.data))
