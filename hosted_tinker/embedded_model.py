@@ -25,6 +25,7 @@ Run ``python -m hosted_tinker.embedded_model OUT_DIR [--preset small]`` to build
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -370,17 +371,24 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
     return out_dir
 
 
-def _save_quietly(model, out_dir: Path) -> None:
-    """``save_pretrained`` without its "Writing model shards" progress bar on stderr."""
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers without its progress bars on stderr ("Writing model shards", "Loading weights"):
+    the server logs each stage itself, and a bar would break a JSON log's one record per line."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(out_dir)
+        yield
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+def _save_quietly(model, out_dir: Path) -> None:
+    with no_progress_bars():
+        model.save_pretrained(out_dir)
 
 
 def _write_legacy_config_keys(path: Path, spec: TinyModelSpec) -> None:

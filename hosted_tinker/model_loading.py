@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from .embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model, no_progress_bars
 
 if TYPE_CHECKING:
     import torch
@@ -138,7 +138,8 @@ def load_base_model(name: str, data_dir: Path, device: torch.device, dtype: torc
     log.info("loading base model: tokenizer ready (%d tokens); reading weights ...", len(tokenizer))
     # A vision-language model whole (its vision tower too), so that it takes images.
     vision = getattr(AutoConfig.from_pretrained(source), "vision_config", None) is not None
-    model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(source, dtype=dtype)
+    with no_progress_bars():
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(source, dtype=dtype)
     if device.type != "cpu":
         log.info("loading base model: weights read in %.1fs; moving them to %s ...", time.perf_counter() - t0, device)
     model.to(device)
