@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .multi_lora import EXPERT_TARGETS, LoRARouting, LoRAWeights, SlotStack
+from .multi_lora import EXPERT_TARGETS, AdapterSlots, LoRARouting, LoRAWeights, SlotStack
 from .projections import ROLES, Projection
 
 # Tinker's names of the expert projections (cookbook `MergeProfile.expert_key_remaps`).
@@ -124,7 +124,7 @@ class ExpertLoRA(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
-class ExpertProjection:
+class ExpertProjection(AdapterSlots):
     """One expert projection (w1, w2 or w3) of one MoE layer, as the runtime's layer map sees it:
     the adapters that adapt it and their slot stacks ([slots, E, rank, ...])."""
 
@@ -141,20 +141,9 @@ class ExpertProjection:
         self.stacks: dict[int, SlotStack] = {}
         self.members = self.routing.member_set((), None)
 
-    def attach(self, adapter_id: str, w: LoRAWeights, slot: int) -> None:
-        stack = self.stacks.get(w.rank)
-        if stack is None:
-            stack = self.stacks[w.rank] = SlotStack(w.rank, self.in_features, self.out_features,
-                                                    self.owner.device, self.routing.storage_moved,
-                                                    lead=self.lora_lead)
-        stack.put(slot, w)
-        self.adapters[adapter_id] = w
-        self.members = self.routing.member_set(self.adapters, self.members)
-
-    def detach(self, adapter_id: str, device: torch.device) -> None:
-        w = self.adapters.pop(adapter_id)
-        self.stacks[w.rank].take(w.slot, w, device)
-        self.members = self.routing.member_set(self.adapters, self.members)
+    @property
+    def slot_device(self) -> torch.device:
+        return self.owner.device
 
     def keep_transposed_weight(self, keep: bool) -> int:
         # The module keeps one copy of both base weights; the gate projection answers for it.

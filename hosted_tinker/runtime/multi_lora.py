@@ -526,7 +526,34 @@ class FusedPart:
     fused_out: int  # the fused output size
 
 
-class MultiLoRALinear(nn.Module):
+class AdapterSlots:
+    """The adapters attached to one projection, in slot stacks of their rank: a `MultiLoRALinear`,
+    or an expert projection (runtime/moe_lora.py, whose factors lead with the experts). The
+    projection sets `routing`, `in_features`, `out_features`, `adapters`, `stacks`, `members`
+    and says where its slots live (`slot_device`)."""
+
+    lora_lead: tuple[int, ...] = ()  # LoRA factors are [*lead, rank, in] / [*lead, out, rank]
+
+    @property
+    def slot_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def attach(self, adapter_id: str, w: LoRAWeights, slot: int) -> None:
+        stack = self.stacks.get(w.rank)
+        if stack is None:
+            stack = self.stacks[w.rank] = SlotStack(w.rank, self.in_features, self.out_features, self.slot_device,
+                                                    self.routing.storage_moved, lead=self.lora_lead)
+        stack.put(slot, w)
+        self.adapters[adapter_id] = w
+        self.members = self.routing.member_set(self.adapters, self.members)
+
+    def detach(self, adapter_id: str, device: torch.device) -> None:
+        w = self.adapters.pop(adapter_id)
+        self.stacks[w.rank].take(w.slot, w, device)
+        self.members = self.routing.member_set(self.adapters, self.members)
+
+
+class MultiLoRALinear(AdapterSlots, nn.Module):
     """A frozen `nn.Linear` plus the LoRA adapters of every live model that adapts it."""
 
     def __init__(self, base: nn.Linear, routing: LoRARouting, role: str, part: FusedPart | None = None):
@@ -546,25 +573,13 @@ class MultiLoRALinear(nn.Module):
         self.weight_t: torch.Tensor | None = None  # see `keep_transposed_weight`
         self.fp32_output = False  # a 16-bit unembedding with float32 logits (`Fp32Linear`)
 
-    lora_lead: tuple[int, ...] = ()  # LoRA factors are [rank, in] / [out, rank] (experts: runtime/moe_lora.py)
-
     @property
     def weight(self) -> torch.Tensor:  # some HF code (tied embeddings, dtype probes) reads .weight
         return self.base.weight
 
-    def attach(self, adapter_id: str, w: LoRAWeights, slot: int) -> None:
-        stack = self.stacks.get(w.rank)
-        if stack is None:
-            stack = self.stacks[w.rank] = SlotStack(w.rank, self.in_features, self.out_features,
-                                                    self.base.weight.device, self.routing.storage_moved)
-        stack.put(slot, w)
-        self.adapters[adapter_id] = w
-        self.members = self.routing.member_set(self.adapters, self.members)
-
-    def detach(self, adapter_id: str, device: torch.device) -> None:
-        w = self.adapters.pop(adapter_id)
-        self.stacks[w.rank].take(w.slot, w, device)
-        self.members = self.routing.member_set(self.adapters, self.members)
+    @property
+    def slot_device(self) -> torch.device:
+        return self.base.weight.device
 
     def keep_transposed_weight(self, keep: bool) -> int:
         """Take the input gradient of the frozen projection from a transposed copy of its weight
