@@ -107,6 +107,23 @@ def train_tenants(runtime: TrainingRuntime, tenants: list[int], steps: int = 2, 
     return history, state
 
 
+def assert_each_tenant_matches_solo(runtime: TrainingRuntime, tenants: list[int], fused_hist, fused_state,
+                                    steps: int, outputs: tuple[str, ...] = ("logprobs",)) -> None:
+    """Train each of `tenants` alone for `steps` steps and require its fused run's bits: loss:sum,
+    grad_norm, the per-datum `outputs`, adapter weights and AdamW moments."""
+    from hosted_tinker.runtime.invariance import same_bits
+
+    for i in tenants:
+        solo_hist, solo_state = train_tenants(runtime, [i], steps=steps)
+        for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
+            assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
+            for fo, so in zip(f.outputs, s.outputs):
+                for name in outputs:
+                    assert same_bits(torch.from_numpy(fo[name]), torch.from_numpy(so[name])), (i, name)
+        for k in solo_state[i]:
+            assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
+
+
 def sft_datum(tokens: list[int], weights: list[float] | None = None):
     """A cross_entropy datum predicting tokens[1:] from tokens[:-1]."""
     from tinker import types

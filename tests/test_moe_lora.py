@@ -23,7 +23,7 @@ from hosted_tinker.checkpoints.format import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, C
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import same_bits
 from hosted_tinker.runtime.trainer import TrainingRuntime
-from helpers import random_work, train_tenants
+from helpers import assert_each_tenant_matches_solo, random_work, train_tenants
 from tiny_model import ce_work, one_torch_thread  # noqa: F401  (autouse: one CPU thread)
 
 EXPERTS, LAYERS, RANK, VOCAB = 4, 2, 4, 1024
@@ -194,14 +194,7 @@ def test_cobatched_equals_solo_on_an_moe_model(moe, monkeypatch):
     tenants = [0, 1, 3, 5]
     fused_hist, fused_state = train_tenants(rt, tenants, steps=2)
     assert refused is not None or max(map(len, shared)) > 1, shared  # they did share micro-batches
-    for i in tenants:
-        solo_hist, solo_state = train_tenants(rt, [i], steps=2)
-        for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
-            assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
-            for fo, so in zip(f.outputs, s.outputs):
-                assert same_bits(torch.from_numpy(fo["logprobs"]), torch.from_numpy(so["logprobs"]))
-        for k in solo_state[i]:
-            assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
+    assert_each_tenant_matches_solo(rt, tenants, fused_hist, fused_state, steps=2)
     for mid in list(rt.adapters):
         rt.remove_adapter(mid)
 

@@ -14,10 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from hosted_tinker.embedded_model import SPEC_PRESETS, ensure_embedded_model
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
-from hosted_tinker.runtime.invariance import same_bits
 from hosted_tinker.runtime.losses import resolve_loss_config
 from hosted_tinker.runtime.trainer import FBWork, TrainingRuntime
-from helpers import TENANTS, TOPK_TENANTS, random_work, train_tenants
+from helpers import TENANTS, TOPK_TENANTS, assert_each_tenant_matches_solo, random_work, train_tenants
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
@@ -31,15 +30,8 @@ def test_cobatched_equals_solo_for_every_loss_and_rank(runtime):
     tenants too), adapter weights and both AdamW moments."""
     fused_hist, fused_state = train_tenants(runtime, list(range(8)), steps=3)
     assert runtime.last_pass.models == 8  # really one fused pass over all eight
-    for i in range(8):
-        solo_hist, solo_state = train_tenants(runtime, [i], steps=3)
-        for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
-            assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
-            for fo, so in zip(f.outputs, s.outputs):
-                assert same_bits(torch.from_numpy(fo["logprobs"]), torch.from_numpy(so["logprobs"]))
-                assert same_bits(torch.from_numpy(fo["elementwise_loss"]), torch.from_numpy(so["elementwise_loss"]))
-        for k in solo_state[i]:
-            assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
+    assert_each_tenant_matches_solo(runtime, list(range(8)), fused_hist, fused_state, steps=3,
+                                    outputs=("logprobs", "elementwise_loss"))
 
 
 def test_topk_and_one_target_tenants_cobatched_equal_solo(runtime):
@@ -53,15 +45,10 @@ def test_topk_and_one_target_tenants_cobatched_equal_solo(runtime):
             if len({bool(works[wi].targets_k) for wi, _, _ in mb.runs}) == 2]
     assert both or not runtime.policy.describe()["mix_tenants"]
     for i in tenants:
-        solo_hist, solo_state = train_tenants(runtime, [i], steps=2)
-        for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
-            assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
-            for fo, so in zip(f.outputs, s.outputs):
-                assert fo["logprobs"].shape[1:] == ((TOPK_TENANTS[i],) if i in TOPK_TENANTS else ())
-                assert same_bits(torch.from_numpy(fo["logprobs"]), torch.from_numpy(so["logprobs"]))
-                assert same_bits(torch.from_numpy(fo["elementwise_loss"]), torch.from_numpy(so["elementwise_loss"]))
-        for k in solo_state[i]:
-            assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
+        assert all(fo["logprobs"].shape[1:] == ((TOPK_TENANTS[i],) if i in TOPK_TENANTS else ())
+                   for f, _ in fused_hist[i] for fo in f.outputs)
+    assert_each_tenant_matches_solo(runtime, tenants, fused_hist, fused_state, steps=2,
+                                    outputs=("logprobs", "elementwise_loss"))
 
 
 def test_cobatched_equals_solo_on_a_wider_model(tmp_path):
@@ -73,14 +60,7 @@ def test_cobatched_equals_solo_on_a_wider_model(tmp_path):
                               device=torch.device("cpu"), max_tokens_per_micro_batch=2048)
     tenants = [0, 2, 5]
     fused_hist, fused_state = train_tenants(runtime, tenants, steps=2)
-    for i in tenants:
-        solo_hist, solo_state = train_tenants(runtime, [i], steps=2)
-        for (f, f_norm), (s, s_norm) in zip(fused_hist[i], solo_hist[i]):
-            assert f.metrics["loss:sum"] == s.metrics["loss:sum"] and f_norm == s_norm
-            for fo, so in zip(f.outputs, s.outputs):
-                assert same_bits(torch.from_numpy(fo["logprobs"]), torch.from_numpy(so["logprobs"]))
-        for k in solo_state[i]:
-            assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
+    assert_each_tenant_matches_solo(runtime, tenants, fused_hist, fused_state, steps=2)
 
 
 def test_removing_a_tenant_leaves_the_others_intact(runtime):
