@@ -1,0 +1,225 @@
+"""Structural facts about the package, read from its source (no import of it runs).
+
+The house has floors, top to bottom:
+`cli → api/ → services/ → server → served_models → device_loop → worker → sampling/ →
+checkpoints/ → runtime/ → the ground floor (config, store, scheduler, errors, vision, wire, …)`.
+A module imports only from its own floor or below, and no two modules import each other, even
+through others or from inside a function. The API and the services see requests and their
+answers only through typed values, never a device-side module; HTTP stays in `api/`.
+
+Each `KNOWN_*` set lists what still breaks a rule: a ratchet. A new break fails, and so does
+a listed one that is gone (take it off the list), so the lists only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from functools import cache
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hosted_tinker"
+GENERATED = {"hosted_tinker.wire.tinker_wire_pb2"}
+MAX_LINES = 500
+
+# Floors, from the top down; a module's floor is that of its longest listed prefix.
+FLOORS = [
+    ("hosted_tinker.__main__", "hosted_tinker.cli", "hosted_tinker.export"),
+    ("hosted_tinker.api",),
+    ("hosted_tinker.services",),
+    ("hosted_tinker.server", "hosted_tinker.startup", "hosted_tinker.access"),
+    ("hosted_tinker.served_models",),
+    ("hosted_tinker.device_loop",),
+    ("hosted_tinker.worker",),
+    ("hosted_tinker.sampling",),
+    ("hosted_tinker.checkpoints", "hosted_tinker.model_runtime"),
+    ("hosted_tinker.runtime",),
+    ("hosted_tinker",),  # the ground floor: everything not named above
+]
+# What the API and the services may not import: the modules that run on the device.
+DEVICE_SIDE = ("hosted_tinker.worker", "hosted_tinker.device_loop", "hosted_tinker.runtime.trainer",
+               "hosted_tinker.runtime.distributed", "hosted_tinker.runtime.multi_lora",
+               "hosted_tinker.runtime.moe_lora", "hosted_tinker.sampling.engine")
+
+KNOWN_CIRCLES: set[frozenset[str]] = {
+    frozenset({"runtime.invariance", "runtime.multi_lora"}),
+    frozenset({"sampling.engine", "sampling.kv_budget"}),
+}
+KNOWN_ARROWS_UP = {
+    ("runtime.provenance", "sampling.records"),
+    ("runtime.trainer", "checkpoints.format"),
+}
+KNOWN_DEVICE_IMPORTS = {
+    ("api.metrics", "sampling.engine"),
+    ("api.openai_compat.answer", "sampling.engine"),
+    ("api.openai_compat.plan", "sampling.engine"),
+    ("api.sampling", "sampling.engine"),
+    ("api.training", "worker"),
+    ("services.sampling", "sampling.engine"),
+    ("services.training", "runtime.trainer"),
+    ("services.training", "worker"),
+}
+KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
+KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.adapters", "runtime.distributed", "runtime.multi_lora",
+                      "runtime.trainer", "sampling.engine", "store"}
+KNOWN_STRING_DISPATCH = {"worker"}
+KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
+KNOWN_SCHEME_LITERALS = {"cli"}
+
+
+def short(name: str) -> str:
+    return name.removeprefix("hosted_tinker.")
+
+
+@cache
+def modules(generated: bool = False) -> dict[str, pathlib.Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if generated or name not in GENERATED:
+            out[name] = path
+    return out
+
+
+@cache
+def tree(name: str) -> ast.Module:
+    return ast.parse(modules()[name].read_text())
+
+
+def imported(name: str, node: ast.Import | ast.ImportFrom) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) for each package module `node` imports."""
+    mods = modules(generated=True)
+    if isinstance(node, ast.Import):
+        return [(a.name, None) for a in node.names if a.name in mods]
+    if node.level:
+        package = name if modules()[name].name == "__init__.py" else name.rpartition(".")[0]
+        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [node.module or ""]).strip(".")
+    else:
+        base = node.module or ""
+    out = []
+    for a in node.names:
+        if f"{base}.{a.name}" in mods:
+            out.append((f"{base}.{a.name}", None))
+        elif base in mods:
+            out.append((base, a.name))
+    return out
+
+
+@cache
+def imports() -> dict[str, set[tuple[str, str | None]]]:
+    """Every package import of every module, at its top or inside a function."""
+    out = {}
+    for name in modules():
+        out[name] = {(m, n) for node in ast.walk(tree(name)) if isinstance(node, (ast.Import, ast.ImportFrom))
+                     for m, n in imported(name, node) if m != name and m not in GENERATED}
+    return out
+
+
+def edges() -> dict[str, set[str]]:
+    return {m: {t for t, _ in targets} for m, targets in imports().items()}
+
+
+def floor(name: str) -> int:
+    best = max((len(p), i) for i, prefixes in enumerate(FLOORS) for p in prefixes
+               if name == p or name.startswith(p + "."))
+    return best[1]
+
+
+def circles() -> set[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    graph, index, low, stack, on, found = edges(), {}, {}, [], set(), set()
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.add(frozenset(short(m) for m in component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def docstrings(module: ast.Module) -> set[int]:
+    nodes = [module] + [n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                      ast.ClassDef))]
+    return {id(n.body[0].value) for n in nodes
+            if n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+
+
+def test_no_import_circles():
+    assert circles() == KNOWN_CIRCLES
+
+
+def test_no_arrow_points_up_a_floor():
+    up = {(short(m), short(t)) for m, ts in edges().items() for t in ts if floor(t) < floor(m)}
+    assert up == KNOWN_ARROWS_UP
+
+
+def test_api_and_services_import_no_device_side_module():
+    found = {(short(m), short(t)) for m, ts in edges().items() for t in ts
+             if short(m).split(".")[0] in ("api", "services") and t.startswith(DEVICE_SIDE)}
+    assert found == KNOWN_DEVICE_IMPORTS
+
+
+def test_http_stays_in_api():
+    found = set()
+    for name in modules():
+        if short(name).startswith("api"):
+            continue
+        for node in ast.walk(tree(name)):
+            roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(r.split(".")[0] in ("fastapi", "starlette", "sse_starlette") for r in roots):
+                found.add(short(name))
+    assert found == KNOWN_HTTP_OUTSIDE_API
+
+
+def test_no_module_is_over_500_lines():
+    long = {short(m) for m, p in modules().items() if len(p.read_text().splitlines()) > MAX_LINES}
+    assert long == KNOWN_LONG_MODULES
+
+
+def test_no_method_name_is_built_from_a_string():
+    """A call of `getattr(obj, <a built string>)(...)`: dispatch on a string (the worker's
+    `getattr(self, f"_{kind}")` was one). Reading a data attribute by a built name is fine."""
+    found = {short(m) for m in modules() for node in ast.walk(tree(m))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Call)
+             and isinstance(node.func.func, ast.Name) and node.func.func.id == "getattr"
+             and len(node.func.args) >= 2 and isinstance(node.func.args[1], (ast.JoinedStr, ast.BinOp))}
+    assert found == KNOWN_STRING_DISPATCH
+
+
+def test_no_private_name_is_imported_from_another_module():
+    found = {(short(m), n) for m, targets in imports().items() for _, n in targets
+             if n is not None and n.startswith("_") and not n.startswith("__")}
+    assert found == KNOWN_PRIVATE_IMPORTS
+
+
+def test_tinker_paths_are_built_in_one_module():
+    """Only checkpoints/paths.py spells the scheme: every other module builds and parses
+    `tinker://` paths through it (prose that mentions one in a sentence is fine)."""
+    found = set()
+    for name in modules():
+        skip = docstrings(tree(name))
+        for node in ast.walk(tree(name)):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+                    and node.value.startswith("tinker://")):
+                found.add(short(name))
+    assert found - {"checkpoints.paths"} == KNOWN_SCHEME_LITERALS
