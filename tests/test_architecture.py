@@ -45,7 +45,6 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
     frozenset({"sampling.engine", "sampling.kv_budget"}),
 }
 KNOWN_ARROWS_UP = {
-    ("runtime.provenance", "sampling.records"),
     ("runtime.trainer", "checkpoints.format"),
 }
 KNOWN_DEVICE_IMPORTS = {

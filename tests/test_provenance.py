@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hosted_tinker.runtime.losses import LossInputError, resolve_loss_config
-from hosted_tinker.runtime.provenance import RecordNotFound, check_spans, loss_inputs, named_sequences, resolve
+from hosted_tinker.services.provenance import RecordNotFound, check_spans, loss_inputs, named_sequences, resolve
 from hosted_tinker.sampling.records import SampleRecord, Unusable
 from hosted_tinker.wire import ProvenanceSpan, WireDatum
 

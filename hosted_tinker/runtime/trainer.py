@@ -366,7 +366,7 @@ class TrainingRuntime:
     # -- the packing plan (runtime/packing.py) -----------------------------------------------------
     def requests(self, works: list[FBWork]) -> list[Request]:
         """What the packing plan needs of each request. Where steps run as CUDA graphs, a loss that
-        computes on the host (`LossSpec.host_side`) makes its request of the eager kind."""
+        computes on the host (`Loss.host_side`) makes its request of the eager kind."""
         def kind(i: int, w: FBWork):
             if any(d.pixels is not None for d in w.data):
                 return (IMAGES, i)  # eager, in micro-batches of this request only

@@ -17,10 +17,9 @@ from fastapi import HTTPException
 from ..access import Access
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..runtime.adapters import AdamParams, LoRAConfig
-from ..runtime.losses import (LossInputError, check_one_targets_shape, resolve_loss_config, targets_per_position,
-                              validate_datum)
+from ..runtime.losses import (LOSSES, LossInputError, check_one_targets_shape, resolve_loss_config,
+                              targets_per_position, validate_datum)
 from ..runtime.projections import refusal
-from ..runtime.provenance import RecordNotFound, loss_inputs, named_sequences
 from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request
 from ..server import Server
@@ -29,6 +28,7 @@ from ..vision import Pixels, no_images
 from ..wire.codec import ForwardBackwardCall, WireDatum, WireError
 from ..worker import LoadSpec, SaveSpec
 from . import checkpoint_base_model, served_model
+from .provenance import RecordNotFound, loss_inputs, named_sequences
 
 
 def future_ref(request_id: str, model_id: str | None = None) -> dict:
@@ -151,8 +151,8 @@ class TrainingRequests:
                 raise LossInputError(f"datum {longest} has {len(call.data[longest].tokens)} tokens, more than one clock "
                                      f"cycle's budget of {budget} (max_tokens_per_cycle): a datum is never split "
                                      "across cycles; send shorter sequences or raise the setting")
-            records = {}  # stable_reinforce trains on recorded samples, named by the datums' provenance
-            if call.loss_fn == "stable_reinforce":
+            records = {}  # a loss that trains on recorded samples finds them by the datums' provenance
+            if LOSSES[call.loss_fn].needs_recorded_samples:
                 names = set().union(*(named_sequences(d) for d in call.data))
                 records = self.server.sample_records.for_training(owner, model["session_id"], names)
             try:

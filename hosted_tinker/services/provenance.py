@@ -1,4 +1,5 @@
-"""Datum provenance: which sampled sequence each run of a datum's tokens reproduces.
+"""Datum provenance: which sampled sequence each run of a datum's tokens reproduces; checked by
+`TrainingRequests.forward_backward` (services/training.py) before a request is queued.
 
 A datum may carry two lists of runs (shared/reference/rl-losses-v038.md §3): `model_input_spans`
 tile its input tokens, `loss_fn_input_spans` tile the rows of `target_tokens`. A run says "these
@@ -8,9 +9,10 @@ input runs shifted by one.
 
 - `check_spans` (every loss): the lists come as a pair and each tiles its field exactly. The
   cookbook attaches provenance to every RL datum whatever the loss, so no other loss looks further.
-- `resolve` (stable_reinforce): every run against the recorded samples: the record must be usable,
-  the run inside it, input tokens and sampled targets equal to what was recorded, and advantages 0
-  on prompt rows. It returns the recorded sampler logprobs the loss uses instead of the client's.
+- `resolve` (a loss with `needs_recorded_samples`: stable_reinforce): every run against the recorded
+  samples: the record must be usable, the run inside it, input tokens and sampled targets equal to
+  what was recorded, and advantages 0 on prompt rows. It returns the recorded sampler logprobs the
+  loss uses instead of the client's.
 Zero-length runs are legal (rl_loop sends one for a one-token sample) and are skipped.
 """
 
@@ -21,9 +23,9 @@ from typing import Mapping
 
 import numpy as np
 
+from ..runtime.losses import LOSSES, LossInputError, prepare_inputs
 from ..sampling.records import SampleRecord, Unusable
 from ..wire.codec import ProvenanceSpan, WireDatum
-from .losses import LossInputError, prepare_inputs
 
 FIELDS = ("model_input_spans", "loss_fn_input_spans")
 
@@ -134,10 +136,10 @@ def _same_tokens(where: str, field: str, got: np.ndarray, recorded: np.ndarray, 
 def loss_inputs(index: int, datum: WireDatum, loss_fn: str, config: dict[str, float], num_datums: int,
                 records: Mapping[str, SampleRecord | Unusable]) -> dict[str, np.ndarray]:
     """A validated datum's per-token inputs for the trainer, with its provenance checked (rule 1)
-    and, for stable_reinforce, resolved against `records` (rule 3)."""
+    and, for a loss that needs recorded samples, resolved against `records` (rule 3)."""
     check_spans(index, datum)
     sampled = recorded = None
-    if loss_fn == "stable_reinforce":
+    if LOSSES[loss_fn].needs_recorded_samples:
         resolved = resolve(index, datum, records)
         sampled, recorded = resolved.sampled_rows, resolved.recorded_logprobs
     elif has_provenance(datum):
