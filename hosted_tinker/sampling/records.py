@@ -4,7 +4,7 @@ A sample request with `record_stability_info=True` makes the server keep, per re
 the sampled tokens and their float32 sampler logprobs (bit-identical to the returned ones), and
 per request the prompt, the weights it sampled from and temperature / top_k / top_p. Nothing of it
 is returned: the SDK gets only the `sequence_id`s, fixed when the request is submitted, and names
-them later in a datum's provenance (see runtime/provenance.py).
+them later in a datum's provenance (see services/provenance.py).
 
 Records live in SQLite (they survive restarts) and belong to the API key and the Tinker session
 that sampled them. They last `ttl_s` (a day) from their last use: every training or forward

@@ -30,7 +30,7 @@ Wire facts this relies on, all taken from the SDK's ``tinker/proto/{request,resp
 * provenance (``Datum.model_input_spans`` / ``loss_fn_input_spans``): each span has exactly one arm
   (prompt or sampled), an empty list is the same as an absent one, and 0.38 allows ``length == 0``.
   Decoding checks each span on its own (arm, non-empty id, ``offset >= 0``, ``length >= 0``);
-  whether the runs tile their field is the loss side's check (``runtime/provenance.py``).
+  whether the runs tile their field is the loss side's check (``services/provenance.py``).
 """
 
 from __future__ import annotations
