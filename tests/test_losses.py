@@ -12,7 +12,10 @@ import torch
 
 from hosted_tinker.runtime.losses import (
     KNOWN_UNSUPPORTED,
+    LOSSES,
+    Loss,
     LossInputError,
+    LossOut,
     check_one_targets_shape,
     merge_metrics,
     per_token_loss,
@@ -518,3 +521,39 @@ def test_metrics_merge_across_micro_batches():
     merge_metrics(total, {"loss:sum": 1.0, "x:mean": 0.25, "m:max": 3.0})
     merge_metrics(total, {"loss:sum": 2.0, "x:mean": 0.5, "m:max": 1.0})
     assert total == {"loss:sum": 3.0, "x:mean": 0.75, "m:max": 3.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# One registration per loss
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_fn", sorted(LOSSES))
+def test_each_entry_hands_the_trainer_its_required_and_derived_inputs(loss_fn):
+    """What prepare_inputs returns is exactly what the entry names: the trainer pads those keys."""
+    inputs, sampled, recorded = sr_inputs(1, [1.0, 0.5], [-0.5, -0.25], datum_lp=[-0.5, -0.25])
+    inputs["weights"] = np.ones(3, np.float32)
+    cfg = resolve_loss_config(loss_fn, {"beta": 0.1} if loss_fn == "dro" else {})
+    arrays = prepare_inputs(IDX, loss_fn, cfg, inputs, 2, sampled_rows=sampled, recorded_logprobs=recorded)
+    loss = LOSSES[loss_fn]
+    assert set(arrays) == {*loss.required_inputs, *loss.inputs}
+
+
+def test_a_plain_loss_is_one_entry(monkeypatch):
+    """Registering a Loss entry is all a plain loss needs: its config is resolved and checked, its
+    inputs validated, and run_losses computes it."""
+    def check_scale(config):
+        if config["scale"] <= 0:
+            raise LossInputError("scale must be > 0")
+
+    scaled = Loss("scaled_ce", lambda lp, inputs, config: LossOut(-config["scale"] * lp * inputs["weights"]),
+                  ("target_tokens", "weights"), {"scale": 2.0}, check_scale)
+    monkeypatch.setitem(LOSSES, "scaled_ce", scaled)
+    with pytest.raises(LossInputError, match="scale must be > 0"):
+        resolve_loss_config("scaled_ce", {"scale": -1.0})
+    with pytest.raises(LossInputError, match=r"datum 7: loss 'scaled_ce' needs loss_fn_inputs\['weights'\]"):
+        check([1, 2], {"target_tokens": np.zeros(2, np.int64)}, "scaled_ce")
+    cfg, arrays = prepared("scaled_ce", {"target_tokens": np.zeros(2, np.int64), "weights": np.float32([1, 0.5])})
+    tok, _ = run_losses([("scaled_ce", cfg, 0, 1)], t([-1.0, -2.0])[None], {k: v[None] for k, v in arrays.items()},
+                        torch.ones(1, 2, dtype=torch.float64))
+    assert tok[0].tolist() == [2.0, 2.0]
