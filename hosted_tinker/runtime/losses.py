@@ -114,12 +114,6 @@ TOPK_KEYS = ("target_tokens", "weights")
 TOPK_LOSSES = ("cross_entropy",)
 
 
-def targets_per_position(inputs: dict[str, np.ndarray]) -> int:
-    """K of a datum's (N, K) `target_tokens`; 0 for (N,) targets."""
-    targets = inputs["target_tokens"]
-    return int(targets.shape[1]) if targets.ndim == 2 else 0
-
-
 def validate_datum(
     index: int, tokens: np.ndarray, inputs: dict[str, np.ndarray], loss_fn: str, vocab_size: int,
     max_length: int, max_targets: int,
