@@ -66,13 +66,16 @@ def fb_work(model_id: str, seqs: np.ndarray, package: str = "hosted_tinker"):
     `package`: the runtime's package (compare_revisions.py imports an older revision under another name)."""
     import importlib
 
-    trainer = importlib.import_module(f"{package}.runtime.trainer")
+    try:  # where this revision declares the request types (older ones: in the trainer)
+        request_types = importlib.import_module(f"{package}.request_types")
+    except ModuleNotFoundError:
+        request_types = importlib.import_module(f"{package}.runtime.trainer")
     losses = importlib.import_module(f"{package}.runtime.losses")
     cfg = losses.resolve_loss_config("cross_entropy", {})
-    data = [trainer.DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
-                              {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
-                               "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
-    return trainer.FBWork(model_id=model_id, data=data, loss_fn="cross_entropy", loss_config=cfg, forward_only=False)
+    data = [request_types.DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),
+                                    {"target_tokens": np.ascontiguousarray(s[1:], dtype=np.int64),
+                                     "weights": np.ones(len(s) - 1, dtype=np.float32)}) for s in seqs]
+    return request_types.FBWork(model_id=model_id, data=data, loss_fn="cross_entropy", loss_config=cfg, forward_only=False)
 
 
 def paired_ratio(times: dict[str, list[float]], x: str, y: str) -> float:

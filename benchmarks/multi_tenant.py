@@ -63,8 +63,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from hosted_tinker.embedded_model import SPEC_PRESETS, TinyModelSpec, build_tiny_model  # noqa: E402
 from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
+from hosted_tinker.request_types import FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
-from hosted_tinker.runtime.trainer import FBWork, TrainingRuntime  # noqa: E402
+from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from bench_common import (cpu_stall_us, fb_work, host_op_counts, matmul_peak_tflops, paired_ratio,  # noqa: E402
                           tenant_rows)
 

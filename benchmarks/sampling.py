@@ -65,8 +65,9 @@ import torch  # noqa: E402
 
 from hosted_tinker.embedded_model import SPEC_PRESETS, build_tiny_model  # noqa: E402
 from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
+from hosted_tinker.request_types import DatumWork, FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime  # noqa: E402
+from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from hosted_tinker.sampling.engine import SampleJob, SamplingEngine  # noqa: E402
 from hosted_tinker.sampling.snapshots import SnapshotCache  # noqa: E402
 from hosted_tinker.sampling.vllm_adapters import AdapterVersions, latest_ref  # noqa: E402

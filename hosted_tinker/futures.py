@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .request_types import Failure
 from .store import Store
 
 
@@ -69,8 +70,7 @@ class FutureStore:
         self._finish(request_id, payload, is_proto=is_proto, failed=False)
 
     def fail(self, request_id: str, message: str, category: str = "user") -> None:
-        payload = json.dumps({"error": message, "category": category}).encode()
-        self._finish(request_id, payload, is_proto=False, failed=True)
+        self._finish(request_id, Failure(message, category).to_wire(), is_proto=False, failed=True)
 
     def fail_unanswered(self, request_ids, message: str) -> list[str]:
         """Fail, with category "server", those of `request_ids` still pending; return them.

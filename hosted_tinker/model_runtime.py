@@ -16,7 +16,8 @@ from typing import Any, Protocol
 from .runtime.adapters import AdamParams, LoRAConfig, SkippedStep
 from .checkpoints.format import LoadedCheckpoint
 from .runtime.recompute import RecomputeChoice
-from .runtime.trainer import FBOutcome, FBWork, PassStats
+from .request_types import FBOutcome, FBWork
+from .runtime.trainer import PassStats
 
 
 class ModelRuntime(Protocol):

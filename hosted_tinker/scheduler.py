@@ -39,26 +39,26 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Callable
+
+from .request_types import FBWork, Payload, RequestKind
 
 log = logging.getLogger(__name__)
 
-COMPUTE = frozenset({"forward", "forward_backward"})
-OPTIM = "optim_step"
-UNLOAD = "unload_model"
+COMPUTE = frozenset({RequestKind.FORWARD, RequestKind.FORWARD_BACKWARD})
 
 
 @dataclass
 class Request:
     request_id: str
-    kind: str  # create_model | forward | forward_backward | optim_step | save_weights | save_weights_for_sampler | load_weights | unload_model
+    kind: RequestKind
     model_id: str
     seq_id: int
-    payload: Any = None
+    payload: Payload = None  # the kind's payload (request_types.py)
     tokens: int = 0  # compute requests: tokens to run, for the cycle's token budget
     arrived_at: float = 0.0  # stamped by the scheduler's clock on submit
     # A compute request split across cycles: the (payload, tokens) of the parts after this one.
-    more: list[tuple[Any, int]] = field(default_factory=list)
+    more: list[tuple[FBWork, int]] = field(default_factory=list)
     final: bool = True  # False for a planned part with more to come: answered after its last part
 
 
@@ -166,7 +166,7 @@ class ClockCycleScheduler:
             else:
                 if req.seq_id < q.next_seq or req.seq_id in q.pending:
                     raise ValueError(f"seq_id {req.seq_id} of model {req.model_id} was already used")
-                if req.kind == OPTIM and q.in_flight_compute:
+                if req.kind == RequestKind.OPTIM_STEP and q.in_flight_compute:
                     q.pipelined = True
                 q.pending[req.seq_id] = req
         self._on_work()
@@ -274,7 +274,7 @@ class ClockCycleScheduler:
                 if not take:
                     continue
             # Only forward_backward waits for an optim_step (a forward never has one).
-            only_compute = all(r.kind == "forward_backward" for r in take)
+            only_compute = all(r.kind == RequestKind.FORWARD_BACKWARD for r in take)
             if only_compute and q.pipelined and mid not in deferred and not take[-1].more:
                 # This client posts optim_step right after forward_backward: give it a moment
                 # so both run in this cycle instead of costing two.
@@ -285,7 +285,7 @@ class ClockCycleScheduler:
                     continue
                 q.pipelined = False  # the window passed with no optim_step: stop waiting for one
             self._add(plan, take)
-        unloads = [r.model_id for r in self._after if r.kind == UNLOAD]
+        unloads = [r.model_id for r in self._after if r.kind == RequestKind.UNLOAD_MODEL]
         plan.tail.extend(self._after)
         self._after = []
         if plan:
@@ -331,7 +331,7 @@ class ClockCycleScheduler:
             if r.kind in COMPUTE:
                 if phase > 0:
                     break
-            elif r.kind == OPTIM:
+            elif r.kind == RequestKind.OPTIM_STEP:
                 if phase > 0:
                     break
                 phase = 1
@@ -357,7 +357,7 @@ class ClockCycleScheduler:
             if r.kind in COMPUTE:
                 q.in_flight_compute = True  # until compute_done / cycle_done
                 plan.compute.append(r)
-            elif r.kind == OPTIM:
+            elif r.kind == RequestKind.OPTIM_STEP:
                 plan.optim.append(r)
             else:
                 plan.tail.append(r)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .request_types import Failure
+
 DB_FILENAME = "hosted_tinker.sqlite3"  # inside --data-dir
 
 
@@ -213,7 +215,7 @@ class Store:
     # -- start-up -------------------------------------------------------------------------------
     def fail_interrupted_futures(self, message: str) -> int:
         """Futures that were pending when the server died fail cleanly (category server)."""
-        body = json.dumps({"error": message, "category": "server"}).encode()
+        body = Failure(message, "server").to_wire()
         cur = self._exec(
             "UPDATE futures SET status='failed', result=?, result_is_proto=0, completed_at=? "
             "WHERE status='pending'", (body, time.time()))

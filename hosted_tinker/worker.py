@@ -12,55 +12,32 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import faults
-from .checkpoints.catalog import MAX_TTL_S, CheckpointCatalog, CheckpointExists
+from .checkpoints.catalog import CheckpointCatalog, CheckpointExists
 from .checkpoints.encryption import save_encrypted
 from .checkpoints.format import CheckpointError, check_fits
 from .checkpoints.paths import TinkerPath
 from .errors import UserError
 from .futures import FutureStore
 from .model_runtime import ModelRuntime
-from .runtime.adapters import LoRAConfig, SkippedStep
+from .request_types import (
+    CreateModelResult, ExternalWeightsResult, FBOutcome, FBWork, LoadSpec, LoadWeightsResult, LoRAConfig,
+    OptimStepResult, RequestKind, SamplerWeightsResult, SaveSpec, SaveWeightsResult, TailResult, UnloadModelResult,
+)
+from .runtime.adapters import SkippedStep
 from .runtime.losses import merge_metrics
 from .runtime.projections import refusal
-from .runtime.trainer import FBOutcome, FBWork
 from .sampling.backend import SamplingBackend
 from .scheduler import CyclePlan, Request
 from .store import Store
-from .wire.codec import encode_forward_backward_output
 
 log = logging.getLogger(__name__)
 
 # Tail requests that read a loaded model's adapter (a load_weights may also create one).
-NEEDS_ADAPTER = frozenset({"save_weights", "save_weights_for_sampler", "save_weights_external"})
-
-
-@dataclass
-class SaveSpec:
-    kind: str  # "weights" (training state, with optimizer) | "sampler_weights" | "external_weights" (adapter only)
-    name: str
-    owner: str
-    overwrite: bool = False
-    ttl_seconds: int | None = None
-    user_metadata: dict | None = None
-    sampling_session_id: str | None = None  # set for the ephemeral save_weights_and_get_sampling_client
-    age_recipients: list = field(default_factory=list)  # pyrage recipients: encrypt the files to them (external)
-
-    def __post_init__(self) -> None:
-        if self.ttl_seconds is not None and not 1 <= self.ttl_seconds <= MAX_TTL_S:
-            raise ValueError(f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or unset to never expire; "
-                             f"got {self.ttl_seconds}")
-
-
-@dataclass
-class LoadSpec:
-    checkpoint_dir: Path
-    with_optimizer: bool
-    path: TinkerPath  # echoed in the result
-    max_rank: int     # the server's --max-lora-rank, checked against the files as read
+NEEDS_ADAPTER = frozenset({RequestKind.SAVE_WEIGHTS, RequestKind.SAVE_WEIGHTS_FOR_SAMPLER,
+                           RequestKind.SAVE_WEIGHTS_EXTERNAL})
 
 
 class TrainingWorker:
@@ -97,14 +74,31 @@ class TrainingWorker:
     def _tail_step(self, req: Request) -> None:
         if req.kind in NEEDS_ADAPTER and req.model_id not in self.runtime.adapters:
             raise UserError(f"model {req.model_id!r} is not loaded")
-        getattr(self, f"_{req.kind}")(req)
-        if req.kind in ("create_model", "load_weights"):
+        self.futures.resolve(req.request_id, self._run_tail(req).to_wire())
+        if req.kind in (RequestKind.CREATE_MODEL, RequestKind.LOAD_WEIGHTS):
             self._announce(req.model_id)
-        elif req.kind == "unload_model":
+        elif req.kind == RequestKind.UNLOAD_MODEL:
             self._announce_removal(req.model_id)
         elif req.kind in NEEDS_ADAPTER:
             spec: SaveSpec = req.payload
             self._announce(req.model_id, self.checkpoints.folder(TinkerPath(req.model_id, spec.kind, spec.name)))
+
+    def _run_tail(self, req: Request) -> TailResult:
+        match req.kind:
+            case RequestKind.CREATE_MODEL:
+                return self._create_model(req)
+            case RequestKind.UNLOAD_MODEL:
+                return self._unload_model(req)
+            case RequestKind.SAVE_WEIGHTS:
+                return SaveWeightsResult(str(self._save(req, with_optimizer=True)[0]))
+            case RequestKind.SAVE_WEIGHTS_FOR_SAMPLER:
+                return self._save_weights_for_sampler(req)
+            case RequestKind.SAVE_WEIGHTS_EXTERNAL:
+                path, size = self._save(req, with_optimizer=False)
+                return ExternalWeightsResult(size_bytes=size, path=str(path))
+            case RequestKind.LOAD_WEIGHTS:
+                return self._load_weights(req)
+        raise ValueError(f"{req.kind} is not a request the worker runs after the compute")
 
     def _announce(self, model_id: str, saved_to: Path | None = None) -> None:
         """Tell the sampling backend about a model's new weights, after its request was answered
@@ -182,8 +176,7 @@ class TrainingWorker:
             for r, out in finished if math.isfinite(out.metrics.get("loss:sum", math.nan))])
         answering()
         for r, out in finished:
-            self._guarded(r, lambda req: self.futures.resolve(
-                req.request_id, encode_forward_backward_output(out.outputs, out.metrics), is_proto=True))
+            self._guarded(r, lambda req: self.futures.resolve(req.request_id, out.to_wire(), is_proto=True))
 
     def _optim_steps(self, reqs: list[Request]) -> None:
         """All of the cycle's optimizer steps in one multi-adapter AdamW step."""
@@ -209,10 +202,10 @@ class TrainingWorker:
         if isinstance(result, SkippedStep):
             raise UserError(result.reason)
         self.store.touch_model(req.model_id)
-        self.futures.resolve(req.request_id, {"type": "optim_step", "metrics": result})
+        self.futures.resolve(req.request_id, OptimStepResult(result).to_wire())
 
     # -- lifecycle and checkpoints ---------------------------------------------------------------
-    def _create_model(self, req: Request) -> None:
+    def _create_model(self, req: Request) -> CreateModelResult:
         config: LoRAConfig = req.payload
         refused = refusal(self.runtime.projections, config.roles)
         if refused:
@@ -220,29 +213,23 @@ class TrainingWorker:
         if not any(config.adapts(path, layer) for path, layer in self.runtime.layers.items()):
             raise UserError("the LoRA config adapts no projection of this model")
         self.runtime.create_adapter(req.model_id, config)
-        self.futures.resolve(req.request_id, {"type": "create_model", "model_id": req.model_id})
+        return CreateModelResult(req.model_id)
 
-    def _unload_model(self, req: Request) -> None:
+    def _unload_model(self, req: Request) -> UnloadModelResult:
         self.runtime.remove_adapter(req.model_id)
         self.store.set_model_status(req.model_id, "unloaded")
-        self.futures.resolve(req.request_id, {"type": "unload_model", "model_id": req.model_id})
+        return UnloadModelResult(req.model_id)
 
-    def _save_weights(self, req: Request) -> None:
-        path, _ = self._save(req, with_optimizer=True)
-        self.futures.resolve(req.request_id, {"type": "save_weights", "path": str(path)})
-
-    def _save_weights_for_sampler(self, req: Request) -> None:
+    def _save_weights_for_sampler(self, req: Request) -> SamplerWeightsResult:
         spec: SaveSpec = req.payload
         path, _ = self._save(req, with_optimizer=False)
         if spec.sampling_session_id is None:
-            self.futures.resolve(req.request_id, {"type": "save_weights_for_sampler", "path": str(path)})
-            return
+            return SamplerWeightsResult(path=str(path))
         # The ephemeral form: a sampling session on this exact snapshot of the weights.
         model = self.store.get_model(req.model_id)
         self.store.create_sampling_session(spec.sampling_session_id, model["session_id"], spec.owner,
                                            model["base_model"], str(path), str(self.checkpoints.folder(path)))
-        self.futures.resolve(req.request_id, {"type": "save_weights_for_sampler",
-                                              "sampling_session_id": spec.sampling_session_id})
+        return SamplerWeightsResult(sampling_session_id=spec.sampling_session_id)
 
     def _save(self, req: Request, *, with_optimizer: bool) -> tuple[TinkerPath, int]:
         """Write the model's checkpoint and its record together; (its path, its size in bytes)."""
@@ -265,19 +252,13 @@ class TrainingWorker:
             raise CheckpointError(f"{e}; save with overwrite=True to replace it") from None
         return path, size
 
-    def _save_weights_external(self, req: Request) -> None:
-        path, size = self._save(req, with_optimizer=False)
-        self.futures.resolve(req.request_id, {"type": "save_weights_external", "size_bytes": size,
-                                              "path": str(path)})
-
-    def _load_weights(self, req: Request) -> None:
+    def _load_weights(self, req: Request) -> LoadWeightsResult:
         spec: LoadSpec = req.payload
         ckpt = self.runtime.read(spec.checkpoint_dir, with_optimizer=spec.with_optimizer)
         check_fits(ckpt, self.runtime.layers, max_rank=spec.max_rank)  # the files as read now, whatever the route saw
         adapter = self.runtime.load(req.model_id, ckpt)
         self.store.update_model_lora(req.model_id, adapter.config.to_dict())
-        self.futures.resolve(req.request_id, {"type": "load_weights", "path": str(spec.path),
-                                              "model_id": req.model_id})
+        return LoadWeightsResult(path=spec.path, model_id=req.model_id)
 
 
 def _joined(earlier: FBOutcome, later: FBOutcome) -> FBOutcome:

@@ -52,15 +52,12 @@ KNOWN_DEVICE_IMPORTS = {
     ("api.openai_compat.answer", "sampling.engine"),
     ("api.openai_compat.plan", "sampling.engine"),
     ("api.sampling", "sampling.engine"),
-    ("api.training", "worker"),
     ("services.sampling", "sampling.engine"),
-    ("services.training", "runtime.trainer"),
-    ("services.training", "worker"),
 }
 KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
-KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.adapters", "runtime.distributed", "runtime.multi_lora",
+KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.distributed", "runtime.multi_lora",
                       "runtime.trainer", "sampling.engine", "store"}
-KNOWN_STRING_DISPATCH = {"worker"}
+KNOWN_STRING_DISPATCH: set[str] = set()
 KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
 KNOWN_SCHEME_LITERALS = {"cli"}
 

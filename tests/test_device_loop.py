@@ -16,6 +16,7 @@ import pytest
 
 from hosted_tinker.device_loop import UNANSWERED, DeviceLoop
 from hosted_tinker.futures import FutureStore
+from hosted_tinker.request_types import RequestKind
 from hosted_tinker.sampling.backend import SamplingBackend
 from hosted_tinker.scheduler import ClockCycleScheduler, CyclePlan, Request
 from hosted_tinker.store import Store
@@ -108,7 +109,7 @@ def parts(tmp_path):
     store.close()
 
 
-def submit(loop: DeviceLoop, model: str, seq: int, kind: str = "forward_backward") -> str:
+def submit(loop: DeviceLoop, model: str, seq: int, kind: RequestKind = RequestKind.FORWARD_BACKWARD) -> str:
     rid, _ = loop.futures.create("alice", kind, model, seq)
     loop.scheduler.submit(Request(rid, kind, model, seq))
     return rid
@@ -132,7 +133,7 @@ def test_an_exception_fails_exactly_the_cycles_unanswered_requests_and_the_loop_
 
     worker.behaviour = answer_first_then_raise
     loop.scheduler.open_model("a")
-    ids = [submit(loop, "a", 0), submit(loop, "a", 1), submit(loop, "a", 2, "optim_step")]
+    ids = [submit(loop, "a", 0), submit(loop, "a", 1), submit(loop, "a", 2, RequestKind.OPTIM_STEP)]
     loop.start()
     loop.on_cycle.wait_for(1)
     assert outcome(loop, ids[0]) == {"ok": 1}

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from hosted_tinker.request_types import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
+from hosted_tinker.runtime.trainer import TrainingRuntime
 from tiny_model import CPU, TINY_VOCAB as VOCAB, ce_work, grads, logits, one_torch_thread, random_seqs, randomize_b, \
     tiny_qwen3, tiny_runtime  # noqa: F401 (one_torch_thread: an autouse fixture)
 

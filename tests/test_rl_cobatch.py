@@ -13,9 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.request_types import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.losses import prepare_inputs, resolve_loss_config
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
+from hosted_tinker.runtime.trainer import TrainingRuntime
 
 # Distinct ranks: tenants of one LoRA shape share a batched matmul, whose exactness is
 # test_multi_tenant_runtime's subject; here each tenant's loss is.

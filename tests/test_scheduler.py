@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from hosted_tinker.request_types import RequestKind
 from hosted_tinker.scheduler import ClockCycleScheduler, CyclePlan, Request
 
 GAP = 60.0
@@ -27,7 +28,7 @@ class FakeClock:
         self.now += seconds
 
 
-def req(model: str, seq: int, kind: str = "forward_backward") -> Request:
+def req(model: str, seq: int, kind: RequestKind = RequestKind.FORWARD_BACKWARD) -> Request:
     return Request(request_id=f"{model}-{seq}", kind=kind, model_id=model, seq_id=seq)
 
 
@@ -76,9 +77,9 @@ def test_prefix_rule_never_runs_optim_before_earlier_compute(make_sched):
     s = make_sched()
     s.open_model("a", first_seq=1)
     s.submit(req("a", 1))
-    s.submit(req("a", 2, "optim_step"))
+    s.submit(req("a", 2, RequestKind.OPTIM_STEP))
     s.submit(req("a", 3))
-    s.submit(req("a", 4, "optim_step"))
+    s.submit(req("a", 4, RequestKind.OPTIM_STEP))
     p1, p2 = run(s), run(s)
     assert seqs(p1.compute) == [("a", 1)] and seqs(p1.optim) == [("a", 2)] and p1.tail == []
     assert seqs(p2.compute) == [("a", 3)] and seqs(p2.optim) == [("a", 4)] and p2.tail == []
@@ -88,7 +89,8 @@ def test_forward_and_forward_backward_share_a_prefix(make_sched):
     """(fwd|fb)* optim tail*: fwd,fb,fwd,optim,save all fit one cycle."""
     s = make_sched()
     s.open_model("a")
-    for i, kind in enumerate(["forward", "forward_backward", "forward", "optim_step", "save_weights"]):
+    for i, kind in enumerate([RequestKind.FORWARD, RequestKind.FORWARD_BACKWARD, RequestKind.FORWARD,
+                              RequestKind.OPTIM_STEP, RequestKind.SAVE_WEIGHTS]):
         s.submit(req("a", i, kind))
     plan = run(s)
     assert [r.kind for r in plan.compute] == ["forward", "forward_backward", "forward"]
@@ -116,9 +118,9 @@ def test_save_after_compute_same_cycle_compute_after_save_next_cycle(make_sched)
     s = make_sched()
     s.open_model("a")
     s.submit(req("a", 0))
-    s.submit(req("a", 1, "save_weights"))
+    s.submit(req("a", 1, RequestKind.SAVE_WEIGHTS))
     s.submit(req("a", 2))
-    s.submit(req("a", 3, "load_weights"))
+    s.submit(req("a", 3, RequestKind.LOAD_WEIGHTS))
     p1, p2 = run(s), run(s)
     assert seqs(p1.compute) == [("a", 0)] and seqs(p1.tail) == [("a", 1)]
     assert seqs(p2.compute) == [("a", 2)] and seqs(p2.tail) == [("a", 3)]
@@ -128,7 +130,7 @@ def test_tail_keeps_per_model_order(make_sched):
     """Consecutive tail requests (save, save_for_sampler, load) run in seq_id order."""
     s = make_sched()
     s.open_model("a")
-    kinds = ["save_weights", "save_weights_for_sampler", "load_weights"]
+    kinds = [RequestKind.SAVE_WEIGHTS, RequestKind.SAVE_WEIGHTS_FOR_SAMPLER, RequestKind.LOAD_WEIGHTS]
     for i, kind in enumerate(kinds):
         s.submit(req("a", i, kind))
     assert [r.kind for r in run(s).tail] == kinds
@@ -139,8 +141,8 @@ def test_submit_after_queue_runs_at_end_of_next_cycle(make_sched):
     s = make_sched()
     s.open_model("a")
     s.submit(req("a", 0))
-    s.submit(req("a", 1, "save_weights"))
-    s.submit_after_queue(Request("unload", "unload_model", "a", -1))
+    s.submit(req("a", 1, RequestKind.SAVE_WEIGHTS))
+    s.submit_after_queue(Request("unload", RequestKind.UNLOAD_MODEL, "a", -1))
     assert [r.request_id for r in run(s).tail] == ["a-1", "unload"]
 
 
@@ -152,7 +154,7 @@ def test_unload_closes_the_queue_and_hands_back_its_requests(make_sched):
         s.open_model(m)
     s.submit(req("a", 0))
     s.submit(req("a", 2))  # behind a gap: still queued when the unload runs
-    s.submit_after_queue(Request("unload", "unload_model", "a", -1))
+    s.submit_after_queue(Request("unload", RequestKind.UNLOAD_MODEL, "a", -1))
     plan = run(s)
     assert seqs(plan.compute) == [("a", 0)] and [r.request_id for r in plan.tail] == ["unload"]
     assert [r.request_id for r in plan.orphaned] == ["a-2"]
@@ -236,7 +238,7 @@ def test_every_producer_rings_the_loop(clock):
     s.open_model("a")
     s.submit(req("a", 1))
     s.skip("a", 0)
-    s.submit_after_queue(Request("unload", "unload_model", "a", -1))
+    s.submit_after_queue(Request("unload", RequestKind.UNLOAD_MODEL, "a", -1))
     assert len(rings) == 3
 
 
@@ -245,7 +247,7 @@ def _pipelined(s: ClockCycleScheduler) -> None:
     s.open_model("a")
     s.submit(req("a", 0))
     plan, _ = s.next_plan()  # fb0 is in flight
-    s.submit(req("a", 1, "optim_step"))
+    s.submit(req("a", 1, RequestKind.OPTIM_STEP))
     s.cycle_done(plan, 0.0)
     assert seqs(plan.compute) == [("a", 0)] and plan.optim == []
     assert seqs(run(s).optim) == [("a", 1)]
@@ -260,7 +262,7 @@ def test_pipelined_model_gathers_fb_with_its_optim(clock, make_sched):
     plan, deadline = s.next_plan()
     assert not plan and deadline == pytest.approx(clock.now + 5.0)  # fb2 held for its optim
     clock.advance(1.0)
-    s.submit(req("a", 3, "optim_step"))
+    s.submit(req("a", 3, RequestKind.OPTIM_STEP))
     plan = run(s)
     assert seqs(plan.compute) == [("a", 2)] and seqs(plan.optim) == [("a", 3)]
 
@@ -295,7 +297,7 @@ def test_optim_posted_after_compute_answered_is_not_pipelining(make_sched):
     s.submit(req("a", 0))
     plan, _ = s.next_plan()
     s.compute_done({"a"})
-    s.submit(req("a", 1, "optim_step"))
+    s.submit(req("a", 1, RequestKind.OPTIM_STEP))
     s.cycle_done(plan, 0.0)
     run(s)
     s.submit(req("a", 2))
@@ -316,7 +318,7 @@ def test_cycle_done_keeps_the_cycle_metrics(make_sched):
     s = make_sched()
     s.open_model("a")
     s.submit(req("a", 0))
-    s.submit(req("a", 1, "optim_step"))
+    s.submit(req("a", 1, RequestKind.OPTIM_STEP))
     plan, _ = s.next_plan()
     s.cycle_done(plan, 0.5)
     assert (s.cycles, s.last_cycle_models, s.last_cycle_requests) == (1, 1, 2)
@@ -358,12 +360,12 @@ def test_a_request_in_parts_runs_one_part_per_cycle_with_other_models_between(ma
     s = make_sched(max_tokens_per_cycle=100)
     s.open_model("a", 1)
     s.open_model("b", 1)
-    big = Request("a-1", "forward_backward", "a", 1, payload="part0", tokens=100,
+    big = Request("a-1", RequestKind.FORWARD_BACKWARD, "a", 1, payload="part0", tokens=100,
                   more=[("part1", 100), ("part2", 40)])
     s.submit(big)
-    s.submit(req("a", 2, "optim_step"))
-    s.submit(Request("b-1", "forward_backward", "b", 1, payload="b0", tokens=10))
-    s.submit(Request("b-2", "forward_backward", "b", 2, payload="b1", tokens=10))
+    s.submit(req("a", 2, RequestKind.OPTIM_STEP))
+    s.submit(Request("b-1", RequestKind.FORWARD_BACKWARD, "b", 1, payload="b0", tokens=10))
+    s.submit(Request("b-2", RequestKind.FORWARD_BACKWARD, "b", 2, payload="b1", tokens=10))
     parts = []
     while not parts or not parts[-1][2]:
         plan = run(s)
@@ -381,8 +383,8 @@ def test_a_part_fills_the_budget_so_other_models_wait_a_cycle_not_the_whole_requ
     s = make_sched(max_tokens_per_cycle=100)
     s.open_model("a", 1)
     s.open_model("b", 1)
-    s.submit(Request("a-1", "forward_backward", "a", 1, payload=0, tokens=100,
+    s.submit(Request("a-1", RequestKind.FORWARD_BACKWARD, "a", 1, payload=0, tokens=100,
                      more=[(i, 100) for i in range(1, 10)]))
-    s.submit(Request("b-1", "forward", "b", 1, tokens=50))
+    s.submit(Request("b-1", RequestKind.FORWARD, "b", 1, tokens=50))
     cycles_until_b = next(i for i in range(10) if any(r.model_id == "b" for r in run(s).compute))
     assert cycles_until_b <= 1

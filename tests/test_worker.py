@@ -19,13 +19,14 @@ from hosted_tinker.checkpoints.catalog import CheckpointCatalog
 from hosted_tinker.checkpoints.paths import TinkerPath
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.futures import FutureStore
+from hosted_tinker.request_types import DatumWork, FBWork, LoadSpec, RequestKind, SaveSpec
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.losses import resolve_loss_config
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
+from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import SamplingBackend
 from hosted_tinker.scheduler import CyclePlan, Request
 from hosted_tinker.store import Store
-from hosted_tinker.worker import LoadSpec, SaveSpec, TrainingWorker
+from hosted_tinker.worker import TrainingWorker
 
 
 class NewWeightsRecorder(SamplingBackend):
@@ -75,7 +76,7 @@ class Cycle:
         self.plan = CyclePlan()
         self.seq = 0
 
-    def add(self, part: str, model_id: str, kind: str, payload=None) -> str:
+    def add(self, part: str, model_id: str, kind: RequestKind, payload=None) -> str:
         rid, _ = self.worker.futures.create("alice", kind, model_id, None)
         self.seq += 1
         getattr(self.plan, part).append(Request(rid, kind, model_id, self.seq, payload))
@@ -96,7 +97,7 @@ def answer(worker: TrainingWorker, rid: str) -> dict:
 def create(worker: TrainingWorker, model_id: str, **flags) -> dict:
     worker.store.create_model(model_id, "s", "alice", "embedded", {}, {}, {})
     c = Cycle(worker)
-    rid = c.add("tail", model_id, "create_model", LoRAConfig(rank=4, **flags))
+    rid = c.add("tail", model_id, RequestKind.CREATE_MODEL, LoRAConfig(rank=4, **flags))
     c.run()
     return answer(worker, rid)
 
@@ -119,7 +120,7 @@ def test_a_server_bug_is_a_server_error_whatever_its_exception_class(worker, mon
 
     monkeypatch.setattr(worker.store, "upsert_checkpoint", broken_write)
     c = Cycle(worker)
-    rid = c.add("tail", "m", "save_weights", SaveSpec(kind="weights", name="s1", owner="alice"))
+    rid = c.add("tail", "m", RequestKind.SAVE_WEIGHTS, SaveSpec(kind="weights", name="s1", owner="alice"))
     c.run()
     got = answer(worker, rid)
     assert got["failed"] and got["category"] == "server"
@@ -134,10 +135,10 @@ def test_what_the_user_asked_for_wrongly_is_a_user_error(worker):
 
     assert not create(worker, "m")["failed"]
     c = Cycle(worker)
-    missing = c.add("tail", "ghost", "save_weights", SaveSpec(kind="weights", name="x", owner="alice"))
-    first = c.add("tail", "m", "save_weights", SaveSpec(kind="weights", name="taken", owner="alice"))
-    again = c.add("tail", "m", "save_weights", SaveSpec(kind="weights", name="taken", owner="alice"))
-    orphan = c.add("orphaned", "gone", "forward_backward", fb("gone"))
+    missing = c.add("tail", "ghost", RequestKind.SAVE_WEIGHTS, SaveSpec(kind="weights", name="x", owner="alice"))
+    first = c.add("tail", "m", RequestKind.SAVE_WEIGHTS, SaveSpec(kind="weights", name="taken", owner="alice"))
+    again = c.add("tail", "m", RequestKind.SAVE_WEIGHTS, SaveSpec(kind="weights", name="taken", owner="alice"))
+    orphan = c.add("orphaned", "gone", RequestKind.FORWARD_BACKWARD, fb("gone"))
     c.run()
     assert answer(worker, missing) == {"failed": True, "category": "user",
                                        "error": "save_weights: model 'ghost' is not loaded"}
@@ -155,9 +156,9 @@ def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, 
     assert not create(worker, "m")["failed"]
     assert worker.sampling.updates == [("m", None)]  # a new adapter is a version of its weights too
     c = Cycle(worker)
-    fb_id = c.add("compute", "m", "forward_backward", fb("m"))
-    opt_id = c.add("optim", "m", "optim_step", AdamParams(learning_rate=1e-3))
-    save_id = c.add("tail", "m", "save_weights_for_sampler",
+    fb_id = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m"))
+    opt_id = c.add("optim", "m", RequestKind.OPTIM_STEP, AdamParams(learning_rate=1e-3))
+    save_id = c.add("tail", "m", RequestKind.SAVE_WEIGHTS_FOR_SAMPLER,
                     SaveSpec(kind="sampler_weights", name="v1", owner="alice", overwrite=True))
     answered = c.run()
     assert answered == [{"m"}]
@@ -166,14 +167,14 @@ def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, 
     assert worker.sampling.updates == [("m", None), ("m", None), ("m", saved)]
 
     c = Cycle(worker)
-    load_id = c.add("tail", "m", "load_weights", LoadSpec(checkpoint_dir=saved, with_optimizer=False,
-                                                           path=TinkerPath("m", "sampler_weights", "v1"), max_rank=8))
+    load_id = c.add("tail", "m", RequestKind.LOAD_WEIGHTS, LoadSpec(
+        checkpoint_dir=saved, with_optimizer=False, path=str(TinkerPath("m", "sampler_weights", "v1")), max_rank=8))
     c.run()
     assert not answer(worker, load_id)["failed"]
     assert worker.sampling.updates[-1] == ("m", None)
 
     c = Cycle(worker)
-    unload_id = c.add("tail", "m", "unload_model")
+    unload_id = c.add("tail", "m", RequestKind.UNLOAD_MODEL)
     c.run()
     assert not answer(worker, unload_id)["failed"]
     assert worker.sampling.updates[-1] == ("m", "removed")
@@ -186,7 +187,7 @@ def test_the_scheduler_hears_of_compute_answers_before_any_is_visible(worker):
     "in flight", and the client's next fb was then held for an optim_step that comes only later)."""
     assert not create(worker, "m")["failed"]
     c = Cycle(worker)
-    fb_id = c.add("compute", "m", "forward_backward", fb("m"))
+    fb_id = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m"))
     seen_when_told = []
     worker.run_cycle(c.plan, on_compute_answered=lambda models: seen_when_told.append(worker.futures.lookup(fb_id)))
     assert seen_when_told == [None]  # told once, with the answer not yet there

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from hosted_tinker.request_types import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import LoRAAdapter
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
+from hosted_tinker.runtime.trainer import TrainingRuntime
 
 TINY_VOCAB = 128
 CPU = torch.device("cpu")

@@ -30,8 +30,9 @@ import torch
 
 from hosted_tinker.embedded_model import TinyModelSpec, build_tiny_model
 from hosted_tinker.model_loading import load_base_model
+from hosted_tinker.request_types import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
-from hosted_tinker.runtime.trainer import DatumWork, FBWork, TrainingRuntime
+from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.engine import SampleJob, SampleResult, SamplingEngine
 from hosted_tinker.sampling.vllm_adapters import AdapterVersions
 from hosted_tinker.sampling.vllm_backend import VLLMSamplingBackend

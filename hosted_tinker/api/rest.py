@@ -31,13 +31,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..access import Access
-from ..checkpoints.catalog import MAX_TTL_S, CheckpointExists, version_of
+from ..checkpoints.catalog import CheckpointExists, version_of
 from ..checkpoints.format import ADAPTER_CONFIG, MANIFEST, CheckpointError, read_json_object, read_manifest
 from ..checkpoints.paths import TinkerPath, check_run_id
 from ..checkpoints.transfer import (
     SIGNED_URL_TTL_S, ArchiveTooLarge, DownloadGrant, extract_checkpoint_tar, prepare_import, tar_length, tar_stream,
     write_import,
 )
+from ..request_types import MAX_TTL_S
 from ..server import Server
 from ..served_models import ServedModel
 from .deps import accessible_scope, get_access, get_server, require_owner

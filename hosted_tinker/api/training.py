@@ -14,10 +14,10 @@ from ..access import Access
 from ..checkpoints.encryption import parse_recipients
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..checkpoints.paths import TinkerPath, check_name
+from ..request_types import LoadSpec, SaveSpec
 from ..server import Server
 from ..services.training import TrainingRequests
 from ..wire.codec import WireError, decode_forward_backward_request
-from ..worker import LoadSpec, SaveSpec
 from .deps import get_access, get_server, get_training, require_owner
 from .schemas import (
     Body, CreateModelRequest, LoadWeightsRequest, LoraConfigIn, ModelRef, OptimStepRequest,
@@ -62,7 +62,7 @@ def _checkpoint_for_load(access: Access, owner: str, path: str, with_optimizer: 
     if lora.rank > max_rank:
         raise HTTPException(400, f"checkpoint {path!r} has LoRA rank {lora.rank}, above this server's limit of "
                                  f"{max_rank}")
-    return LoadSpec(checkpoint_dir=folder, with_optimizer=with_optimizer, path=where, max_rank=max_rank)
+    return LoadSpec(checkpoint_dir=folder, with_optimizer=with_optimizer, path=str(where), max_rank=max_rank)
 
 
 # -- models -----------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from .paths import TinkerPath
 log = logging.getLogger(__name__)
 
 EXPIRY_SWEEP_S = 2.0  # how often expired checkpoints are removed (files and records)
-MAX_TTL_S = 10 * 365 * 24 * 3600  # a longer TTL is a mistake (and a time `datetime` may not print)
 
 
 class CheckpointExists(CheckpointError):

@@ -10,68 +10,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..request_types import AdamParams, LoRAConfig
 from .multi_lora import FusedPart, LoRAWeights, MultiLoRALinear, SlotStack, attach_adapter, detach_adapter
 from .invariance import row_norms
 from .torch_compat import adamw_update_, norms, scale_, zero_
 
 if TYPE_CHECKING:
     from .invariance import FusionPolicy
-
-# Tinker does not document its LoRA alpha; we use a fixed alpha of 32 (scaling = 32 / rank),
-# the value used in Thinking Machines' "LoRA Without Regret" write-up, and we write it into
-# every exported adapter_config.json so PEFT and vLLM reproduce our outputs exactly.
-DEFAULT_LORA_ALPHA = 32.0
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    rank: int = 32
-    seed: int = 0
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-    alpha: float = DEFAULT_LORA_ALPHA
-    # Leaf projection names to adapt (e.g. ("q_proj", "v_proj")), on top of the train_* flags.
-    # None = every projection of the enabled roles. Set for adapters made elsewhere (PEFT), whose
-    # target_modules are often a subset of a role.
-    target_modules: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.target_modules is not None:  # a JSON manifest gives a list
-            object.__setattr__(self, "target_modules", tuple(sorted(self.target_modules)))
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    @property
-    def roles(self) -> dict[str, bool]:
-        """Which roles of projection (`projections.ROLES`) the train_* flags ask for."""
-        return {"attn": self.train_attn, "mlp": self.train_mlp, "unembed": self.train_unembed}
-
-    def adapts(self, path: str, layer: MultiLoRALinear) -> bool:
-        """Whether the projection at LoRA path `path` gets a LoRA under this config."""
-        if self.target_modules is not None and path.rsplit(".", 1)[-1] not in self.target_modules:
-            return False
-        return self.roles[layer.role]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 class LoRAAdapter:

@@ -46,7 +46,8 @@ from .rank_group import PoolBroken, RankGroup
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from .sharding import root_unsharded, shard_base, transplant_lora_layers
 from .packing import bucket_width
-from .trainer import FBOutcome, FBWork, PassStats, TrainingRuntime
+from ..request_types import FBOutcome, FBWork
+from .trainer import PassStats, TrainingRuntime
 
 log = logging.getLogger(__name__)
 

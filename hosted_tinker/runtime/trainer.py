@@ -40,45 +40,15 @@ from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpo
 from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
 from .graphs import CudaGraphCapture, StepGraphs
 from .invariance import FusionPolicy, RowIndependenceProbe
-from .losses import LOSSES, merge_metrics, run_losses, targets_per_position, topk_cross_entropy
+from .losses import LOSSES, merge_metrics, run_losses, topk_cross_entropy
 from .moe_lora import ExpertProjection, attach_moe_lora
 from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
 from .projections import discover
 from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
-from ..vision import Pixels
+from ..request_types import FBOutcome, FBWork
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class DatumWork:
-    tokens: np.ndarray  # int64 [N]
-    inputs: dict[str, np.ndarray]  # loss_fn_inputs, already validated
-    pixels: Pixels | None = None  # a vision-language model's images, their tokens already in `tokens`
-
-
-@dataclass
-class FBWork:
-    """One forward / forward_backward request of one model (already validated)."""
-
-    model_id: str
-    data: list[DatumWork]
-    loss_fn: str
-    loss_config: dict[str, float]
-    forward_only: bool
-
-    @property
-    def targets_k(self) -> int:
-        """K of the request's (N, K) target_tokens, 0 for (N,) ones (one form per request: the API
-        checks it). A pool rank's share may hold no datum: 0."""
-        return targets_per_position(self.data[0].inputs) if self.data else 0
-
-
-@dataclass
-class FBOutcome:
-    outputs: list[dict[str, np.ndarray]]  # per datum: logprobs, elementwise_loss
-    metrics: dict[str, float]
-
 
 @dataclass
 class PassStats:

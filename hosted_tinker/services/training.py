@@ -16,27 +16,22 @@ from fastapi import HTTPException
 
 from ..access import Access
 from ..checkpoints.format import CheckpointError, read_manifest
-from ..runtime.adapters import AdamParams, LoRAConfig
-from ..runtime.losses import (LOSSES, LossInputError, check_one_targets_shape, resolve_loss_config,
-                              targets_per_position, validate_datum)
+from ..request_types import (AdamParams, DatumWork, FBWork, FutureRef, LoadSpec, LoRAConfig, Payload, RequestKind,
+                             SaveSpec, targets_per_position)
+from ..runtime.losses import LOSSES, LossInputError, check_one_targets_shape, resolve_loss_config, validate_datum
 from ..runtime.projections import refusal
-from ..runtime.trainer import DatumWork, FBWork
 from ..scheduler import Request
 from ..server import Server
 from ..served_models import ServedModel
 from ..vision import Pixels, no_images
 from ..wire.codec import ForwardBackwardCall, WireDatum, WireError
-from ..worker import LoadSpec, SaveSpec
 from . import checkpoint_base_model, served_model
 from .provenance import RecordNotFound, loss_inputs, named_sequences
 
 
 def future_ref(request_id: str, model_id: str | None = None) -> dict:
     """What the SDK gets back for queued work: the id to poll with retrieve_future."""
-    out = {"request_id": request_id}
-    if model_id is not None:
-        out["model_id"] = model_id
-    return out
+    return FutureRef(request_id, model_id).to_wire()
 
 
 class TrainingRequests:
@@ -64,7 +59,7 @@ class TrainingRequests:
             raise HTTPException(400, refused)
         if optimizer.get("type", "adamw") != "adamw":
             raise HTTPException(400, f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
-        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, "create_model",
+        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.CREATE_MODEL,
                             lora.to_dict(), optimizer, user_metadata, lora)
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, base_model: str | None,
@@ -81,11 +76,11 @@ class TrainingRequests:
             raise HTTPException(400, f"checkpoint {spec.path} was trained on base model {manifest.base_model!r}, "
                                      f"not {base_model!r}: a checkpoint loads only into its own base model")
         served = served_model(self.server, manifest.base_model)
-        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, "load_weights",
+        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.LOAD_WEIGHTS,
                             manifest.lora_config.config().to_dict(), optimizer, user_metadata, spec)
 
-    def _create(self, served: ServedModel, owner: str, model_id: str, session_id: str, kind: str, lora: dict,
-                optimizer: dict, user_metadata: dict, payload) -> dict:
+    def _create(self, served: ServedModel, owner: str, model_id: str, session_id: str, kind: RequestKind, lora: dict,
+                optimizer: dict, user_metadata: dict, payload: LoRAConfig | LoadSpec) -> dict:
         row = self.store.get_model(model_id)
         if row is not None:
             if row["owner"] != owner:
@@ -121,8 +116,8 @@ class TrainingRequests:
 
     def unload(self, owner: str, model_id: str) -> dict:
         served = self._owner_model(self.access.loaded_model(owner, model_id))
-        request_id, _ = self.futures.create(owner, "unload_model", model_id, None)
-        served.scheduler.submit_after_queue(Request(request_id, "unload_model", model_id, -1, None))
+        request_id, _ = self.futures.create(owner, RequestKind.UNLOAD_MODEL, model_id, None)
+        served.scheduler.submit_after_queue(Request(request_id, RequestKind.UNLOAD_MODEL, model_id, -1, None))
         return future_ref(request_id, model_id)
 
     # -- work in a model's seq_id order ---------------------------------------------------------
@@ -163,7 +158,7 @@ class TrainingRequests:
             return FBWork(model_id=call.model_id, data=data, loss_fn=call.loss_fn, loss_config=config,
                           forward_only=call.forward_only)
 
-        kind = "forward" if call.forward_only else "forward_backward"
+        kind = RequestKind.FORWARD if call.forward_only else RequestKind.FORWARD_BACKWARD
         return self._submit(owner, served, call.model_id, call.seq_id, kind, validate)
 
     def optim_step(self, owner: str, model_id: str, seq_id: int, adam: dict | None, other_type: str | None) -> dict:
@@ -176,12 +171,12 @@ class TrainingRequests:
                                          "send adam_params")
             return AdamParams(**adam)
 
-        return self._submit(owner, served, model_id, seq_id, "optim_step", params)
+        return self._submit(owner, served, model_id, seq_id, RequestKind.OPTIM_STEP, params)
 
     def save(self, owner: str, model_id: str, seq_id: int, kind: str, make_spec: Callable[[], SaveSpec]) -> dict:
         """kind: save_weights | save_weights_for_sampler | save_weights_external."""
         served = self._owner_model(self.access.loaded_model(owner, model_id))
-        return self._submit(owner, served, model_id, seq_id, kind, make_spec)
+        return self._submit(owner, served, model_id, seq_id, RequestKind(kind), make_spec)
 
     def ephemeral_sampler_spec(self, owner: str, model_id: str, seq_id: int, sampling_session_seq_id: int,
                                ttl_seconds: int | None) -> SaveSpec:
@@ -207,7 +202,7 @@ class TrainingRequests:
                                          "base model")
             return spec
 
-        return self._submit(owner, served, model_id, seq_id, "load_weights", checked_spec)
+        return self._submit(owner, served, model_id, seq_id, RequestKind.LOAD_WEIGHTS, checked_spec)
 
     def refused(self, owner: str, model_id: str, seq_id: int) -> None:
         """A request of `model_id` at `seq_id` was refused before it was queued (its body, its schema,
@@ -222,8 +217,8 @@ class TrainingRequests:
         """The served model a training model was made on: every request about it goes there."""
         return served_model(self.server, row["base_model"])
 
-    def _submit(self, owner: str, served: ServedModel, model_id: str, seq_id: int, kind: str,
-                make_payload: Callable[[], object]) -> dict:
+    def _submit(self, owner: str, served: ServedModel, model_id: str, seq_id: int, kind: RequestKind,
+                make_payload: Callable[[], Payload]) -> dict:
         """Idempotent, validated submission of one request of an existing model of `served`."""
         scheduler = served.scheduler
         existing = self.store.get_future_id(model_id, seq_id)

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from ...request_types import targets_per_position
 from .builtin import KNOWN_UNSUPPORTED, LOSSES
 from .entry import CLIP_KEYS, DatumInputs, LossInputError
 
@@ -45,12 +46,6 @@ def resolve_loss_config(loss_fn: str, config: dict[str, float | str]) -> dict[st
     if loss.check_config is not None:
         loss.check_config(resolved)
     return resolved
-
-
-def targets_per_position(inputs: dict[str, np.ndarray]) -> int:
-    """K of a datum's (N, K) `target_tokens`; 0 for (N,) targets."""
-    targets = inputs["target_tokens"]
-    return int(targets.shape[1]) if targets.ndim == 2 else 0
 
 
 def validate_datum(
