@@ -239,8 +239,8 @@ class TrainingWorker:
             return
         # The ephemeral form: a sampling session on this exact snapshot of the weights.
         model = self.store.get_model(req.model_id)
-        self.store.create_sampling_session(spec.sampling_session_id, model["session_id"], spec.owner,
-                                           model["base_model"], str(path), str(self.checkpoints.folder(path)))
+        self.store.create_sampling_session(spec.sampling_session_id, model.session_id, spec.owner,
+                                           model.base_model, str(path), str(self.checkpoints.folder(path)))
         self.futures.resolve(req.request_id, {"type": "save_weights_for_sampler",
                                               "sampling_session_id": spec.sampling_session_id})
 
