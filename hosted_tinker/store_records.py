@@ -16,7 +16,7 @@ Record = TypeVar("Record")
 
 
 def from_row(cls: type[Record], row: sqlite3.Row) -> Record:
-    """The record of `row`, whose columns are the record's fields (a flag is stored as 0/1)."""
+    """The record of `row`: its columns, by name, are the record's fields."""
     return cls(**dict(row))
 
 
