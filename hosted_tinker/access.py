@@ -13,7 +13,6 @@ over privately under the same name, the next request is refused.
 
 from __future__ import annotations
 
-import sqlite3
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +20,8 @@ from starlette.exceptions import HTTPException
 
 from .checkpoints.catalog import is_expired
 from .checkpoints.paths import TinkerPath
-from .store import FutureRecord, Store
+from .store import Store
+from .store_records import CheckpointRecord, FutureRecord, ModelRecord, SamplingSessionRecord, SessionRecord
 
 
 class NotFound(HTTPException):
@@ -35,7 +35,7 @@ class NotFound(HTTPException):
 class SamplerGrant:
     """A sampling session this key may use now, and the adapter directory it samples (None = base model)."""
 
-    row: sqlite3.Row
+    row: SamplingSessionRecord
     adapter_dir: str | None
 
 
@@ -44,23 +44,23 @@ class Access:
         self.store = store
         self._is_loaded = is_loaded
 
-    def session(self, owner: str, session_id: str) -> sqlite3.Row:
+    def session(self, owner: str, session_id: str) -> SessionRecord:
         row = self.store.get_session(session_id)
-        if row is None or row["owner"] != owner:
+        if row is None or row.owner != owner:
             raise NotFound(f"session {session_id!r} not found")
         return row
 
-    def model(self, owner: str, model_id: str) -> sqlite3.Row:
+    def model(self, owner: str, model_id: str) -> ModelRecord:
         """A training model of this key's, loaded or not."""
         row = self.store.get_model(model_id)
-        if row is None or row["owner"] != owner:
+        if row is None or row.owner != owner:
             raise NotFound(f"model {model_id!r} not found")
         return row
 
-    def loaded_model(self, owner: str, model_id: str) -> sqlite3.Row:
+    def loaded_model(self, owner: str, model_id: str) -> ModelRecord:
         """A training model of this key's that this server holds now (it can take work)."""
         row = self.model(owner, model_id)
-        if row["status"] != "active" or not self._is_loaded(model_id):
+        if row.status != "active" or not self._is_loaded(model_id):
             raise NotFound(f"model {model_id!r} is not loaded on this server (was it unloaded, or created "
                            "before a restart?); create a training client from its last checkpoint")
         return row
@@ -71,19 +71,19 @@ class Access:
             raise NotFound(f"unknown request_id {request_id!r}")
         return rec
 
-    def checkpoint(self, owner: str, run_id: str, checkpoint_id: str, *, write: bool = False) -> sqlite3.Row:
+    def checkpoint(self, owner: str, run_id: str, checkpoint_id: str, *, write: bool = False) -> CheckpointRecord:
         """A live checkpoint this key owns, or, to read it, one that is published."""
         row = self.store.get_checkpoint(run_id, checkpoint_id)
-        if row is None or is_expired(row) or (row["owner"] != owner and (write or not row["public"])):
+        if row is None or is_expired(row) or (row.owner != owner and (write or not row.public)):
             raise NotFound(f"checkpoint {TinkerPath.of_record(run_id, checkpoint_id)} not found")
         return row
 
-    def run(self, owner: str, run_id: str, *, accessible: bool) -> tuple[sqlite3.Row, bool]:
+    def run(self, owner: str, run_id: str, *, accessible: bool) -> tuple[ModelRecord, bool]:
         """(the run's record, whether this key owns it). Others see a run only through its published
         checkpoints, and only when they ask for what is accessible."""
         row = self.store.get_model(run_id)
         if row is not None:
-            if row["owner"] == owner:
+            if row.owner == owner:
                 return row, True
             if accessible and self.store.run_has_public_checkpoint(run_id):
                 return row, False
@@ -92,9 +92,9 @@ class Access:
     def sampler(self, owner: str, sampling_session_id: str) -> SamplerGrant:
         """A sampling session of this key's, with the checkpoint it samples checked again now."""
         row = self.store.get_sampling_session(sampling_session_id)
-        if row is None or row["owner"] != owner:
+        if row is None or row.owner != owner:
             raise NotFound(f"sampling session {sampling_session_id!r} not found")
-        path = row["model_path"]
+        path = row.model_path
         if path is None:
             return SamplerGrant(row, None)
         # Checked when the session was made: 'tinker://<run>/<kind>/<name>'.
@@ -104,4 +104,4 @@ class Access:
         except NotFound:
             raise NotFound(f"sampling session {sampling_session_id!r} samples {path}, which this key can no longer "
                            "read (deleted, expired, unpublished or saved over); open a new session") from None
-        return SamplerGrant(row, ckpt["dir"])
+        return SamplerGrant(row, ckpt.dir)

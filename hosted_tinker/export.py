@@ -35,6 +35,7 @@ from .checkpoints.format import (
 from .checkpoints.paths import InvalidPath, TinkerPath
 from .checkpoints.transfer import extract_checkpoint_tar
 from .store import db_path
+from .store_records import CheckpointRecord, from_row
 
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 # progress(bytes done, bytes in all or None if unknown): how far a download, copy or upload is.
@@ -95,7 +96,8 @@ def _fetch_local(path: TinkerPath, dest: Path, data_dir: Path, progress: Progres
         conn.row_factory = sqlite3.Row
         row = conn.execute("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?",
                            (path.run, path.checkpoint_id)).fetchone()
-    if row is None or (row["expires_at"] is not None and row["expires_at"] <= time.time()):
+    record = None if row is None else from_row(CheckpointRecord, row)
+    if record is None or (record.expires_at is not None and record.expires_at <= time.time()):
         raise ExportError(f"checkpoint {path} not found in {data_dir}")
     src = data_dir / "checkpoints" / path.run / path.kind / path.name
     for attempt in range(3):  # a save may replace the directory while we copy: verify, retry

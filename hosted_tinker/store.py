@@ -17,11 +17,12 @@ import shutil
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .request_types import Failure
+from .store_records import (CheckpointRecord, FutureRecord, LossPoint, ModelRecord, Record, SamplingSessionRecord,
+                            SessionRecord, StoredSample, from_row)
 
 DB_FILENAME = "hosted_tinker.sqlite3"  # inside --data-dir
 
@@ -148,20 +149,6 @@ CREATE TABLE IF NOT EXISTS request_losses (
 """
 
 
-@dataclass
-class FutureRecord:
-    request_id: str
-    owner: str
-    kind: str
-    model_id: str | None
-    seq_id: int | None
-    status: str
-    result: bytes | None
-    result_is_proto: bool
-    created_at: float
-    completed_at: float | None
-
-
 class StoreUnavailable(RuntimeError):
     """The database cannot be opened or written at start-up; the message says where and why."""
 
@@ -212,6 +199,13 @@ class Store:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    def _record(self, cls: type[Record], sql: str, args: tuple = ()) -> Record | None:
+        row = self._one(sql, args)
+        return None if row is None else from_row(cls, row)
+
+    def _records(self, cls: type[Record], sql: str, args: tuple = ()) -> list[Record]:
+        return [from_row(cls, row) for row in self._all(sql, args)]
+
     # -- start-up -------------------------------------------------------------------------------
     def fail_interrupted_futures(self, message: str) -> int:
         """Futures that were pending when the server died fail cleanly (category server)."""
@@ -251,8 +245,8 @@ class Store:
             self._db.execute("COMMIT")
         return session_id
 
-    def get_session(self, session_id: str) -> sqlite3.Row | None:
-        return self._one("SELECT * FROM sessions WHERE session_id=?", (session_id,))
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        return self._record(SessionRecord, "SELECT * FROM sessions WHERE session_id=?", (session_id,))
 
     def touch_session(self, session_id: str) -> None:
         self._exec("UPDATE sessions SET last_heartbeat=? WHERE session_id=?", (time.time(), session_id))
@@ -270,8 +264,8 @@ class Store:
             (model_id, session_id, owner, base_model, json.dumps(lora_config), json.dumps(optimizer_config),
              json.dumps(user_metadata), now, now))
 
-    def get_model(self, model_id: str) -> sqlite3.Row | None:
-        return self._one("SELECT * FROM models WHERE model_id=?", (model_id,))
+    def get_model(self, model_id: str) -> ModelRecord | None:
+        return self._record(ModelRecord, "SELECT * FROM models WHERE model_id=?", (model_id,))
 
     def update_model_lora(self, model_id: str, lora_config: dict) -> None:
         self._exec("UPDATE models SET lora_config=? WHERE model_id=?", (json.dumps(lora_config), model_id))
@@ -317,14 +311,7 @@ class Store:
             ("failed" if failed else "done", result, int(is_proto), time.time(), request_id))
 
     def get_future(self, request_id: str) -> FutureRecord | None:
-        row = self._one("SELECT * FROM futures WHERE request_id=?", (request_id,))
-        if row is None:
-            return None
-        return FutureRecord(
-            request_id=row["request_id"], owner=row["owner"], kind=row["kind"], model_id=row["model_id"],
-            seq_id=row["seq_id"], status=row["status"], result=row["result"],
-            result_is_proto=bool(row["result_is_proto"]), created_at=row["created_at"],
-            completed_at=row["completed_at"])
+        return self._record(FutureRecord, "SELECT * FROM futures WHERE request_id=?", (request_id,))
 
     def prune_futures(self, older_than: float) -> int:
         return self._exec("DELETE FROM futures WHERE status!='pending' AND completed_at < ?",
@@ -339,8 +326,9 @@ class Store:
             " model_path, checkpoint_dir, created_at) VALUES (?,?,?,?,?,?,?)",
             (sampling_session_id, session_id, owner, base_model, model_path, checkpoint_dir, time.time()))
 
-    def get_sampling_session(self, sampling_session_id: str) -> sqlite3.Row | None:
-        return self._one("SELECT * FROM sampling_sessions WHERE sampling_session_id=?", (sampling_session_id,))
+    def get_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
+        return self._record(SamplingSessionRecord, "SELECT * FROM sampling_sessions WHERE sampling_session_id=?",
+                            (sampling_session_id,))
 
     # -- sample records -------------------------------------------------------------------------
     def insert_sample_records(self, request: dict, sequences: list[tuple[str, int, bytes, bytes]], now: float) -> None:
@@ -365,11 +353,12 @@ class Store:
         return self._one("SELECT 1 FROM sample_requests WHERE sampling_session_id=? AND seq_id=?",
                          (sampling_session_id, seq_id)) is not None
 
-    def get_sample_records(self, sequence_ids: list[str]) -> list[sqlite3.Row]:
-        rows: list[sqlite3.Row] = []
+    def get_sample_records(self, sequence_ids: list[str]) -> list[StoredSample]:
+        rows: list[StoredSample] = []
         for i in range(0, len(sequence_ids), 500):  # SQLite caps the number of bound parameters
             part = sequence_ids[i:i + 500]
-            rows += self._all(
+            rows += self._records(
+                StoredSample,
                 "SELECT r.sequence_id, r.tokens, r.logprobs, r.last_used_at, q.owner, q.session_id, q.prompt,"
                 " q.weights, q.weights_version, q.temperature, q.top_k, q.top_p FROM sample_records r"
                 f" JOIN sample_requests q ON q.request_id = r.request_id WHERE r.sequence_id IN ({','.join('?' * len(part))})",
@@ -398,8 +387,9 @@ class Store:
             (model_id, checkpoint_id, kind, owner, dir, size_bytes, time.time(), expires_at,
              json.dumps(user_metadata)))
 
-    def get_checkpoint(self, model_id: str, checkpoint_id: str) -> sqlite3.Row | None:
-        return self._one("SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?", (model_id, checkpoint_id))
+    def get_checkpoint(self, model_id: str, checkpoint_id: str) -> CheckpointRecord | None:
+        return self._record(CheckpointRecord, "SELECT * FROM checkpoints WHERE model_id=? AND checkpoint_id=?",
+                            (model_id, checkpoint_id))
 
     # -- REST: runs and checkpoints -------------------------------------------------------------
     # Listings never show an expired checkpoint, even before the sweeper has removed it.
@@ -415,7 +405,7 @@ class Store:
                 "CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, created_at);")
 
     def list_runs(self, owner: str, *, accessible: bool, project_id: str | None, limit: int,
-                  offset: int) -> tuple[list[sqlite3.Row], int]:
+                  offset: int) -> tuple[list[ModelRecord], int]:
         """Runs owned by `owner` (plus, if `accessible`, others' runs with a public checkpoint), newest first.
         A project is the owner's own label on a session: `project_id` matches only `owner`'s runs, so
         it can never be used to confirm another owner's (private) project names."""
@@ -425,27 +415,27 @@ class Store:
                  " AND owner = ?))")
         args = (owner, int(accessible), time.time(), project_id, project_id, owner)
         total = self._one(f"SELECT COUNT(*) FROM models m WHERE {where}", args)[0]
-        rows = self._all(f"SELECT m.* FROM models m WHERE {where} ORDER BY m.created_at DESC, m.model_id"
-                         " LIMIT ? OFFSET ?", args + (limit, offset))
+        rows = self._records(ModelRecord, f"SELECT m.* FROM models m WHERE {where}"
+                             " ORDER BY m.created_at DESC, m.model_id LIMIT ? OFFSET ?", args + (limit, offset))
         return rows, total
 
     def run_has_public_checkpoint(self, model_id: str) -> bool:
         return self._one(f"SELECT 1 FROM checkpoints c WHERE c.model_id = ? AND c.public = 1 AND {self._LIVE}",
                          (model_id, time.time())) is not None
 
-    def live_checkpoints(self, model_id: str, *, public_only: bool = False) -> list[sqlite3.Row]:
+    def live_checkpoints(self, model_id: str, *, public_only: bool = False) -> list[CheckpointRecord]:
         """A run's unexpired checkpoints, oldest first."""
-        return self._all(f"SELECT * FROM checkpoints c WHERE c.model_id = ? AND {self._LIVE}"
-                         f"{' AND c.public = 1' if public_only else ''} ORDER BY c.created_at, c.checkpoint_id",
-                         (model_id, time.time()))
+        return self._records(CheckpointRecord, f"SELECT * FROM checkpoints c WHERE c.model_id = ? AND {self._LIVE}"
+                             f"{' AND c.public = 1' if public_only else ''} ORDER BY c.created_at, c.checkpoint_id",
+                             (model_id, time.time()))
 
-    def owner_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[sqlite3.Row], int]:
+    def owner_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[CheckpointRecord], int]:
         """Every unexpired checkpoint of `owner`, newest first."""
         now = time.time()
         total = self._one(f"SELECT COUNT(*) FROM checkpoints c WHERE c.owner = ? AND {self._LIVE}", (owner, now))[0]
-        rows = self._all(f"SELECT * FROM checkpoints c WHERE c.owner = ? AND {self._LIVE}"
-                         " ORDER BY c.created_at DESC, c.model_id, c.checkpoint_id LIMIT ? OFFSET ?",
-                         (owner, now, limit, offset))
+        rows = self._records(CheckpointRecord, f"SELECT * FROM checkpoints c WHERE c.owner = ? AND {self._LIVE}"
+                             " ORDER BY c.created_at DESC, c.model_id, c.checkpoint_id LIMIT ? OFFSET ?",
+                             (owner, now, limit, offset))
         return rows, total
 
     def set_checkpoint_public(self, model_id: str, checkpoint_id: str, public: bool) -> None:
@@ -460,8 +450,9 @@ class Store:
         self._exec("UPDATE checkpoints SET size_bytes=?, created_at=? WHERE model_id=? AND checkpoint_id=?",
                    (size_bytes, created_at, model_id, checkpoint_id))
 
-    def expired_checkpoints(self, now: float) -> list[sqlite3.Row]:
-        return self._all("SELECT * FROM checkpoints WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))
+    def expired_checkpoints(self, now: float) -> list[CheckpointRecord]:
+        return self._records(CheckpointRecord, "SELECT * FROM checkpoints WHERE expires_at IS NOT NULL"
+                             " AND expires_at <= ?", (now,))
 
     def delete_checkpoint_if(self, model_id: str, checkpoint_id: str, *, expired_before: float | None = None) -> bool:
         """Delete the record (only if it expired before `expired_before`, when given); True if one went."""
@@ -472,8 +463,8 @@ class Store:
             args += (expired_before,)
         return self._exec(sql, args).rowcount > 0
 
-    def all_checkpoints(self) -> list[sqlite3.Row]:
-        return self._all("SELECT * FROM checkpoints")
+    def all_checkpoints(self) -> list[CheckpointRecord]:
+        return self._records(CheckpointRecord, "SELECT * FROM checkpoints")
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> tuple[list[str], int]:
         total = self._one("SELECT COUNT(*) FROM sessions WHERE owner=?", (owner,))[0]
@@ -497,10 +488,10 @@ class Store:
                 "INSERT OR REPLACE INTO request_losses(model_id, seq_id, step, forward_only, loss_sum, created_at)"
                 " VALUES (?,?,?,?,?,?)", [(m, q, s, int(f), loss, now) for m, q, s, f, loss in rows])
 
-    def loss_curve(self, model_id: str) -> list[sqlite3.Row]:
+    def loss_curve(self, model_id: str) -> list[LossPoint]:
         """Per optimizer step: the summed `loss:sum` of its training requests (and of its forward-only ones)."""
-        return self._all(
-            "SELECT step, SUM(CASE WHEN forward_only = 0 THEN loss_sum END) AS train_loss_sum,"
+        return self._records(
+            LossPoint, "SELECT step, SUM(CASE WHEN forward_only = 0 THEN loss_sum END) AS train_loss_sum,"
             " SUM(CASE WHEN forward_only = 1 THEN loss_sum END) AS eval_loss_sum, COUNT(*) AS requests"
             " FROM request_losses WHERE model_id = ? GROUP BY step ORDER BY step", (model_id,))
 

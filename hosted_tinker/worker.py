@@ -227,8 +227,8 @@ class TrainingWorker:
             return SamplerWeightsResult(path=str(path))
         # The ephemeral form: a sampling session on this exact snapshot of the weights.
         model = self.store.get_model(req.model_id)
-        self.store.create_sampling_session(spec.sampling_session_id, model["session_id"], spec.owner,
-                                           model["base_model"], str(path), str(self.checkpoints.folder(path)))
+        self.store.create_sampling_session(spec.sampling_session_id, model.session_id, spec.owner,
+                                           model.base_model, str(path), str(self.checkpoints.folder(path)))
         return SamplerWeightsResult(sampling_session_id=spec.sampling_session_id)
 
     def _save(self, req: Request, *, with_optimizer: bool) -> tuple[TinkerPath, int]:

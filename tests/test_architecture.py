@@ -56,7 +56,7 @@ KNOWN_DEVICE_IMPORTS = {
 }
 KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
 KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.distributed", "runtime.multi_lora",
-                      "runtime.trainer", "sampling.engine", "store"}
+                      "runtime.trainer", "sampling.engine"}
 KNOWN_STRING_DISPATCH: set[str] = set()
 KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
 KNOWN_SCHEME_LITERALS = {"cli"}

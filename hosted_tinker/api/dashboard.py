@@ -58,7 +58,7 @@ def _expires(ts: float | None) -> str:
 
 
 def _tinker_path(checkpoint) -> str:
-    return str(TinkerPath.of_record(checkpoint["model_id"], checkpoint["checkpoint_id"]))
+    return str(TinkerPath.of_record(checkpoint.model_id, checkpoint.checkpoint_id))
 
 
 templates.env.filters.update(when=_when, size=_size, expires=_expires, tinker_path=_tinker_path)
@@ -88,7 +88,7 @@ def _login_page(request: Request, error: str | None = None, status: int = 200) -
 
 
 def _loss_points(server: Server, run_id: str) -> list[dict]:
-    return [{"step": r["step"], "loss": r["train_loss_sum"], "eval_loss": r["eval_loss_sum"], "requests": r["requests"]}
+    return [{"step": r.step, "loss": r.train_loss_sum, "eval_loss": r.eval_loss_sum, "requests": r.requests}
             for r in server.store.loss_curve(run_id)]
 
 
@@ -101,10 +101,10 @@ def overview(request: Request):
     runs, _ = server.store.list_runs(owner, accessible=False, project_id=None, limit=ROWS, offset=0)
     run_rows = []
     for row in runs:
-        curve = [p for p in _loss_points(server, row["model_id"]) if p["loss"] is not None]
-        run_rows.append({"id": row["model_id"], "base_model": row["base_model"],
-                         "rank": json.loads(row["lora_config"]).get("rank"), "status": row["status"],
-                         "created": row["created_at"], "last_request": row["last_request_at"],
+        curve = [p for p in _loss_points(server, row.model_id) if p["loss"] is not None]
+        run_rows.append({"id": row.model_id, "base_model": row.base_model,
+                         "rank": json.loads(row.lora_config).get("rank"), "status": row.status,
+                         "created": row.created_at, "last_request": row.last_request_at,
                          "steps": curve[-1]["step"] + 1 if curve else 0,
                          "last_loss": curve[-1]["loss"] if curve else None})
     checkpoints, _ = server.store.owner_checkpoints(owner, ROWS, 0)
@@ -138,7 +138,7 @@ def logout():
 def _owned_run(request: Request, run_id: str):
     owner = _require_owner(request)
     row = get_server(request).store.get_model(run_id)
-    if row is None or row["owner"] != owner:
+    if row is None or row.owner != owner:
         raise HTTPException(404, f"training run {run_id!r} not found")
     return row
 
@@ -150,7 +150,7 @@ def run_page(run_id: str, request: Request):
     row = _owned_run(request, run_id)
     server = get_server(request)
     return templates.TemplateResponse(request, "run.html", {
-        "run": row, "lora": json.loads(row["lora_config"]), "points": _loss_points(server, run_id),
+        "run": row, "lora": json.loads(row.lora_config), "points": _loss_points(server, run_id),
         "checkpoints": server.store.live_checkpoints(run_id)})
 
 

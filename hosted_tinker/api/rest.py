@@ -65,34 +65,34 @@ def iso(ts: float | None) -> str | None:
 
 def checkpoint_json(row) -> dict:
     return {
-        "checkpoint_id": row["checkpoint_id"],
-        "checkpoint_type": row["kind"],
-        "time": iso(row["created_at"]),
-        "tinker_path": str(TinkerPath.of_record(row["model_id"], row["checkpoint_id"])),
-        "training_run_id": row["model_id"],
-        "size_bytes": row["size_bytes"],
-        "public": bool(row["public"]),
-        "user_metadata": str_dict(row["user_metadata"]),
-        "expires_at": iso(row["expires_at"]),
+        "checkpoint_id": row.checkpoint_id,
+        "checkpoint_type": row.kind,
+        "time": iso(row.created_at),
+        "tinker_path": str(TinkerPath.of_record(row.model_id, row.checkpoint_id)),
+        "training_run_id": row.model_id,
+        "size_bytes": row.size_bytes,
+        "public": row.public,
+        "user_metadata": str_dict(row.user_metadata),
+        "expires_at": iso(row.expires_at),
     }
 
 
 def run_json(server: Server, row, is_owner: bool) -> dict:
-    lora = json.loads(row["lora_config"])
+    lora = json.loads(row.lora_config)
     latest: dict[str, object] = {}
-    for c in server.store.live_checkpoints(row["model_id"], public_only=not is_owner):  # oldest first
-        latest[c["kind"]] = c
+    for c in server.store.live_checkpoints(row.model_id, public_only=not is_owner):  # oldest first
+        latest[c.kind] = c
     return {
-        "training_run_id": row["model_id"],
-        "base_model": row["base_model"],
-        "model_owner": row["owner"],
+        "training_run_id": row.model_id,
+        "base_model": row.base_model,
+        "model_owner": row.owner,
         "is_lora": True,
         "corrupted": False,
         "lora_rank": lora.get("rank"),
-        "last_request_time": iso(row["last_request_at"]),
+        "last_request_time": iso(row.last_request_at),
         "last_checkpoint": checkpoint_json(latest["training"]) if "training" in latest else None,
         "last_sampler_checkpoint": checkpoint_json(latest["sampler"]) if "sampler" in latest else None,
-        "user_metadata": str_dict(row["user_metadata"]) if is_owner else None,
+        "user_metadata": str_dict(row.user_metadata) if is_owner else None,
     }
 
 
@@ -104,7 +104,7 @@ def list_training_runs(limit: int = Query(20, ge=0, le=10000), offset: int = Que
                        owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     rows, total = server.store.list_runs(owner, accessible=accessible, project_id=project_id,
                                          limit=limit, offset=offset)
-    return {"training_runs": [run_json(server, r, r["owner"] == owner) for r in rows],
+    return {"training_runs": [run_json(server, r, r.owner == owner) for r in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
@@ -158,7 +158,7 @@ def unpublish(run_id: str, kind: str, name: str, owner: str = Depends(require_ow
 
 def _set_public(server: Server, access: Access, owner: str, path: TinkerPath, public: bool) -> dict:
     row = _checkpoint(access, owner, path, write=True)
-    if bool(row["public"]) == public:
+    if row.public == public:
         # 400, not 409: the SDK retries a 409 for minutes.
         raise HTTPException(400, f"checkpoint {path} is already {'public' if public else 'private'}")
     server.store.set_checkpoint_public(path.run, path.checkpoint_id, public)
@@ -197,7 +197,7 @@ def external_weights_urls(run_id: str, kind: str, name: str, request: Request, o
                                  f"<name>, from save_weights_external); got {path}")
     row = _checkpoint(access, owner, path)
     expires = int(time.time()) + SIGNED_URL_TTL_S
-    scope = "owner" if row["owner"] == owner else "public"
+    scope = "owner" if row.owner == owner else "public"
     base = str(request.base_url).rstrip("/")
     urls = {}
     for f in server.checkpoints.files(path):
@@ -227,7 +227,7 @@ def signed_file(run_id: str, kind: str, name: str, filename: str, request: Reque
     if time.time() > expires:
         raise HTTPException(410, f"this download URL expired at {iso(expires)}; ask external_weights_urls for new ones")
     row = server.checkpoints.record(path)
-    if row is None or grant.version != version_of(row) or (scope == "public" and not row["public"]):
+    if row is None or grant.version != version_of(row) or (scope == "public" and not row.public):
         raise HTTPException(404, f"checkpoint {path} no longer exists as it was when this URL was made "
                                  "(deleted, saved again, or no longer published)")
     files = server.checkpoints.open_files(path, {filename})
@@ -280,7 +280,7 @@ def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), ser
         "train_unembed": lora.train_unembed,
         "train_mlp": lora.train_mlp,
         "train_attn": lora.train_attn,
-        "optimizer_config": json.loads(model["optimizer_config"]) if model is not None else {"type": "adamw"},
+        "optimizer_config": json.loads(model.optimizer_config) if model is not None else {"type": "adamw"},
     }
 
 
@@ -302,7 +302,7 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
     path = TinkerPath(training_run_id or f"import-{uuid.uuid4().hex[:12]}", "weights", name)
     if training_run_id is not None:
         existing_run = await run_in_threadpool(server.store.get_model, path.run)  # SQLite: off the event loop
-        if existing_run is None or existing_run["owner"] != owner:
+        if existing_run is None or existing_run.owner != owner:
             raise _no_such_run(path.run)
     server.uploads.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="import-", dir=server.uploads))
@@ -363,10 +363,10 @@ def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archi
             server.store.create_model(path.run, "", owner, served.name, config.to_dict(),
                                       {"type": "adamw"}, {"source": "import"})
             server.store.set_model_status(path.run, "imported")
-        elif run is None or run["owner"] != owner:  # deleted meanwhile, or never the caller's
+        elif run is None or run.owner != owner:  # deleted meanwhile, or never the caller's
             raise _no_such_run(path.run)
-        elif run["base_model"] != served.name:
-            raise HTTPException(400, f"training run {path.run!r} is of base model {run['base_model']!r}; this "
+        elif run.base_model != served.name:
+            raise HTTPException(400, f"training run {path.run!r} is of base model {run.base_model!r}; this "
                                      f"adapter is for {served.name!r}: import it into a run of its own base model")
         try:
             size = server.checkpoints.save(path, owner, write_import(src, prepared), overwrite=overwrite)

@@ -93,7 +93,7 @@ def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Dep
 @router.get("/api/v1/samplers/{sampler_id}")
 def get_sampler(sampler_id: str, owner: str = Depends(require_owner), access: Access = Depends(get_access)):
     row = access.sampler(owner, sampler_id).row
-    return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
+    return {"sampler_id": sampler_id, "base_model": row.base_model, "model_path": row.model_path}
 
 
 def _prompt(prompt: dict, served: ServedModel) -> tuple[list[int], Pixels | None]:
@@ -248,7 +248,7 @@ def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: S
     grant = access.sampler(owner, body.sampling_session_id)  # the checkpoint it samples, checked again now
     existing = server.store.get_future_id(body.sampling_session_id, body.seq_id)
     if existing is None:
-        served = served_model(server, grant.row["base_model"])  # the session's model, whatever its prompt says
+        served = served_model(server, grant.row.base_model)  # the session's model, whatever its prompt says
         job = build_job(server, served, body, grant.adapter_dir)
         if grant.adapter_dir is not None and not Path(grant.adapter_dir).is_dir():
             raise HTTPException(404, f"the weights of sampling session {body.sampling_session_id!r} were deleted")
@@ -271,11 +271,11 @@ def _recorder(server: Server, body: AsampleRequest, row, request_id: str, job: S
     if not body.record_stability_info:
         return None
     version = None
-    if row["model_path"] is not None:
-        where = TinkerPath.parse(row["model_path"])
+    if row.model_path is not None:
+        where = TinkerPath.parse(row.model_path)
         ckpt = server.store.get_checkpoint(where.run, where.checkpoint_id)
-        version = None if ckpt is None else ckpt["created_at"]
+        version = None if ckpt is None else ckpt.created_at
     return server.sample_records.recorder(
-        request_id=request_id, owner=row["owner"], session_id=row["session_id"],
+        request_id=request_id, owner=row.owner, session_id=row.session_id,
         sampling_session_id=body.sampling_session_id, seq_id=body.seq_id,
-        weights=row["model_path"] or f"base:{row['base_model']}", weights_version=version, job=job)
+        weights=row.model_path or f"base:{row.base_model}", weights_version=version, job=job)

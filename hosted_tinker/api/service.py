@@ -74,7 +74,7 @@ def create_session(body: CreateSessionRequest, owner: str = Depends(require_owne
 def heartbeat(body: SessionHeartbeatRequest, owner: str = Depends(require_owner),
               server: Server = Depends(get_server), access: Access = Depends(get_access)):
     row = access.session(owner, body.session_id)
-    if row["status"] != "active":
+    if row.status != "active":
         raise HTTPException(410, f"session {body.session_id!r} has finished")
     server.store.touch_session(body.session_id)
     return {"type": "session_heartbeat"}
@@ -105,7 +105,7 @@ def get_session(session_id: str, accessible: bool = Depends(accessible_scope), o
     row = access.session(owner, session_id)
     return {"training_run_ids": server.store.session_model_ids(session_id),
             "sampler_ids": server.store.session_sampler_ids(session_id),
-            "user_metadata": str_dict(row["user_metadata"]), "display_name": row["display_name"]}
+            "user_metadata": str_dict(row.user_metadata), "display_name": row.display_name}
 
 
 class ProjectBody(BaseModel):

@@ -54,7 +54,7 @@ def _checkpoint_for_load(access: Access, owner: str, path: str, with_optimizer: 
     if where.kind == "external_weights" or (with_optimizer and where.kind != "weights"):
         need = "a training state saved with save_state (tinker://.../weights/...)"
         raise HTTPException(400, f"cannot load {path!r} {'with optimizer' if with_optimizer else ''}: needs {need}")
-    folder = Path(access.checkpoint(owner, where.run, where.checkpoint_id)["dir"])
+    folder = Path(access.checkpoint(owner, where.run, where.checkpoint_id).dir)
     try:
         lora = read_manifest(folder).lora_config
     except CheckpointError as e:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sqlite3
 import threading
 import time
 import uuid
@@ -22,6 +21,7 @@ from typing import BinaryIO, Callable
 
 from .. import faults
 from ..store import Store
+from ..store_records import CheckpointRecord
 from .encryption import ENCRYPTED_FILES
 from .format import CHECKPOINT_FILES, CheckpointError
 from .paths import TinkerPath
@@ -35,14 +35,14 @@ class CheckpointExists(CheckpointError):
     """A save or import under a live checkpoint's name, without overwrite."""
 
 
-def is_expired(row: sqlite3.Row | None, now: float | None = None) -> bool:
-    return row is not None and row["expires_at"] is not None and row["expires_at"] <= (now or time.time())
+def is_expired(row: CheckpointRecord | None, now: float | None = None) -> bool:
+    return row is not None and row.expires_at is not None and row.expires_at <= (now or time.time())
 
 
-def version_of(row: sqlite3.Row) -> str:
+def version_of(row: CheckpointRecord) -> str:
     """Which version of a checkpoint a record describes: its write time, exactly (an overwrite, or
     a delete and a new save under the same name, gives another)."""
-    return repr(float(row["created_at"]))
+    return repr(float(row.created_at))
 
 
 def dir_size(path: Path) -> int:
@@ -68,7 +68,7 @@ class CheckpointCatalog:
     def folder(self, path: TinkerPath) -> Path:
         return self.root / path.run / path.kind / path.name
 
-    def record(self, path: TinkerPath) -> sqlite3.Row | None:
+    def record(self, path: TinkerPath) -> CheckpointRecord | None:
         """The live record of `path`: None if there is none or it has expired."""
         row = self.store.get_checkpoint(path.run, path.checkpoint_id)
         return None if row is None or is_expired(row) else row
@@ -91,10 +91,10 @@ class CheckpointCatalog:
                                          size, expires, user_metadata or {})
         return size
 
-    def delete(self, row: sqlite3.Row, *, expired_before: float | None = None) -> bool:
+    def delete(self, row: CheckpointRecord, *, expired_before: float | None = None) -> bool:
         """Remove a checkpoint's record, then its files. False if the record was already gone (or,
         with `expired_before`, no longer expired: a new save replaced it)."""
-        path = TinkerPath.of_record(row["model_id"], row["checkpoint_id"])
+        path = TinkerPath.of_record(row.model_id, row.checkpoint_id)
         with self.lock:
             if not self.store.delete_checkpoint_if(path.run, path.checkpoint_id, expired_before=expired_before):
                 return False
@@ -115,7 +115,7 @@ class CheckpointCatalog:
         for row in self.store.expired_checkpoints(now):
             if self.delete(row, expired_before=now):
                 removed += 1
-                log.info("checkpoint %s expired and was removed", TinkerPath.of_record(row["model_id"], row["checkpoint_id"]))
+                log.info("checkpoint %s expired and was removed", TinkerPath.of_record(row.model_id, row.checkpoint_id))
         return removed
 
     # -- reading one consistent version -------------------------------------------------------------

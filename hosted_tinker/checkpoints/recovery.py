@@ -96,25 +96,25 @@ def recover(catalog: CheckpointCatalog) -> RecoveryReport:
                 _recover_kind_dir(kind_dir, report)
         known: set[Path] = set()
         for row in store.all_checkpoints():
-            tag = f"{row['model_id']}/{row['checkpoint_id']}"
+            tag = f"{row.model_id}/{row.checkpoint_id}"
             try:
-                path = TinkerPath.of_record(row["model_id"], row["checkpoint_id"])
+                path = TinkerPath.of_record(row.model_id, row.checkpoint_id)
             except InvalidPath:  # saved before names were matched whole (a trailing newline)
                 path = None
             folder = catalog.folder(path) if path is not None else None
             if folder is None or not holds_adapter(folder):
-                store.delete_checkpoint_if(row["model_id"], row["checkpoint_id"])
+                store.delete_checkpoint_if(row.model_id, row.checkpoint_id)
                 report.removed_records.append(tag)
                 continue
             known.add(folder)
             written = _written_at(folder, path)
-            if not 0 <= row["created_at"] <= LATEST_TIME:  # copied from an unchecked manifest by an older version
+            if not 0 <= row.created_at <= LATEST_TIME:  # copied from an unchecked manifest by an older version
                 written = written if written is not None else folder.stat().st_mtime
-            if written is not None and not written <= row["created_at"] <= LATEST_TIME:
+            if written is not None and not written <= row.created_at <= LATEST_TIME:
                 # an overwrite renamed in with its record not updated (or a record time no listing can print)
                 store.set_checkpoint_files(path.run, path.checkpoint_id, dir_size(folder), written)
                 report.refreshed.append(str(path))
-            if row["expires_at"] is not None and not row["expires_at"] <= LATEST_TIME:
+            if row.expires_at is not None and not row.expires_at <= LATEST_TIME:
                 store.set_checkpoint_expiry(path.run, path.checkpoint_id, None)  # a TTL beyond printable time
                 report.refreshed.append(str(path))
         # Folders no record lists, only in runs the database knows.

@@ -107,24 +107,24 @@ class SampleRecords:
         """
         wanted = sorted(set(ids))
         now = self.clock()
-        rows = {r["sequence_id"]: r for r in self.store.get_sample_records(wanted)}
+        rows = {r.sequence_id: r for r in self.store.get_sample_records(wanted)}
         out: dict[str, SampleRecord | Unusable] = {}
         for sid in wanted:
             row = rows.get(sid)
-            if row is None or row["owner"] != owner:
+            if row is None or row.owner != owner:
                 out[sid] = self._unrecorded(owner, sid)
-            elif row["last_used_at"] + self.ttl_s <= now:
+            elif row.last_used_at + self.ttl_s <= now:
                 out[sid] = Unusable(f"its record expired: records last {self.ttl_s:g} s from their last use; "
                                     "sample again and train on it sooner")
-            elif row["session_id"] != session_id:
-                out[sid] = Unusable(f"it was sampled in session {row['session_id']!r}; a training request can "
+            elif row.session_id != session_id:
+                out[sid] = Unusable(f"it was sampled in session {row.session_id!r}; a training request can "
                                     f"only name sequences sampled in its own session ({session_id!r})")
             else:
                 out[sid] = SampleRecord(
-                    sequence_id=sid, session_id=row["session_id"], prompt=np.frombuffer(row["prompt"], np.int32),
-                    tokens=np.frombuffer(row["tokens"], np.int32), logprobs=np.frombuffer(row["logprobs"], np.float32),
-                    weights=row["weights"], weights_version=row["weights_version"], temperature=row["temperature"],
-                    top_k=row["top_k"], top_p=row["top_p"])
+                    sequence_id=sid, session_id=row.session_id, prompt=np.frombuffer(row.prompt, np.int32),
+                    tokens=np.frombuffer(row.tokens, np.int32), logprobs=np.frombuffer(row.logprobs, np.float32),
+                    weights=row.weights, weights_version=row.weights_version, temperature=row.temperature,
+                    top_k=row.top_k, top_p=row.top_p)
         self.store.touch_sample_records([sid for sid, r in out.items() if isinstance(r, SampleRecord)], now)
         return out
 
@@ -132,7 +132,7 @@ class SampleRecords:
         """No record this key may see: say whether the id is one of its own unrecorded samples."""
         request = _request_of(sequence_id)
         session = self.store.get_sampling_session(request[0]) if request else None
-        if session is None or session["owner"] != owner:
+        if session is None or session.owner != owner:
             return Unusable(f"not found: no sample request of this API key returned it ({RECORD_HINT})",
                             not_found=True)
         return Unusable(f"it has no record: it was sampled without record_stability_info=True, or its record "

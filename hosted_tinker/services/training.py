@@ -83,7 +83,7 @@ class TrainingRequests:
                 optimizer: dict, user_metadata: dict, payload: LoRAConfig | LoadSpec) -> dict:
         row = self.store.get_model(model_id)
         if row is not None:
-            if row["owner"] != owner:
+            if row.owner != owner:
                 raise HTTPException(404, f"session {session_id!r} not found")
             existing = self.store.get_future_id(model_id, 0)  # a retried create: same future
             if existing is not None:
@@ -101,17 +101,17 @@ class TrainingRequests:
 
     def info(self, owner: str, model_id: str) -> dict:
         row = self.access.model(owner, model_id)
-        lora = json.loads(row["lora_config"])
-        model = served_model(self.server, row["base_model"]).runtime.model
+        lora = json.loads(row.lora_config)
+        model = served_model(self.server, row.base_model).runtime.model
         archs = getattr(model.config, "architectures", None) or [type(model).__name__]
         return {
             "type": "get_info",
-            "model_id": row["model_id"],
-            "model_data": {"arch": archs[0], "model_name": row["base_model"], "tokenizer_id": row["base_model"]},
-            "model_name": row["base_model"],
+            "model_id": row.model_id,
+            "model_data": {"arch": archs[0], "model_name": row.base_model, "tokenizer_id": row.base_model},
+            "model_name": row.base_model,
             "is_lora": True,
             "lora_rank": lora.get("rank"),
-            "optimizer_config": json.loads(row["optimizer_config"]),
+            "optimizer_config": json.loads(row.optimizer_config),
         }
 
     def unload(self, owner: str, model_id: str) -> dict:
@@ -149,7 +149,7 @@ class TrainingRequests:
             records = {}  # a loss that trains on recorded samples finds them by the datums' provenance
             if LOSSES[call.loss_fn].needs_recorded_samples:
                 names = set().union(*(named_sequences(d) for d in call.data))
-                records = self.server.sample_records.for_training(owner, model["session_id"], names)
+                records = self.server.sample_records.for_training(owner, model.session_id, names)
             try:
                 data = [DatumWork(d.tokens, loss_inputs(i, d, call.loss_fn, config, len(call.data), records), p)
                         for i, (d, p) in enumerate(zip(call.data, pixels))]
@@ -182,7 +182,7 @@ class TrainingRequests:
                                ttl_seconds: int | None) -> SaveSpec:
         """save_weights_and_get_sampling_client: a snapshot of the weights as of this seq_id, served by a
         new sampling session. ("inflight" is served as a snapshot too.)"""
-        session_id = self.store.get_model(model_id)["session_id"]
+        session_id = self.store.get_model(model_id).session_id
         return SaveSpec(kind="sampler_weights", name=f"ephemeral-{seq_id}", owner=owner, overwrite=True,
                         ttl_seconds=ttl_seconds or self.config.ephemeral_sampler_ttl_s,
                         sampling_session_id=f"{session_id}:sample:{sampling_session_seq_id}")
@@ -210,12 +210,12 @@ class TrainingRequests:
         waiting out the scheduler's gap timeout. Only the owner's refusals count: another key's
         request naming this model must not close a gap the owner's own request may still fill."""
         row = self.store.get_model(model_id)
-        if row is not None and row["owner"] == owner and row["base_model"] in self.server.models.names:
+        if row is not None and row.owner == owner and row.base_model in self.server.models.names:
             self._owner_model(row).scheduler.skip(model_id, seq_id)
 
     def _owner_model(self, row) -> ServedModel:
         """The served model a training model was made on: every request about it goes there."""
-        return served_model(self.server, row["base_model"])
+        return served_model(self.server, row.base_model)
 
     def _submit(self, owner: str, served: ServedModel, model_id: str, seq_id: int, kind: RequestKind,
                 make_payload: Callable[[], Payload]) -> dict:

@@ -66,15 +66,15 @@ def resolve_model(server: Server, access: Access, owner: str, model: str) -> tup
             served = ", ".join(repr(n) for n in server.models.names)
             raise NotFound(f"model {model!r} not found: use a served base model ({served}), a tinker:// sampler "
                            "path, or the id of a training model you own (GET /v1/models lists them)") from None
-        own = served_model(server, row["base_model"])
+        own = served_model(server, row.base_model)
         current = own.sampler.current_weights_ref(model)
         if current is not None:
             return own, current
-        saved = [c for c in server.store.live_checkpoints(model) if c["kind"] == "sampler"]  # oldest first
+        saved = [c for c in server.store.live_checkpoints(model) if c.kind == "sampler"]  # oldest first
         if not saved:
             raise HTTPException(404, f"model {model!r} has no sampler weights yet: call "
                                      "save_weights_for_sampler(name) on its training client first")
-        ckpt_dir, base_model = Path(saved[-1]["dir"]), row["base_model"]
+        ckpt_dir, base_model = Path(saved[-1].dir), row.base_model
     if not ckpt_dir.is_dir():
         raise HTTPException(404, f"the weights of {model!r} were deleted")
     return served_model(server, base_model or checkpoint_base_model(ckpt_dir, model)), str(ckpt_dir)

@@ -71,15 +71,15 @@ def list_models(owner: str = Depends(require_owner), server: Server = Depends(ge
     rows, _ = server.store.owner_checkpoints(owner, limit=1 << 30, offset=0)
     base_of_run: dict[str, str | None] = {}  # a run's checkpoints are all of its base model
     for c in rows:
-        if c["kind"] != "sampler" or not Path(c["dir"]).is_dir():
+        if c.kind != "sampler" or not Path(c.dir).is_dir():
             continue
-        if c["model_id"] not in base_of_run:
-            run = server.store.get_model(c["model_id"])
-            base_of_run[c["model_id"]] = None if run is None else run["base_model"]
-        base = base_of_run[c["model_id"]]
+        if c.model_id not in base_of_run:
+            run = server.store.get_model(c.model_id)
+            base_of_run[c.model_id] = None if run is None else run.base_model
+        base = base_of_run[c.model_id]
         if base in served:  # others cannot be sampled here
-            path = TinkerPath.of_record(c["model_id"], c["checkpoint_id"])
-            data.append(_model_card(str(path), c["created_at"], owner, base))
+            path = TinkerPath.of_record(c.model_id, c.checkpoint_id)
+            data.append(_model_card(str(path), c.created_at, owner, base))
     return {"object": "list", "data": data}
 
 
