@@ -63,7 +63,7 @@ KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.adapters", "runtime.distrib
                       "runtime.trainer", "sampling.engine", "store"}
 KNOWN_STRING_DISPATCH = {"worker"}
 KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
-KNOWN_SCHEME_LITERALS = {"cli"}
+KNOWN_SCHEME_LITERALS: set[str] = set()
 
 
 def short(name: str) -> str:
