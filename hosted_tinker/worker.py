@@ -51,8 +51,8 @@ class SaveSpec:
 
     def __post_init__(self) -> None:
         if self.ttl_seconds is not None and not 1 <= self.ttl_seconds <= MAX_TTL_S:
-            raise ValueError(f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or unset to never expire; "
-                             f"got {self.ttl_seconds}")
+            raise UserError(f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or unset to never expire; "
+                            f"got {self.ttl_seconds}")
 
 
 @dataclass

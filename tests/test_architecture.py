@@ -58,11 +58,11 @@ KNOWN_DEVICE_IMPORTS = {
     ("services.training", "runtime.trainer"),
     ("services.training", "worker"),
 }
-KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
+KNOWN_HTTP_OUTSIDE_API: set[str] = set()
 KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.adapters", "runtime.distributed", "runtime.multi_lora",
                       "runtime.trainer", "sampling.engine", "store"}
 KNOWN_STRING_DISPATCH = {"worker"}
-KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_SCHEME_LITERALS: set[str] = set()
 
 

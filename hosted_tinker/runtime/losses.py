@@ -22,6 +22,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import UserError
+
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
 # Per-token float inputs a user may send (the SDK's float32 keys), checked for shape and finiteness.
@@ -73,7 +75,7 @@ KNOWN_UNSUPPORTED = {
 }
 
 
-class LossInputError(ValueError):
+class LossInputError(UserError):
     """A user's mistake in a forward_backward request; the message names the datum and field."""
 
 
