@@ -234,7 +234,8 @@ class TrainingRequests:
             payload = make_payload()
             limit = self.config.max_pending_per_key
             if self.futures.pending(owner) >= limit:
-                raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); wait for some to finish")
+                raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); "
+                           "wait for some to finish")
         except Exception:  # a refusal (a UserError) or a bug: either way this seq_id is never queued
             scheduler.skip(model_id, seq_id)
             raise
