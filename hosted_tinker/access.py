@@ -1,10 +1,10 @@
 """`Access`: may this API key use this object? Asked by every route, on every use.
 
 Every object has an owner (the owner id of the API key that made it). To any other key it does
-not exist: a 404, worded like the one for an object that never existed, so existence does not
-leak. The one exception is a published checkpoint, which any key may read (list, describe,
-download, load, sample) and only its owner may change (publish, TTL, delete). An expired
-checkpoint is gone for every purpose at once, before the sweeper removes its files.
+not exist: a `NotFound` (a 404), worded like the one for an object that never existed, so
+existence does not leak. The one exception is a published checkpoint, which any key may read
+(list, describe, download, load, sample) and only its owner may change (publish, TTL, delete).
+An expired checkpoint is gone for every purpose at once, before the sweeper removes its files.
 
 Nothing is remembered between uses. A sampling session opened on someone's published checkpoint
 samples it only while it is still readable: once it is unpublished, deleted, expired, or saved
@@ -16,19 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from starlette.exceptions import HTTPException
-
 from .checkpoints.catalog import is_expired
 from .checkpoints.paths import TinkerPath
+from .errors import NotFound
 from .store import Store
 from .store_records import CheckpointRecord, FutureRecord, ModelRecord, SamplingSessionRecord, SessionRecord
-
-
-class NotFound(HTTPException):
-    """The object does not exist, or this key may not see it (told apart by nobody)."""
-
-    def __init__(self, detail: str):
-        super().__init__(404, detail)
 
 
 @dataclass(frozen=True)

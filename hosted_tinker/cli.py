@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .checkpoints.paths import KINDS, SCHEME
 from .config import ServerConfig, SettingsError
 
 log = logging.getLogger("hosted_tinker")
@@ -125,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
 
     export = sub.add_parser(
         "export", help="write a checkpoint as a PEFT adapter directory (or a merged model) without the SDK",
-        description="Export tinker://RUN/KIND/NAME from a running server (--base-url, --api-key) or from a "
+        description=f"Export {SCHEME}RUN/KIND/NAME from a running server (--base-url, --api-key) or from a "
                     "server's data directory (--data-dir) as a PEFT adapter directory, or with --merged as a "
                     "full model with the LoRA weights merged in (safetensors).")
-    export.add_argument("tinker_path", help="tinker://<run>/<weights|sampler_weights|external_weights>/<name>")
+    export.add_argument("tinker_path", help=f"{SCHEME}<run>/<{'|'.join(KINDS)}>/<name>")
     export.add_argument("--out", type=Path, required=True, help="output directory (created; must be empty)")
     export.add_argument("--merged", action="store_true", help="save the base model with the adapter merged in")
     export.add_argument("--data-dir", type=Path, help="read a server's data directory instead of asking a server")

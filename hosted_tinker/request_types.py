@@ -27,6 +27,7 @@ from typing import ClassVar, Protocol, Union
 
 import numpy as np
 
+from .errors import UserError
 from .vision import Pixels
 from .wire.codec import encode_forward_backward_output
 
@@ -150,7 +151,7 @@ class SaveSpec:
 
     def __post_init__(self) -> None:
         if self.ttl_seconds is not None and not 1 <= self.ttl_seconds <= MAX_TTL_S:
-            raise ValueError(f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or unset to never expire; "
+            raise UserError(f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or unset to never expire; "
                              f"got {self.ttl_seconds}")
 
 

@@ -22,10 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import UserError
+
 FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 
 
-class ImageError(ValueError):
+class ImageError(UserError):
     """An image the request cannot use (a 400)."""
 
 

@@ -54,12 +54,12 @@ KNOWN_DEVICE_IMPORTS = {
     ("api.sampling", "sampling.engine"),
     ("services.sampling", "sampling.engine"),
 }
-KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
+KNOWN_HTTP_OUTSIDE_API: set[str] = set()
 KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.distributed", "runtime.multi_lora",
                       "runtime.trainer", "sampling.engine"}
 KNOWN_STRING_DISPATCH: set[str] = set()
-KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
-KNOWN_SCHEME_LITERALS = {"cli"}
+KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
+KNOWN_SCHEME_LITERALS: set[str] = set()
 
 
 def short(name: str) -> str:

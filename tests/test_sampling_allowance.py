@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fastapi import HTTPException
 
+from hosted_tinker.api.app import http_error_of
+from hosted_tinker.errors import Busy
 from hosted_tinker.sampling.engine import SampleJob
 from hosted_tinker.services.sampling import SamplingAllowance
 from hosted_tinker.vision import Pixels
@@ -19,10 +20,11 @@ def test_limits_name_their_setting_and_other_keys_are_unaffected():
     allowance = SamplingAllowance(max_requests=2, max_tokens=100, max_image_pixels=1000)
     allowance.take("alice", [job()])
     allowance.take("alice", [job()])
-    with pytest.raises(HTTPException, match="max_sampling_requests_per_key = 2") as e:
+    with pytest.raises(Busy, match="max_sampling_requests_per_key = 2") as e:
         allowance.take("alice", [job()])
-    assert e.value.status_code == 429 and e.value.headers == {"Retry-After": "1"}
-    with pytest.raises(HTTPException, match="max_sampled_tokens_per_key = 100"):
+    http = http_error_of(e.value)  # what api/app.py answers with
+    assert http.status_code == 429 and http.headers == {"Retry-After": "1"}
+    with pytest.raises(Busy, match="max_sampled_tokens_per_key = 100"):
         allowance.take("bob", [job(num_samples=11)])  # 110 tokens
     allowance.take("bob", [job(num_samples=10)])
 
@@ -51,10 +53,10 @@ def test_image_pixels_in_flight_are_bounded_per_key():
 
     allowance = SamplingAllowance(max_requests=10, max_tokens=1000, max_image_pixels=1000)
     lease = allowance.take("alice", [image_job(600)])
-    with pytest.raises(HTTPException, match="600 image pixels in flight and this one has 500 more "
+    with pytest.raises(Busy, match="600 image pixels in flight and this one has 500 more "
                                             r"\(max_image_pixels_per_key = 1000\)") as e:
         allowance.take("alice", [image_job(500)])
-    assert e.value.status_code == 429
+    assert http_error_of(e.value).status_code == 429
     allowance.take("bob", [image_job(1000)])  # another key's images are its own
     allowance.take("alice", [job()])  # text-only requests are not held back
     lease.release()

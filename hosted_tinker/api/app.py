@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..access import Access
 from ..checkpoints.paths import InvalidPath
 from ..config import ServerConfig
+from ..errors import Busy, NotFound, UserError
 from ..server import Server
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
@@ -23,8 +24,28 @@ from . import dashboard, hub, openai_compat, ops, rest, sampling, service, train
 from .access_log import AccessLog
 from .limits import BodyLimit
 from .metrics import Metrics
+from .openai_compat import OpenAIErrorRoute, openai_error
 
 log = logging.getLogger(__name__)
+
+# The status code of each domain error (errors.py): the services raise them, only this module speaks HTTP.
+STATUS_CODES: dict[type[UserError], int] = {NotFound: 404, Busy: 429, UserError: 400}
+
+
+def http_error_of(exc: UserError) -> StarletteHTTPException:
+    """A domain error as HTTP: its class's status code (the nearest listed ancestor's), its message as the
+    detail, and for `Busy` the Retry-After the SDK waits before it retries."""
+    status = next(STATUS_CODES[cls] for cls in type(exc).__mro__ if cls in STATUS_CODES)
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Busy) else None
+    return StarletteHTTPException(status, str(exc), headers=headers)
+
+
+def error_response(request: Request, status_code: int, detail, headers: dict | None = None) -> JSONResponse:
+    """`{"detail": ...}`, and on an OpenAI route the `error` object its clients read too."""
+    body = {"detail": detail}
+    if isinstance(request.scope.get("route"), OpenAIErrorRoute):
+        body = {"detail": str(detail), "error": openai_error(str(detail), status_code)}
+    return JSONResponse(body, status_code=status_code, headers=headers)
 
 
 def create_app(config: ServerConfig, server: Server | None = None, metrics: Metrics | None = None) -> FastAPI:
@@ -61,11 +82,15 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         detail = exc.detail or "error"
         if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said precisely
             detail = "the request body's JSON is nested too deeply to parse"
-        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return error_response(request, exc.status_code, detail, getattr(exc, "headers", None))
+
+    @app.exception_handler(UserError)
+    async def domain_error(request: Request, exc: UserError):  # a refusal of the services (errors.py)
+        return await http_error(request, http_error_of(exc))
 
     @app.exception_handler(InvalidPath)
     async def invalid_path(request: Request, exc: InvalidPath):  # a malformed tinker:// path, name or run id
-        return JSONResponse({"detail": str(exc)}, status_code=400)
+        return error_response(request, 400, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,11 @@ from ..sampling.records import sequence_ids
 from ..server import Server
 from ..served_models import ServedModel
 from ..services import served_model
-from ..services.sampling import SamplingRequests
+from ..services.sampling import SamplingRequests, sample_job
+from ..services.training import checkpoint_to_load
 from ..vision import ImageError, ImageIn, Pixels, no_images
 from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
-from .training import _checkpoint_for_load
 
 router = APIRouter()
 
@@ -79,8 +80,8 @@ def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Dep
     access.session(owner, body.session_id)
     sid = sampling_session_id(body.session_id, body.sampling_session_seq_id)
     if body.model_path is not None:
-        spec = _checkpoint_for_load(access, owner, body.model_path, with_optimizer=False,
-                                    max_rank=sampling.config.max_lora_rank)
+        spec = checkpoint_to_load(access, owner, body.model_path, with_optimizer=False,
+                                  max_rank=sampling.config.max_lora_rank)
         ckpt_dir, path = str(spec.checkpoint_dir), body.model_path
     elif body.base_model is not None:
         ckpt_dir, path = None, None
@@ -142,55 +143,41 @@ def _image_chunk(i: int, chunk: dict, position: int, served: ServedModel) -> Ima
 
 def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter_dir: str | None) -> SampleJob:
     """Validate a sample request against the model it samples and the server's limits."""
-    cfg, runtime = server.config, served.runtime
+    cfg = server.config
     if body.num_samples > cfg.max_num_samples:
         raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples}")
     prompt, pixels = _prompt(body.prompt, served)
-    if not prompt:
-        raise HTTPException(400, "the prompt is empty")
-    bad = [t for t in prompt if not 0 <= t < runtime.vocab_size]
-    if bad:
-        raise HTTPException(400, f"prompt token {bad[0]} is outside the vocabulary [0, {runtime.vocab_size})")
-    targets = None
-    if body.target_prompt_logprobs is not None:
-        targets = prompt_targets(body.target_prompt_logprobs, len(prompt), runtime.vocab_size)
-    n_last = body.prompt_logprobs_last_n
+    sp = body.sampling_params
+    stop_ids, stop_strings = _stops(sp.stop, served)
+    job = sample_job(served, prompt, max_tokens=sp.max_tokens, default_max_tokens=cfg.default_max_tokens,
+                     top_k=sp.top_k, stop_strings=stop_strings, stop_token_ids=stop_ids, num_samples=body.num_samples,
+                     adapter_id=adapter_dir, temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
+                     prompt_logprobs=bool(body.prompt_logprobs), topk_prompt_logprobs=body.topk_prompt_logprobs,
+                     topk_sample_logprobs=body.topk_sample_logprobs, prompt_alt_tokens_k=body.prompt_alt_tokens_k,
+                     pixels=pixels)
+    n_last = body.prompt_logprobs_last_n  # prompt scoring, Tinker's own: checked once the prompt is known usable
     if n_last is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs):
         raise HTTPException(400, "prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs")
     if n_last is not None and n_last > len(prompt) - 1:
         raise HTTPException(400, f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}")
-    sp = body.sampling_params
-    room = runtime.max_context - len(prompt)
-    if room < 1:
-        raise HTTPException(400, f"the prompt has {len(prompt)} tokens: no room left in the model's context "
-                                 f"of {runtime.max_context}")
-    max_tokens = sp.max_tokens if sp.max_tokens is not None else min(cfg.default_max_tokens, room)
-    if max_tokens > room:
-        raise HTTPException(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                                 f"context of {runtime.max_context}")
-    if sp.top_k == 0 or sp.top_k < -1:
-        raise HTTPException(400, f"top_k must be -1 (no limit) or >= 1, got {sp.top_k}")
-    stop_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    if sp.stop is None:  # implicit end of sequence
-        stop_ids = frozenset(served.eos_token_ids)
-    elif isinstance(sp.stop, str):
-        stop_strings = (sp.stop,)
-    elif all(isinstance(s, int) for s in sp.stop):
-        stop_ids = frozenset(sp.stop)  # [] = no stopping at all, not even at EOS
-    elif all(isinstance(s, str) for s in sp.stop):
-        stop_strings = tuple(sp.stop)
-    else:
-        raise HTTPException(400, "stop must be a string, a list of strings, or a list of token ids")
-    if any(s == "" for s in stop_strings):
-        raise HTTPException(400, "stop strings must not be empty")
-    return SampleJob(
-        prompt=prompt, num_samples=body.num_samples, max_tokens=max_tokens, adapter_id=adapter_dir,
-        temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=sp.seed,
-        stop_token_ids=stop_ids, stop_strings=stop_strings, prompt_logprobs=bool(body.prompt_logprobs),
-        topk_prompt_logprobs=body.topk_prompt_logprobs, topk_sample_logprobs=body.topk_sample_logprobs,
-        prompt_logprobs_last_n=n_last, prompt_targets=targets, prompt_alt_tokens_k=body.prompt_alt_tokens_k,
-        pixels=pixels)
+    targets = None
+    if body.target_prompt_logprobs is not None:
+        targets = prompt_targets(body.target_prompt_logprobs, len(prompt), served.runtime.vocab_size)
+    return replace(job, prompt_logprobs_last_n=n_last, prompt_targets=targets)
+
+
+def _stops(stop: str | list[str] | list[int] | None, served: ServedModel) -> tuple[frozenset[int], tuple[str, ...]]:
+    """Tinker's `stop` as (stop token ids, stop strings): unset stops at the end of sequence; token ids
+    replace it ([] = no stopping at all, not even at EOS), and so do strings."""
+    if stop is None:
+        return frozenset(served.eos_token_ids), ()
+    if isinstance(stop, str):
+        return frozenset(), (stop,)
+    if all(isinstance(s, int) for s in stop):
+        return frozenset(stop), ()
+    if all(isinstance(s, str) for s in stop):
+        return frozenset(), tuple(stop)
+    raise HTTPException(400, "stop must be a string, a list of strings, or a list of token ids")
 
 
 def prompt_targets(t: TensorDataIn, prompt_len: int, vocab_size: int) -> PromptTargets:

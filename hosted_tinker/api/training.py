@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
@@ -12,11 +11,10 @@ from pydantic import Field
 
 from ..access import Access
 from ..checkpoints.encryption import parse_recipients
-from ..checkpoints.format import CheckpointError, read_manifest
-from ..checkpoints.paths import TinkerPath, check_name
-from ..request_types import LoadSpec, SaveSpec
+from ..checkpoints.paths import check_name
+from ..request_types import SaveSpec
 from ..server import Server
-from ..services.training import TrainingRequests
+from ..services.training import TrainingRequests, checkpoint_to_load
 from ..wire.codec import WireError, decode_forward_backward_request
 from .deps import get_access, get_server, get_training, require_owner
 from .schemas import (
@@ -44,25 +42,6 @@ async def close_refused_seq_id(request: Request, body: Any) -> None:
     except HTTPException:
         return
     await run_in_threadpool(get_training(request).refused, owner, model_id, seq_id)
-
-
-def _checkpoint_for_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int) -> LoadSpec:
-    """The checkpoint at `path`, if this key may load it and this server can: its kind, its owner
-    or publication, and its manifest's rank against `max_rank` (--max-lora-rank; the worker checks
-    the files themselves again when it loads them)."""
-    where = TinkerPath.parse(path)
-    if where.kind == "external_weights" or (with_optimizer and where.kind != "weights"):
-        need = "a training state saved with save_state (tinker://.../weights/...)"
-        raise HTTPException(400, f"cannot load {path!r} {'with optimizer' if with_optimizer else ''}: needs {need}")
-    folder = Path(access.checkpoint(owner, where.run, where.checkpoint_id).dir)
-    try:
-        lora = read_manifest(folder).lora_config
-    except CheckpointError as e:
-        raise HTTPException(400, f"checkpoint {path!r} cannot be loaded: {e}") from None
-    if lora.rank > max_rank:
-        raise HTTPException(400, f"checkpoint {path!r} has LoRA rank {lora.rank}, above this server's limit of "
-                                 f"{max_rank}")
-    return LoadSpec(checkpoint_dir=folder, with_optimizer=with_optimizer, path=str(where), max_rank=max_rank)
 
 
 # -- models -----------------------------------------------------------------------------------------
@@ -169,12 +148,12 @@ def save_weights_external(body: SaveWeightsExternalRequest, owner: str = Depends
 def load_weights(body: LoadWeightsRequest, owner: str = Depends(require_owner),
                  training: TrainingRequests = Depends(get_training), access: Access = Depends(get_access)):
     if body.model_id is not None:  # mode A: into an existing model, in its seq_id order
-        return training.load(owner, body.model_id, body.seq_id, lambda: _checkpoint_for_load(
+        return training.load(owner, body.model_id, body.seq_id, lambda: checkpoint_to_load(
             access, owner, body.path, body.optimizer, max_rank=training.config.max_lora_rank))
     if body.session_id is None or body.model_seq_id is None:
         raise HTTPException(400, "load_weights needs either model_id and seq_id, or session_id and model_seq_id")
     return training.create_from_checkpoint(owner, body.session_id, body.model_seq_id, body.base_model,
-                                           lambda: _checkpoint_for_load(access, owner, body.path, body.optimizer,
+                                           lambda: checkpoint_to_load(access, owner, body.path, body.optimizer,
                                                                         max_rank=training.config.max_lora_rank),
                                            body.optimizer_config or {"type": "adamw"}, body.user_metadata or {})
 

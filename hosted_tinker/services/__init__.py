@@ -2,7 +2,8 @@
 
 Routes (`api/`) parse and answer HTTP; these modules check access, validate against the model and
 the server's limits, record futures and hand work to the scheduler or the sampler. Nothing in here
-knows about HTTP beyond raising `HTTPException` with the message a user should read.
+knows about HTTP: a refusal is a domain error (`errors.py`) with the message a user should read,
+and `api/app.py` gives it its status code.
 
 Each request goes to one served base model (`served_model`): the one it names, or the one its
 training model, sampling session or checkpoint was made on.
@@ -10,24 +11,19 @@ training model, sampling session or checkpoint was made on.
 
 from pathlib import Path
 
-from fastapi import HTTPException
-
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..errors import UserError
 from ..served_models import ServedModel
 
 
 def served_model(server, base_model: str) -> ServedModel:
-    """The served model named `base_model`, or a 400 naming the ones this server serves."""
-    try:
-        return server.models.get(base_model)
-    except UserError as e:
-        raise HTTPException(400, str(e)) from None
+    """The served model named `base_model`, or a UserError naming the ones this server serves."""
+    return server.models.get(base_model)
 
 
 def checkpoint_base_model(folder: Path, path: str) -> str:
-    """The base model a stored checkpoint was trained on (its manifest says), or a 400."""
+    """The base model a stored checkpoint was trained on (its manifest says), or a UserError."""
     try:
         return read_manifest(folder).base_model
     except CheckpointError as e:
-        raise HTTPException(400, f"checkpoint {path} cannot be loaded: {e}") from None
+        raise UserError(f"checkpoint {path} cannot be loaded: {e}") from None

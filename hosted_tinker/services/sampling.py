@@ -1,8 +1,9 @@
 """`SamplingRequests`: sample requests of both APIs (Tinker `asample`, OpenAI) on their way to the sampler.
 
 Each request is bounded on its own (prompts, `n`, requested tokens, stop strings, image pixels, and each job's KV
-cache against the sampler's whole KV-cache budget: a 400 naming the setting) and each API key's sampling work in
-flight (requests, requested tokens and image pixels, waiting or running) is bounded too: beyond it the key gets a 429 naming the limit, which the SDK treats as back-pressure
+cache against the sampler's whole KV-cache budget: a `UserError`, a 400, naming the setting) and each API key's
+sampling work in flight (requests, requested tokens and image pixels, waiting or running) is bounded too: beyond it
+the key gets `Busy`, a 429 naming the limit, which the SDK treats as back-pressure
 and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
 A key's allowance is given back when its job ends: done, failed, or cancelled because its client
 went away.
@@ -15,13 +16,39 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
-from fastapi import HTTPException
-
 from ..access import Access
+from ..errors import Busy, UserError
 from ..sampling.engine import SampleJob, SampleResult
 from ..server import Server
 from ..served_models import ServedModel
 from . import checkpoint_base_model, served_model
+
+
+def sample_job(served: ServedModel, prompt: list[int], *, max_tokens: int | None, default_max_tokens: int, top_k: int,
+               stop_strings: tuple[str, ...], **fields) -> SampleJob:
+    """The job of a sample request of either API (Tinker `asample`, OpenAI), `prompt` checked against `served`'s
+    vocabulary and context and the parameters both APIs share: the same mistake gets the same message from
+    both. `max_tokens` None asks for up to `default_max_tokens`, as many as fit; `fields` are the job's
+    others (`SampleJob`)."""
+    runtime = served.runtime
+    if not prompt:
+        raise UserError("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < runtime.vocab_size]
+    if bad:
+        raise UserError(f"prompt token {bad[0]} is outside the vocabulary [0, {runtime.vocab_size})")
+    room = runtime.max_context - len(prompt)
+    if room < 1:
+        raise UserError(f"the prompt has {len(prompt)} tokens: no room left in the model's context of "
+                        f"{runtime.max_context} tokens")
+    if max_tokens is not None and max_tokens > room:
+        raise UserError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
+                        f"context of {runtime.max_context} tokens")
+    if top_k == 0 or top_k < -1:
+        raise UserError(f"top_k must be -1 (no limit) or >= 1, got {top_k}")
+    if any(s == "" for s in stop_strings):
+        raise UserError("stop strings must not be empty")
+    return SampleJob(prompt=prompt, max_tokens=min(default_max_tokens, room) if max_tokens is None else max_tokens,
+                     top_k=top_k, stop_strings=stop_strings, **fields)
 
 
 def requested_tokens(job: SampleJob) -> int:
@@ -47,22 +74,20 @@ class SamplingAllowance:
         self.pixels: dict[str, int] = defaultdict(int)
 
     def take(self, owner: str, jobs: list[SampleJob]) -> "Lease":
-        """A lease on `jobs`' share of `owner`'s allowance, or a 429 naming the limit it would pass."""
+        """A lease on `jobs`' share of `owner`'s allowance, or `Busy` naming the limit it would pass."""
         tokens, pixels = sum(requested_tokens(j) for j in jobs), image_pixels(jobs)
         with self._lock:
             if self.requests[owner] + 1 > self.max_requests:
-                raise HTTPException(429, f"this API key has {self.requests[owner]} sampling requests in flight "
-                                         f"(max_sampling_requests_per_key = {self.max_requests}); wait for some to "
-                                         "finish", headers={"Retry-After": "1"})
+                raise Busy(f"this API key has {self.requests[owner]} sampling requests in flight "
+                           f"(max_sampling_requests_per_key = {self.max_requests}); wait for some to finish")
             if self.tokens[owner] + tokens > self.max_tokens:
-                raise HTTPException(429, f"this API key has sampling requests for {self.tokens[owner]} tokens in flight "
-                                         f"and this one asks for {tokens} more (max_sampled_tokens_per_key = "
-                                         f"{self.max_tokens}); wait for some to finish", headers={"Retry-After": "1"})
+                raise Busy(f"this API key has sampling requests for {self.tokens[owner]} tokens in flight "
+                           f"and this one asks for {tokens} more (max_sampled_tokens_per_key = "
+                           f"{self.max_tokens}); wait for some to finish")
             if self.pixels[owner] + pixels > self.max_image_pixels:
-                raise HTTPException(429, f"this API key has sampling requests with {self.pixels[owner]} image pixels "
-                                         f"in flight and this one has {pixels} more (max_image_pixels_per_key = "
-                                         f"{self.max_image_pixels}); wait for some to finish",
-                                    headers={"Retry-After": "1"})
+                raise Busy(f"this API key has sampling requests with {self.pixels[owner]} image pixels "
+                           f"in flight and this one has {pixels} more (max_image_pixels_per_key = "
+                           f"{self.max_image_pixels}); wait for some to finish")
             self.requests[owner] += 1
             self.tokens[owner] += tokens
             self.pixels[owner] += pixels
@@ -130,30 +155,30 @@ class SamplingRequests:
         tokens = sum(requested_tokens(j) for j in jobs)
         limit = self.config.max_sampled_tokens_per_request
         if tokens > limit:
-            raise HTTPException(400, f"this request asks for up to {tokens} sampled tokens (prompts x samples x "
-                                     f"max_tokens, plus prompt positions x prompt_alt_tokens_k); the limit is {limit} "
-                                     "(max_sampled_tokens_per_request): ask for fewer samples or fewer max_tokens "
-                                     "per request")
+            raise UserError(f"this request asks for up to {tokens} sampled tokens (prompts x samples x "
+                            f"max_tokens, plus prompt positions x prompt_alt_tokens_k); the limit is {limit} "
+                            "(max_sampled_tokens_per_request): ask for fewer samples or fewer max_tokens "
+                            "per request")
         pixels, limit = image_pixels(jobs), self.config.max_image_pixels_per_key
-        if pixels > limit:  # it could never be let in: a 400, not a 429 to retry forever
-            raise HTTPException(400, f"this request's images have {pixels} pixels together; one API key's sample "
-                                     f"requests in flight may hold {limit} (max_image_pixels_per_key): send fewer or "
-                                     "smaller images")
+        if pixels > limit:  # it could never be let in: a 400, not a 429 (Busy) to retry forever
+            raise UserError(f"this request's images have {pixels} pixels together; one API key's sample "
+                            f"requests in flight may hold {limit} (max_image_pixels_per_key): send fewer or "
+                            "smaller images")
         for job in jobs:
             self._check_stops(job.stop_strings)
             reason = served.sampler.refusal(job)
             if reason is not None:
-                raise HTTPException(400, reason)
+                raise UserError(reason)
 
     def _check_stops(self, stops: tuple[str, ...]) -> None:
         """Every generated token is checked against the stop strings: their number and length bound that work."""
         if len(stops) > self.config.max_stop_strings:
-            raise HTTPException(400, f"this request has {len(stops)} stop strings; the limit is "
-                                     f"{self.config.max_stop_strings} (max_stop_strings)")
+            raise UserError(f"this request has {len(stops)} stop strings; the limit is "
+                            f"{self.config.max_stop_strings} (max_stop_strings)")
         size = sum(len(s.encode()) for s in stops)
         if size > self.config.max_stop_strings_bytes:
-            raise HTTPException(400, f"this request's stop strings are {size} bytes together; the limit is "
-                                     f"{self.config.max_stop_strings_bytes} (max_stop_strings_bytes)")
+            raise UserError(f"this request's stop strings are {size} bytes together; the limit is "
+                            f"{self.config.max_stop_strings_bytes} (max_stop_strings_bytes)")
 
     def open_session(self, owner: str, session_id: str, sampling_session_id: str, base_model: str | None,
                      model_path: str | None, checkpoint_dir: str | None) -> None:
@@ -162,8 +187,8 @@ class SamplingRequests:
         if checkpoint_dir is not None:
             trained_on = checkpoint_base_model(Path(checkpoint_dir), model_path)
             if base_model is not None and base_model != trained_on:
-                raise HTTPException(400, f"checkpoint {model_path} was trained on base model {trained_on!r}, not "
-                                         f"{base_model!r}: it samples only on its own base model")
+                raise UserError(f"checkpoint {model_path} was trained on base model {trained_on!r}, not "
+                                f"{base_model!r}: it samples only on its own base model")
             base_model = trained_on
         served = served_model(self.server, base_model)
         self.server.store.create_sampling_session(sampling_session_id, session_id, owner, served.name,

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
-
-from fastapi import HTTPException
 
 from ..access import Access
 from ..checkpoints.format import CheckpointError, read_manifest
+from ..checkpoints.paths import TinkerPath
+from ..errors import Busy, NotFound, UserError
 from ..request_types import (AdamParams, DatumWork, FBWork, FutureRef, LoadSpec, LoRAConfig, Payload, RequestKind,
                              SaveSpec, targets_per_position)
 from ..runtime.losses import LOSSES, LossInputError, check_one_targets_shape, resolve_loss_config, validate_datum
@@ -24,7 +25,7 @@ from ..scheduler import Request
 from ..server import Server
 from ..served_models import ServedModel
 from ..vision import Pixels, no_images
-from ..wire.codec import ForwardBackwardCall, WireDatum, WireError
+from ..wire.codec import ForwardBackwardCall, WireDatum
 from . import checkpoint_base_model, served_model
 from .provenance import RecordNotFound, loss_inputs, named_sequences
 
@@ -51,14 +52,14 @@ class TrainingRequests:
         lora = LoRAConfig(rank=rank, seed=seed or 0, train_mlp=train_mlp, train_attn=train_attn,
                           train_unembed=train_unembed)
         if lora.rank > self.config.max_lora_rank:
-            raise HTTPException(400, f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank}")
+            raise UserError(f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank}")
         if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
-            raise HTTPException(400, "at least one of train_mlp, train_attn, train_unembed must be true")
+            raise UserError("at least one of train_mlp, train_attn, train_unembed must be true")
         refused = refusal(served.runtime.projections, lora.roles)  # a projection asked for that cannot be adapted
         if refused:
-            raise HTTPException(400, refused)
+            raise UserError(refused)
         if optimizer.get("type", "adamw") != "adamw":
-            raise HTTPException(400, f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
+            raise UserError(f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
         return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.CREATE_MODEL,
                             lora.to_dict(), optimizer, user_metadata, lora)
 
@@ -71,10 +72,10 @@ class TrainingRequests:
         try:  # the model's record holds the manifest's LoRA config, checked, until the load replaces it
             manifest = read_manifest(spec.checkpoint_dir)
         except CheckpointError as e:
-            raise HTTPException(400, f"checkpoint {spec.path} cannot be loaded: {e}") from None
+            raise UserError(f"checkpoint {spec.path} cannot be loaded: {e}") from None
         if base_model is not None and base_model != manifest.base_model:
-            raise HTTPException(400, f"checkpoint {spec.path} was trained on base model {manifest.base_model!r}, "
-                                     f"not {base_model!r}: a checkpoint loads only into its own base model")
+            raise UserError(f"checkpoint {spec.path} was trained on base model {manifest.base_model!r}, "
+                            f"not {base_model!r}: a checkpoint loads only into its own base model")
         served = served_model(self.server, manifest.base_model)
         return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.LOAD_WEIGHTS,
                             manifest.lora_config.config().to_dict(), optimizer, user_metadata, spec)
@@ -84,14 +85,14 @@ class TrainingRequests:
         row = self.store.get_model(model_id)
         if row is not None:
             if row.owner != owner:
-                raise HTTPException(404, f"session {session_id!r} not found")
+                raise NotFound(f"session {session_id!r} not found")
             existing = self.store.get_future_id(model_id, 0)  # a retried create: same future
             if existing is not None:
                 return future_ref(existing, model_id)
         live = self.store.count_active_models(owner)
         if live >= self.config.max_models_per_key:
-            raise HTTPException(400, f"this API key already has {live} live models (limit "
-                                     f"{self.config.max_models_per_key}); unload one before creating another")
+            raise UserError(f"this API key already has {live} live models (limit "
+                            f"{self.config.max_models_per_key}); unload one before creating another")
         self.store.create_model(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
         served.scheduler.open_model(model_id, 0)
         request_id, is_new = self.futures.create(owner, kind, model_id, 0)
@@ -124,7 +125,7 @@ class TrainingRequests:
     def forward_backward(self, owner: str, call: ForwardBackwardCall) -> dict:
         model = self.access.loaded_model(owner, call.model_id)
         if call.seq_id < 1:
-            raise HTTPException(400, f"seq_id must be >= 1, got {call.seq_id}")
+            raise UserError(f"seq_id must be >= 1, got {call.seq_id}")
         served = self._owner_model(model)
         runtime, limit = served.runtime, self.config.max_datums_per_request
 
@@ -154,7 +155,7 @@ class TrainingRequests:
                 data = [DatumWork(d.tokens, loss_inputs(i, d, call.loss_fn, config, len(call.data), records), p)
                         for i, (d, p) in enumerate(zip(call.data, pixels))]
             except RecordNotFound as e:
-                raise HTTPException(404, str(e)) from None
+                raise NotFound(str(e)) from None
             return FBWork(model_id=call.model_id, data=data, loss_fn=call.loss_fn, loss_config=config,
                           forward_only=call.forward_only)
 
@@ -167,8 +168,8 @@ class TrainingRequests:
 
         def params() -> AdamParams:
             if adam is None:
-                raise HTTPException(400, f"optimizer params of type {other_type or 'unknown'!r} are not supported; "
-                                         "send adam_params")
+                raise UserError(f"optimizer params of type {other_type or 'unknown'!r} are not supported; "
+                                "send adam_params")
             return AdamParams(**adam)
 
         return self._submit(owner, served, model_id, seq_id, RequestKind.OPTIM_STEP, params)
@@ -191,15 +192,15 @@ class TrainingRequests:
         """load_weights into an existing model, in its seq_id order: a checkpoint of its own base model."""
         served = self._owner_model(self.access.loaded_model(owner, model_id))
         if seq_id is None:
-            raise HTTPException(400, "load_weights into an existing model needs seq_id")
+            raise UserError("load_weights into an existing model needs seq_id")
 
         def checked_spec() -> LoadSpec:
             spec = make_spec()
             trained_on = checkpoint_base_model(spec.checkpoint_dir, spec.path)
             if trained_on != served.name:
-                raise HTTPException(400, f"checkpoint {spec.path} was trained on base model {trained_on!r}; model "
-                                         f"{model_id!r} is of {served.name!r}: a checkpoint loads only into its own "
-                                         "base model")
+                raise UserError(f"checkpoint {spec.path} was trained on base model {trained_on!r}; model "
+                                f"{model_id!r} is of {served.name!r}: a checkpoint loads only into its own "
+                                "base model")
             return spec
 
         return self._submit(owner, served, model_id, seq_id, RequestKind.LOAD_WEIGHTS, checked_spec)
@@ -228,18 +229,15 @@ class TrainingRequests:
             payload = make_payload()
             limit = self.config.max_pending_per_key
             if self.futures.pending(owner) >= limit:
-                raise HTTPException(429, f"this API key has {limit} unfinished requests (max_pending_per_key); "
-                                         "wait for some to finish", headers={"Retry-After": "1"})
-        except (LossInputError, WireError, ValueError) as e:
-            scheduler.skip(model_id, seq_id)
-            raise HTTPException(400, str(e)) from None
-        except Exception:  # a refusal (HTTPException) or a bug: either way this seq_id is never queued
+                raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); "
+                           "wait for some to finish")
+        except Exception:  # a refusal (a UserError) or a bug: either way this seq_id is never queued
             scheduler.skip(model_id, seq_id)
             raise
         expected = scheduler.expected_seq(model_id)
         if expected is not None and seq_id < expected:
-            raise HTTPException(400, f"seq_id {seq_id} of model {model_id!r} is below the next expected seq_id "
-                                     f"{expected}; each request needs a new seq_id")
+            raise UserError(f"seq_id {seq_id} of model {model_id!r} is below the next expected seq_id "
+                            f"{expected}; each request needs a new seq_id")
         request_id, is_new = self.futures.create(owner, kind, model_id, seq_id)
         if is_new:  # else a concurrent retry of the same seq_id got there first
             if isinstance(payload, FBWork):  # in parts of at most one cycle's budget (scheduler.py)
@@ -284,3 +282,21 @@ def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | N
         d.tokens, p = served.images.expand(f"datum {i}", d.tokens, d.images)
         pixels.append(p)
     return pixels
+
+
+def checkpoint_to_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int) -> LoadSpec:
+    """The checkpoint at `path`, to load or to sample, if this key may and this server can: its kind, its
+    owner or publication, and its manifest's rank against `max_rank` (--max-lora-rank; the worker checks
+    the files themselves again when it loads them)."""
+    where = TinkerPath.parse(path)
+    if where.kind == "external_weights" or (with_optimizer and where.kind != "weights"):
+        need = "a training state saved with save_state (tinker://.../weights/...)"
+        raise UserError(f"cannot load {path!r} {'with optimizer' if with_optimizer else ''}: needs {need}")
+    folder = Path(access.checkpoint(owner, where.run, where.checkpoint_id).dir)
+    try:
+        lora = read_manifest(folder).lora_config
+    except CheckpointError as e:
+        raise UserError(f"checkpoint {path!r} cannot be loaded: {e}") from None
+    if lora.rank > max_rank:
+        raise UserError(f"checkpoint {path!r} has LoRA rank {lora.rank}, above this server's limit of {max_rank}")
+    return LoadSpec(checkpoint_dir=folder, with_optimizer=with_optimizer, path=str(where), max_rank=max_rank)

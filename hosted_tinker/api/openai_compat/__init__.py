@@ -30,6 +30,6 @@ template sent with a request only with `--trust-request-chat-template`).
 | `routes.py` | the routes: submit, wait (or stream), cancel when the client leaves |
 """
 
-from .routes import router
+from .routes import OpenAIErrorRoute, openai_error, router
 
-__all__ = ["router"]
+__all__ = ["OpenAIErrorRoute", "openai_error", "router"]

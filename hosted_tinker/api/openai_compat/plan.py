@@ -11,13 +11,15 @@ from typing import Any, Literal
 
 from fastapi import HTTPException
 
-from ...access import Access, NotFound
+from ...access import Access
 from ...checkpoints.paths import SCHEME
+from ...errors import NotFound
 from ...sampling.engine import SampleJob
 from ...server import Server
 from ...served_models import ServedModel
 from ...services import checkpoint_base_model, served_model
-from ..training import _checkpoint_for_load
+from ...services.sampling import sample_job
+from ...services.training import checkpoint_to_load
 from ...vision import Pixels
 from .images import check_takes_images, expand_images, image_part
 from .schemas import ChatBody, CompletionBody, SamplingBody
@@ -56,8 +58,8 @@ def resolve_model(server: Server, access: Access, owner: str, model: str) -> tup
     if model in server.models.names:
         return server.models.get(model), None
     if model.startswith(SCHEME):
-        ckpt_dir = _checkpoint_for_load(access, owner, model, with_optimizer=False,
-                                        max_rank=server.config.max_lora_rank).checkpoint_dir
+        ckpt_dir = checkpoint_to_load(access, owner, model, with_optimizer=False,
+                                      max_rank=server.config.max_lora_rank).checkpoint_dir
         base_model = None  # the checkpoint's own, read once its folder is known to exist
     else:
         try:
@@ -90,8 +92,6 @@ def _check_params(server: Server, body: SamplingBody) -> None:
     p = body.top_p
     if p is not None and not (math.isfinite(p) and 0 < p <= 1):
         raise HTTPException(400, f"top_p must be in (0, 1], got {p}")
-    if body.top_k is not None and (body.top_k == 0 or body.top_k < -1):
-        raise HTTPException(400, f"top_k must be -1 (no limit) or >= 1, got {body.top_k}")
     if body.max_tokens is not None and body.max_tokens < 1:
         raise HTTPException(400, f"max_tokens must be at least 1, got {body.max_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -99,9 +99,6 @@ def _check_params(server: Server, body: SamplingBody) -> None:
             raise HTTPException(400, f"{name} is not supported by this server; leave it unset or 0")
     if body.logit_bias:
         raise HTTPException(400, "logit_bias is not supported by this server")
-    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    if any(s == "" for s in stops):
-        raise HTTPException(400, "stop strings must not be empty")
 
 
 def _temperature(t: float | None) -> float:
@@ -117,28 +114,14 @@ def _stops(body: SamplingBody) -> tuple[str, ...]:
 
 def _make_jobs(served: ServedModel, body: SamplingBody, prompts: list[list[int]], adapter: str | None,
                max_tokens: int | None, topk: int, pixels: Pixels | None = None) -> list[SampleJob]:
-    runtime = served.runtime
-    jobs = []
-    for prompt in prompts:
-        if not prompt:
-            raise HTTPException(400, "the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < runtime.vocab_size]
-        if bad:
-            raise HTTPException(400, f"prompt token {bad[0]} is outside the vocabulary [0, {runtime.vocab_size})")
-        room = runtime.max_context - len(prompt)
-        if room < 1:
-            raise HTTPException(400, f"the prompt has {len(prompt)} tokens: no room left in the model's context of "
-                                     f"{runtime.max_context} tokens")
-        if max_tokens is not None and max_tokens > room:
-            raise HTTPException(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                                     f"model's context of {runtime.max_context} tokens")
-        jobs.append(SampleJob(
-            prompt=prompt, num_samples=body.n, max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, room),
-            adapter_id=adapter, temperature=_temperature(body.temperature),
-            top_k=body.top_k if body.top_k is not None else -1, top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed, stop_token_ids=frozenset() if body.ignore_eos else frozenset(served.eos_token_ids),
-            stop_strings=_stops(body), topk_sample_logprobs=topk, pixels=pixels))
-    return jobs
+    """One job per prompt, each checked as a Tinker sample request's is (services/sampling.py)."""
+    return [sample_job(served, prompt, max_tokens=max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
+                       top_k=-1 if body.top_k is None else body.top_k, stop_strings=_stops(body), num_samples=body.n,
+                       adapter_id=adapter, temperature=_temperature(body.temperature),
+                       top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                       stop_token_ids=frozenset() if body.ignore_eos else frozenset(served.eos_token_ids),
+                       topk_sample_logprobs=topk, pixels=pixels)
+            for prompt in prompts]
 
 
 def _completion_prompts(server: Server, served: ServedModel, prompt: Any) -> list[list[int]]:

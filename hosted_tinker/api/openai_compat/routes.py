@@ -12,10 +12,9 @@ from typing import Awaitable, Callable, TypeVar
 import anyio
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...access import Access
 from ...checkpoints.paths import TinkerPath
@@ -33,24 +32,15 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 
 class OpenAIErrorRoute(APIRoute):
-    """Errors as `{"error": {"message", "type", ...}}`, the body OpenAI clients read the message from
-    (the openai SDK shows nothing else in its exception text), keeping this server's `detail` too."""
+    """A route whose error bodies (api/app.py writes them) carry `{"error": {"message", "type", ...}}`, the
+    body OpenAI clients read the message from (the openai SDK shows nothing else in its exception text),
+    beside this server's `detail`."""
 
-    def get_route_handler(self):
-        handler = super().get_route_handler()
 
-        async def route(request: Request):
-            try:
-                return await handler(request)  # dependencies (auth) run in here too
-            except StarletteHTTPException as e:  # fastapi's and access.NotFound alike
-                message = str(e.detail or "error")
-                kind = ("server_error" if e.status_code >= 500
-                        else _ERROR_TYPES.get(e.status_code, "invalid_request_error"))
-                return JSONResponse({"detail": message, "error": {"message": message, "type": kind, "param": None,
-                                                                   "code": None}},
-                                    status_code=e.status_code, headers=getattr(e, "headers", None))
-
-        return route
+def openai_error(message: str, status_code: int) -> dict:
+    """The `error` object of an OpenAI error body."""
+    kind = "server_error" if status_code >= 500 else _ERROR_TYPES.get(status_code, "invalid_request_error")
+    return {"message": message, "type": kind, "param": None, "code": None}
 
 
 router = APIRouter(route_class=OpenAIErrorRoute)

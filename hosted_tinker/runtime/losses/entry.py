@@ -10,10 +10,12 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ...errors import UserError
+
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
 
 
-class LossInputError(ValueError):
+class LossInputError(UserError):
     """A user's mistake in a forward_backward request; the message names the datum and field."""
 
 
