@@ -35,7 +35,8 @@ from .model_loading import model_directory, pick_device, pick_dtype, resolve_mod
 from .model_runtime import ModelRuntime
 from .runtime.cpu_threads import on_passing_thread
 from .sampling.backend import EngineBackend, SamplingBackend
-from .sampling.engine import SampleJob, SampleResult, SamplingEngine
+from .sampling.engine import SamplingEngine
+from .sampling.jobs import SampleJob, SampleResult
 from .sampling.kv_budget import choose_kv_budget
 from .sampling.records import SampleRecords
 from .sampling.service import SamplingService

@@ -42,25 +42,19 @@ DEVICE_SIDE = ("hosted_tinker.worker", "hosted_tinker.device_loop", "hosted_tink
 
 KNOWN_CIRCLES: set[frozenset[str]] = {
     frozenset({"runtime.invariance", "runtime.multi_lora"}),
-    frozenset({"sampling.engine", "sampling.kv_budget"}),
 }
 KNOWN_ARROWS_UP = {
     ("runtime.provenance", "sampling.records"),
     ("runtime.trainer", "checkpoints.format"),
 }
 KNOWN_DEVICE_IMPORTS = {
-    ("api.metrics", "sampling.engine"),
-    ("api.openai_compat.answer", "sampling.engine"),
-    ("api.openai_compat.plan", "sampling.engine"),
-    ("api.sampling", "sampling.engine"),
     ("api.training", "worker"),
-    ("services.sampling", "sampling.engine"),
     ("services.training", "runtime.trainer"),
     ("services.training", "worker"),
 }
 KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
 KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.adapters", "runtime.distributed", "runtime.multi_lora",
-                      "runtime.trainer", "sampling.engine", "store"}
+                      "runtime.trainer", "store"}
 KNOWN_STRING_DISPATCH = {"worker"}
 KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
 KNOWN_SCHEME_LITERALS = {"cli"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from fastapi import HTTPException
 
-from hosted_tinker.sampling.engine import SampleJob
+from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.services.sampling import SamplingAllowance
 from hosted_tinker.vision import Pixels
 

@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 from ..sampling.vllm_server_backend import VLLMBackend
 
 if TYPE_CHECKING:
-    from ..sampling.engine import SampleJob, SampleResult
+    from ..sampling.jobs import SampleJob, SampleResult
     from ..served_models import ServedModel
     from ..scheduler import CyclePlan
     from ..server import Server

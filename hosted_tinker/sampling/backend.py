@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..model_runtime import ModelRuntime
-from .engine import SampleJob, SamplingEngine
+from .engine import SamplingEngine
+from .jobs import SampleJob
 from .snapshots import SnapshotCache
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ import torch
 from ..model_runtime import ModelRuntime
 from ..runtime.adapters import LoRAConfig
 from .backend import EngineBackend, SamplingBackend, samples_current_weights
-from .engine import SampleJob, SampleResult
+from .jobs import SampleJob, SampleResult
 from .vllm_adapters import LATEST_PREFIX, AdapterVersion, AdapterVersions, latest_ref
 from .vllm_backend import VLLMSamplingBackend
 from .vllm_sidecar import VLLMSidecar
