@@ -68,7 +68,8 @@ from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.request_types import DatumWork, FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
-from hosted_tinker.sampling.engine import SampleJob, SamplingEngine  # noqa: E402
+from hosted_tinker.sampling.engine import SamplingEngine  # noqa: E402
+from hosted_tinker.sampling.jobs import SampleJob  # noqa: E402
 from hosted_tinker.sampling.snapshots import SnapshotCache  # noqa: E402
 from hosted_tinker.sampling.vllm_adapters import AdapterVersions, latest_ref  # noqa: E402
 from hosted_tinker.sampling.vllm_backend import VLLMSamplingBackend  # noqa: E402

@@ -9,14 +9,14 @@ sampling backend and device loop on its own device (`ServedModel`, served_models
 the futures, the checkpoints and the API keys are shared. Routes find a request's model in
 `Server.models` by the base model it names or its objects were made on. The sampling backend is
 the built-in engine, or with `--vllm` / `--vllm-url` a vLLM sidecar that hands the jobs it
-refuses to the built-in engine (sampling/vllm_server_backend.py).
+refuses to the built-in engine (sampling/vllm_server_backend.py), chosen by `make_backend`
+(sampling/backends.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import shutil
 import threading
 import time
@@ -31,22 +31,15 @@ from .config import ModelEntry, ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
-from .model_loading import model_directory, pick_device, pick_dtype, resolve_model_source
-from .model_runtime import ModelRuntime
+from .model_loading import pick_device, resolve_model_source
 from .runtime.cpu_threads import on_passing_thread
-from .sampling.backend import EngineBackend, SamplingBackend
-from .sampling.engine import SampleJob, SampleResult, SamplingEngine
+from .sampling.backends import SamplingObserver, make_backend
+from .sampling.jobs import SampleJob, SampleResult
 from .sampling.kv_budget import choose_kv_budget
 from .sampling.records import SampleRecords
 from .sampling.service import SamplingService
-from .sampling.snapshots import SnapshotCache
-from .sampling.vllm_adapters import AdapterVersions, layout_refusal
-from .sampling.vllm_backend import VLLMSamplingBackend
-from .sampling.vllm_server_backend import VLLMBackend
-from .sampling.vllm_sidecar import VLLMLaunch, VLLMSidecar
 from .scheduler import ClockCycleScheduler, CyclePlan
 from .served_models import ModelRegistry, ServedModel, make_runtime
-from .startup import vllm_child_devices, vllm_python
 from .store import Store, db_path
 from .telemetry_log import TelemetryLog
 from .vision import ImageLimits, image_encoder
@@ -67,16 +60,11 @@ def eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-class Observer(Protocol):
-    """Watches the device loops (api/metrics.py); called on their threads, so it must be quick.
-    `base_model`: the served model whose loop it is."""
+class Observer(SamplingObserver, Protocol):
+    """Watches the device loops (api/metrics.py) and the sampling backends; called on their threads,
+    so it must be quick. `base_model`: the served model whose loop it is."""
 
     def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None: ...
-
-    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None: ...
-
-    def observe_vllm_request(self, base_model: str, job: SampleJob, result: SampleResult | None,
-                             seconds: float) -> None: ...
 
 
 class _Unobserved:
@@ -105,14 +93,7 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                                     max_tokens_per_cycle=config.max_tokens_per_cycle,
                                     max_models_per_cycle=config.max_live_adapters)
     kv_budget = choose_kv_budget(config.max_sampling_kv_tokens, model, device)  # after the model is loaded
-    backend: SamplingBackend = EngineBackend(
-        SamplingEngine(model, runtime.routing, tokenizer, device, kv_budget_tokens=kv_budget.tokens,
-                       kv_share_per_key=config.max_sampling_kv_share_per_key,
-                       on_request_done=functools.partial(observer.observe_sample, name)),
-        SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake.set, runtime)
-    if config.samples_on_vllm:  # one served model (preflight)
-        dtype = str(pick_dtype(config.dtype, device)).removeprefix("torch.")  # vLLM runs the training dtype
-        backend = vllm_backend(name, config, runtime, backend, dtype, data_dir, observer)
+    backend = make_backend(name, config, runtime, tokenizer, device, kv_budget, wake.set, data_dir, observer)
     worker = TrainingWorker(runtime, futures, store, checkpoints, backend)
     return ServedModel(name=name, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer),
                        runtime=runtime, scheduler=scheduler, worker=worker, sampling_backend=backend,
@@ -122,33 +103,6 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                        kv_budget=kv_budget,
                        images=image_encoder(model, resolve_model_source(name, data_dir), ImageLimits(
                            config.max_image_bytes, config.max_image_pixels, config.max_images_per_request)))
-
-
-def vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builtin: EngineBackend, dtype: str,
-                 data_dir: Path, observer: Observer) -> VLLMBackend:
-    """Sampling base model `name` on vLLM (launched with the same weights, or attached), the jobs
-    it refuses on `builtin`. vLLM starts in the background (20-90 s on a CPU, minutes for a big
-    model on a GPU); sampling requests wait for it, training does not."""
-    if config.vllm_url is not None:
-        sidecar = VLLMSidecar(url=config.vllm_url, served_model_name=name)
-    else:
-        launch = VLLMLaunch(
-            python=str(vllm_python(config)), model=str(model_directory(name, data_dir).resolve()), served_model_name=name,
-            max_lora_rank=config.max_lora_rank, max_loras=config.max_live_adapters,
-            max_cpu_loras=config.max_live_adapters + config.max_sampler_snapshots, max_model_len=runtime.max_context,
-            lora_lm_head=config.vllm_lora_lm_head, dtype=dtype, kv_cache_bytes=config.vllm_kv_cache_bytes,
-            devices=vllm_child_devices(config.vllm_devices, os.environ.get("CUDA_VISIBLE_DEVICES")))
-        sidecar = VLLMSidecar(launch=launch, log_file=data_dir / "vllm.log")
-    adapters = AdapterVersions(sidecar, name, lora_lm_head=config.vllm_lora_lm_head,
-                               max_snapshots=config.max_sampler_snapshots,
-                               refused_layout=layout_refusal(runtime.projections))
-    backend = VLLMBackend(runtime, builtin, sidecar, adapters, VLLMSamplingBackend(sidecar, adapters),
-                          on_request_done=functools.partial(observer.observe_vllm_request, name),
-                          max_pins=config.max_sampler_snapshots)
-    sidecar.start()
-    log.info("vLLM %s; sampling requests wait for it to be ready", f"at {config.vllm_url}" if config.vllm_url else
-             f"starting on port {sidecar.port} (its log: {data_dir / 'vllm.log'})")
-    return backend
 
 
 class Server:

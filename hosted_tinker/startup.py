@@ -28,10 +28,7 @@ from .auth import ENV_VAR, KeyConfigError, KeyRing
 from .config import ModelEntry, ServerConfig, flag
 from .model_loading import ModelUnavailable, check_model_available
 from .runtime.projections import coverage
-from .sampling.vllm_sidecar import VLLM_LORA_RANKS
-
-# Where tools/install_vllm_cpu.sh puts vLLM's virtualenv (run from the repository root, as launch.sh is).
-DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
+from .sampling.vllm_sidecar import VLLM_LORA_RANKS, vllm_python
 
 
 class StartupError(RuntimeError):
@@ -151,11 +148,6 @@ def _check_pool(config: ServerConfig) -> None:
                                    f"{flag('master_addr')} of this machine") from None
 
 
-def vllm_python(config: ServerConfig) -> Path:
-    """The interpreter that launches vLLM: --vllm-python, else the default virtualenv's."""
-    return config.vllm_python or DEFAULT_VLLM_PYTHON
-
-
 def _check_vllm(config: ServerConfig) -> Path | None:
     """--vllm / --vllm-url: one base model, a LoRA rank vLLM holds; --vllm: its devices are not
     training's, and its Python has vLLM. The interpreter that launches vLLM (None: attached)."""
@@ -215,15 +207,6 @@ def _check_vllm_devices(config: ServerConfig, model: ModelEntry) -> None:
         raise StartupError(f"{where}: this machine has {count} CUDA device(s), numbered from 0")
     if training_gpus & set(devices):
         raise StartupError(f"{where}: includes training's device(s) {shown}; give vLLM other devices")
-
-
-def vllm_child_devices(spec: str | None, parent_visible: str | None) -> str | None:
-    """CUDA_VISIBLE_DEVICES for vLLM: --vllm-devices numbers devices as this process sees them, so
-    through this process's own CUDA_VISIBLE_DEVICES when it has one."""
-    if spec is None or parent_visible is None:
-        return spec
-    visible = [d.strip() for d in parent_visible.split(",")]
-    return ",".join(visible[int(d)] for d in spec.split(","))
 
 
 def _check_keys(keys_file: Path | None) -> None:

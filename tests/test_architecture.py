@@ -42,21 +42,13 @@ DEVICE_SIDE = ("hosted_tinker.worker", "hosted_tinker.device_loop", "hosted_tink
 
 KNOWN_CIRCLES: set[frozenset[str]] = {
     frozenset({"runtime.invariance", "runtime.multi_lora"}),
-    frozenset({"sampling.engine", "sampling.kv_budget"}),
 }
 KNOWN_ARROWS_UP = {
     ("runtime.trainer", "checkpoints.format"),
 }
-KNOWN_DEVICE_IMPORTS = {
-    ("api.metrics", "sampling.engine"),
-    ("api.openai_compat.answer", "sampling.engine"),
-    ("api.openai_compat.plan", "sampling.engine"),
-    ("api.sampling", "sampling.engine"),
-    ("services.sampling", "sampling.engine"),
-}
+KNOWN_DEVICE_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_HTTP_OUTSIDE_API: set[str] = set()
-KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.distributed", "runtime.multi_lora",
-                      "runtime.trainer", "sampling.engine"}
+KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.distributed", "runtime.multi_lora", "runtime.trainer"}
 KNOWN_STRING_DISPATCH: set[str] = set()
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_SCHEME_LITERALS: set[str] = set()

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.trainer import TrainingRuntime
-from hosted_tinker.sampling.engine import SampleJob, SamplingEngine
+from hosted_tinker.sampling.engine import SamplingEngine
+from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.sampling.pick import BatchPicker, RowSampling, mix64, uniforms
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from helpers import BASE_MODEL, model_dir
-from hosted_tinker.sampling.engine import SampleJob
+from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.services.sampling import requested_tokens
 
 pytestmark = pytest.mark.e2e

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.adapters import LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
-from hosted_tinker.sampling.engine import SampleJob, SamplingEngine
+from hosted_tinker.sampling.engine import SamplingEngine
+from hosted_tinker.sampling.jobs import SampleJob
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hosted_tinker.config import DEFAULT_KV_TOKENS
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.trainer import TrainingRuntime
-from hosted_tinker.sampling.engine import SampleJob, SamplingEngine
+from hosted_tinker.sampling.engine import SamplingEngine
+from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.sampling.kv_budget import choose_kv_budget, job_kv_tokens, kv_bytes_per_token
 
 PROMPT = [11, 12, 13, 14]

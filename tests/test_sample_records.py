@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hosted_tinker.sampling.engine import SampleJob, SampleResult, SequenceResult
+from hosted_tinker.sampling.jobs import SampleJob, SampleResult, SequenceResult
 from hosted_tinker.sampling.records import DAY_S, SampleRecord, SampleRecords, Unusable, sequence_ids
 from hosted_tinker.store import Store
 

@@ -7,7 +7,7 @@ import torch
 
 from hosted_tinker.api.app import http_error_of
 from hosted_tinker.errors import Busy
-from hosted_tinker.sampling.engine import SampleJob
+from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.services.sampling import SamplingAllowance
 from hosted_tinker.vision import Pixels
 

@@ -17,7 +17,8 @@ from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import EngineBackend
-from hosted_tinker.sampling.engine import SampleJob, SamplingEngine
+from hosted_tinker.sampling.engine import SamplingEngine
+from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.sampling.snapshots import SnapshotCache
 from tiny_model import ce_work, random_seqs
 

@@ -23,7 +23,8 @@ import torch
 from helpers import assert_one_line_error, database, serve
 from hosted_tinker.config import ServerConfig, flag
 from hosted_tinker.model_loading import DTYPES
-from hosted_tinker.startup import bind_port, vllm_child_devices
+from hosted_tinker.sampling.vllm_sidecar import vllm_child_devices
+from hosted_tinker.startup import bind_port
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e

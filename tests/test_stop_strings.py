@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.trainer import TrainingRuntime
-from hosted_tinker.sampling.engine import SampleJob, SamplingEngine
+from hosted_tinker.sampling.engine import SamplingEngine
+from hosted_tinker.sampling.jobs import SampleJob
 
 PROMPT = [11, 12, 13]
 

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from hosted_tinker.sampling.engine import SampleJob
+from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.sampling.vllm_adapters import AdapterUnavailable, latest_ref
 from hosted_tinker.sampling.vllm_backend import completion_body
 from hosted_tinker.sampling.vllm_sidecar import SHM_DIR, group_shm_files, remove_shm_files

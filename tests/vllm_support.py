@@ -33,7 +33,8 @@ from hosted_tinker.model_loading import load_base_model
 from hosted_tinker.request_types import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
-from hosted_tinker.sampling.engine import SampleJob, SampleResult, SamplingEngine
+from hosted_tinker.sampling.engine import SamplingEngine
+from hosted_tinker.sampling.jobs import SampleJob, SampleResult
 from hosted_tinker.sampling.vllm_adapters import AdapterVersions
 from hosted_tinker.sampling.vllm_backend import VLLMSamplingBackend
 from hosted_tinker.sampling.vllm_sidecar import VLLMLaunch, VLLMSidecar

@@ -14,7 +14,7 @@ from pydantic import Field
 
 from ..access import Access
 from ..checkpoints.paths import TinkerPath
-from ..sampling.engine import SampleJob
+from ..sampling.jobs import SampleJob
 from ..sampling.prompt_scoring import MAX_PROMPT_K, CsrLayout, PromptTargets
 from ..sampling.records import sequence_ids
 from ..server import Server

@@ -27,85 +27,31 @@ A group's next tokens are picked for all its rows at once on the device (pick.py
 to the host in one copy per step, with their logprobs and top-k; the tokens also stay on the
 device as the next step's input. Seeded rows draw from their own counter-based streams, so a
 seed gives the same samples whatever else is in the batch.
+
+The jobs it runs and their results are jobs.py's; what a prompt's logits answer at its prefill
+(prompt logprobs, target logprobs, alternative draws) is prompt_logits.py's.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
 from ..runtime.multi_lora import LoRARouting
 from ..runtime.packing import segments_of
-from ..vision import Pixels
 from .image_positions import decode_positions, prefill_inputs
+from .jobs import SampleJob, SampleResult, SequenceResult
 from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
-from .pick import BatchPicker, Picked, RowSampling
-from .prompt_scoring import (PromptAlternatives, PromptTargets, ScoredTargets, alternatives_seed, draw_alternatives,
-                             score_targets)
+from .pick import BatchPicker, Picked, RowSampling, row_seed
+from .prompt_logits import needs_prompt_logits, prompt_logprobs, prompt_scores
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SampleJob:
-    prompt: list[int]
-    num_samples: int
-    max_tokens: int
-    adapter_id: str | None  # None = base model
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    prompt_logprobs_last_n: int | None = None
-    prompt_targets: PromptTargets | None = None  # target_prompt_logprobs (prompt_scoring.py)
-    prompt_alt_tokens_k: int = 0
-    pixels: Pixels | None = None  # a vision-language model's images; their placeholder tokens are in `prompt`
-    owner: str = ""  # the API key's owner: its running jobs share one part of the KV-cache budget
-    on_done: Callable[["SampleResult"], None] = lambda r: None
-    on_error: Callable[[str], None] = lambda msg: None
-    # Streaming (optional): called on the cycle thread for every chosen token, before on_done, as
-    # on_token(index, token, logprob, topk_ids | None, topk_logprobs | None, stop_reason | None);
-    # stop_reason is set on a sequence's last token. None (the default) costs one check per token.
-    on_token: Callable[[int, int, float, list[int] | None, list[float] | None, str | None], None] | None = None
-    # Set from any thread when nobody waits for the result any more (its HTTP client left): the
-    # engine drops the job at admission or before its next decode step, with its KV cache, and
-    # calls on_error once.
-    cancelled: bool = False
-    # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
-    submitted_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-
-
-@dataclass
-class SequenceResult:
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str  # "stop" | "length"
-    topk_ids: list[list[int]] | None = None
-    topk_logprobs: list[list[float]] | None = None
-
-
-@dataclass
-class SampleResult:
-    sequences: list[SequenceResult]
-    prompt_logprobs: np.ndarray | None  # float32 [len(prompt)], NaN at 0 and at unscored positions
-    topk_prompt_ids: np.ndarray | None  # int [len(prompt), k]
-    topk_prompt_logprobs: np.ndarray | None
-    target_prompt_logprobs: ScoredTargets | None = None
-    prompt_alt_tokens: PromptAlternatives | None = None
 
 
 @dataclass
@@ -334,7 +280,7 @@ class SamplingEngine:
             mask[r, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        need_prompt = any(_needs_prompt_logits(st.job) for st, _ in states)
+        need_prompt = any(needs_prompt_logits(st.job) for st, _ in states)
         inputs, deltas = {"position_ids": positions}, None
         if states[0][0].job.pixels is not None:  # a group of image jobs (_admit)
             inputs, deltas = prefill_inputs(self.model, ids, mask, positions, [st.job.pixels for st, _ in states])
@@ -345,9 +291,9 @@ class SamplingEngine:
         logits = out.logits.float()
         for r, (st, _) in enumerate(states):
             if st.job.prompt_logprobs or st.job.topk_prompt_logprobs:
-                st.prompt_info = _prompt_logprobs(st.job, logits[r, width - len(st.job.prompt):])
+                st.prompt_info = prompt_logprobs(st.job, logits[r, width - len(st.job.prompt):])
             if st.job.prompt_targets is not None or st.job.prompt_alt_tokens_k:
-                st.prompt_scores = _prompt_scores(st.job, logits[r, width - len(st.job.prompt):])
+                st.prompt_scores = prompt_scores(st.job, logits[r, width - len(st.job.prompt):])
         # Share the prefill across num_samples: repeat each prompt's cache row.
         expand = torch.tensor([r for r, (st, _) in enumerate(states) for _ in range(st.job.num_samples)],
                               device=self.device)
@@ -519,15 +465,8 @@ def _report_token(job: SampleJob, row: _Row) -> None:
 
 
 def _row_sampling(job: SampleJob, index: int) -> RowSampling:
-    return RowSampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, key=_row_seed(job.seed, index),
+    return RowSampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, key=row_seed(job.seed, index),
                        logprobs_k=job.topk_sample_logprobs)
-
-
-def _row_seed(seed: int | None, index: int) -> int:
-    if seed is None:
-        return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
-    # Same seed, same samples; each of num_samples gets its own stream.
-    return (int(seed) * 1_000_003 + index) & ((1 << 63) - 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -536,45 +475,3 @@ def _stop_window(stop_strings: tuple[str, ...]) -> int:
     to at least one byte, so the last B + 1 tokens hold any B-byte span ending in the newest; a few
     more absorb a partial character or a stripped leading space at the window's start."""
     return max(len(s.encode()) for s in stop_strings) + 4
-
-
-def _needs_prompt_logits(job: SampleJob) -> bool:
-    return bool(job.prompt_logprobs or job.topk_prompt_logprobs or job.prompt_targets is not None
-                or job.prompt_alt_tokens_k)
-
-
-def _prompt_scores(job: SampleJob, logits: torch.Tensor) -> tuple:
-    """(target_prompt_logprobs, prompt_alt_tokens) of `job` from its prompt's logits [len(prompt), vocab]."""
-    predicting = logits[:-1]  # row i predicts prompt[i + 1]; the last row predicts the first sample
-    targets = alternatives = None
-    if job.prompt_targets is not None:
-        targets = score_targets(torch.log_softmax(predicting, dim=-1), job.prompt_targets)
-    if job.prompt_alt_tokens_k:
-        gen = torch.Generator(device="cpu")
-        seed = alternatives_seed(job.seed)
-        gen.manual_seed(_row_seed(None, 0) if seed is None else seed)
-        alternatives = draw_alternatives(predicting, job.prompt_alt_tokens_k, job.temperature, gen)
-    return targets, alternatives
-
-
-def _prompt_logprobs(job: SampleJob, logits: torch.Tensor):
-    """Per-position logprob of each prompt token given its prefix; NaN at 0 and outside last_n."""
-    n = len(job.prompt)
-    lps_all = torch.log_softmax(logits, dim=-1)  # [n, vocab]; row i predicts token i+1
-    targets = torch.tensor(job.prompt[1:], device=logits.device)
-    lp = np.full(n, np.nan, dtype=np.float32)
-    if n > 1:
-        lp[1:] = lps_all[:-1].gather(-1, targets[:, None])[:, 0].cpu().numpy()
-    first_scored = 1 if job.prompt_logprobs_last_n is None else max(1, n - job.prompt_logprobs_last_n)
-    lp[:first_scored] = np.nan
-    ids = vals = None
-    if job.topk_prompt_logprobs:
-        k = job.topk_prompt_logprobs
-        ids = np.zeros((n, k), dtype=np.int64)
-        vals = np.full((n, k), -99999.0, dtype=np.float32)
-        if n > 1:
-            top = torch.topk(lps_all[:-1], k, dim=-1)
-            ids[1:] = top.indices.cpu().numpy()
-            vals[1:] = top.values.cpu().numpy()
-        ids[:first_scored], vals[:first_scored] = 0, -99999.0
-    return (lp if job.prompt_logprobs else None), ids, vals

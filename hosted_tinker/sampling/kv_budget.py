@@ -25,7 +25,7 @@ import torch
 from ..config import DEFAULT_KV_TOKENS
 
 if TYPE_CHECKING:
-    from .engine import SampleJob
+    from .jobs import SampleJob
 
 # DEFAULT_KV_TOKENS, 4M tokens: 4 x the default max_sampled_tokens_per_request, so every request within
 # the default per-request limits runs (the embedded model's KV: 2 layers x 2 x 2 kv heads x 16 x 4 B =

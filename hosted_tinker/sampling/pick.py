@@ -22,6 +22,7 @@ top-k or top-p, so they equal the training forward's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -143,3 +144,11 @@ class BatchPicker:
         probs = torch.softmax(ordered, dim=-1)
         drop = (probs.cumsum(dim=-1) - probs) >= self.top_p[:, None]
         return torch.full_like(scaled, -torch.inf).scatter(1, order, ordered.masked_fill(drop, -torch.inf))
+
+
+def row_seed(seed: int | None, index: int) -> int:
+    """The key of sample `index` of a job with `seed` (None: a random one)."""
+    if seed is None:
+        return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    # Same seed, same samples; each of num_samples gets its own stream.
+    return (int(seed) * 1_000_003 + index) & ((1 << 63) - 1)

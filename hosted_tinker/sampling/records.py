@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..store import Store
-from .engine import SampleJob, SampleResult
+from .jobs import SampleJob, SampleResult
 
 DAY_S = 24 * 3600.0
 RECORD_HINT = "stable_reinforce trains only on samples taken with record_stability_info=True"

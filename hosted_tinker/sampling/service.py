@@ -12,7 +12,7 @@ import numpy as np
 from ..futures import FutureStore
 from ..wire.codec import SampledSequenceOut, TensorOut, TopkOut, encode_sample_response
 from .backend import SamplingBackend
-from .engine import SampleJob, SampleResult
+from .jobs import SampleJob, SampleResult
 
 
 class SamplingService:

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from .engine import SampleJob, SampleResult, SequenceResult
+from .jobs import SampleJob, SampleResult, SequenceResult
 from .prompt_scoring import MAX_PROMPT_K, PromptAlternatives, ScoredTargets, alternatives_seed
 from .vllm_adapters import AdapterUnavailable, AdapterVersion, AdapterVersions
 from .vllm_sidecar import VLLMSidecar, VLLMUnavailable

@@ -41,14 +41,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import httpx
 
 from ..runtime.batch_invariant import child_environment
 
+if TYPE_CHECKING:
+    from ..config import ServerConfig
+
 log = logging.getLogger(__name__)
 
+# Where tools/install_vllm_cpu.sh puts vLLM's virtualenv (run from the repository root, as launch.sh is).
+DEFAULT_VLLM_PYTHON = Path(".venv-vllm/bin/python")
 # vLLM 0.32 accepts only these --max-lora-rank values (vllm/config/lora.py MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Top-level /dev/shm names Python's multiprocessing gives vLLM's shared memory (shared_memory.SharedMemory)
@@ -64,6 +69,20 @@ DECODER_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 class VLLMUnavailable(RuntimeError):
     """vLLM is down or restarting; the request may be retried."""
+
+
+def vllm_python(config: ServerConfig) -> Path:
+    """The interpreter that launches vLLM: --vllm-python, else the default virtualenv's."""
+    return config.vllm_python or DEFAULT_VLLM_PYTHON
+
+
+def vllm_child_devices(spec: str | None, parent_visible: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for vLLM: --vllm-devices numbers devices as this process sees them, so
+    through this process's own CUDA_VISIBLE_DEVICES when it has one."""
+    if spec is None or parent_visible is None:
+        return spec
+    visible = [d.strip() for d in parent_visible.split(",")]
+    return ",".join(visible[int(d)] for d in spec.split(","))
 
 
 def lora_rank_for_vllm(rank: int) -> int:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..access import Access
 from ..errors import Busy, UserError
-from ..sampling.engine import SampleJob, SampleResult
+from ..sampling.jobs import SampleJob, SampleResult
 from ..server import Server
 from ..served_models import ServedModel
 from . import checkpoint_base_model, served_model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...sampling.engine import SampleResult
+from ...sampling.jobs import SampleResult
 from .plan import Plan
 from .text import ChoiceText, TokenText, chat_logprobs, completion_logprobs
 

@@ -14,7 +14,7 @@ from fastapi import HTTPException
 from ...access import Access
 from ...checkpoints.paths import SCHEME
 from ...errors import NotFound
-from ...sampling.engine import SampleJob
+from ...sampling.jobs import SampleJob
 from ...server import Server
 from ...served_models import ServedModel
 from ...services import checkpoint_base_model, served_model

@@ -1,0 +1,88 @@
+"""`make_backend`: the one place a served model's sampling backend is chosen and built.
+
+The built-in engine (`EngineBackend`) always, on the model's device and layers; with `--vllm` /
+`--vllm-url`, a `VLLMBackend` around it that samples on a vLLM sidecar (launched with the same
+weights, or attached) and hands the jobs vLLM refuses to the built-in one.
+
+A new backend is its own module (a `SamplingBackend`, reporting its scrape-time series through
+`metrics()` and its requests through the `SamplingObserver`) and a branch here: nothing else
+asks which backend a model has.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ..config import ServerConfig
+from ..model_loading import model_directory, pick_dtype
+from ..model_runtime import ModelRuntime
+from .backend import EngineBackend, SamplingBackend
+from .engine import SamplingEngine
+from .jobs import SampleJob, SampleResult
+from .kv_budget import KVBudget
+from .snapshots import SnapshotCache
+from .vllm_adapters import AdapterVersions, layout_refusal
+from .vllm_backend import VLLMSamplingBackend
+from .vllm_server_backend import VLLMBackend
+from .vllm_sidecar import VLLMLaunch, VLLMSidecar, vllm_child_devices, vllm_python
+
+log = logging.getLogger(__name__)
+
+
+class SamplingObserver(Protocol):
+    """Hears of each finished sample request (api/metrics.py), on the backend's threads, so it must
+    be quick. `base_model`: the served model whose backend ran it."""
+
+    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None: ...
+
+    def observe_vllm_request(self, base_model: str, job: SampleJob, result: SampleResult | None,
+                             seconds: float) -> None: ...
+
+
+def make_backend(name: str, config: ServerConfig, runtime: ModelRuntime, tokenizer: Any, device: torch.device,
+                 kv_budget: KVBudget, wake: Callable[[], None], data_dir: Path,
+                 observer: SamplingObserver) -> SamplingBackend:
+    """The sampling backend of base model `name`, loaded in `runtime` on `device`; `wake` rings its device loop."""
+    builtin = EngineBackend(
+        SamplingEngine(runtime.model, runtime.routing, tokenizer, device, kv_budget_tokens=kv_budget.tokens,
+                       kv_share_per_key=config.max_sampling_kv_share_per_key,
+                       on_request_done=functools.partial(observer.observe_sample, name)),
+        SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake, runtime)
+    if not config.samples_on_vllm:
+        return builtin
+    return _vllm_backend(name, config, runtime, builtin, device, data_dir, observer)  # one served model (preflight)
+
+
+def _vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builtin: EngineBackend,
+                  device: torch.device, data_dir: Path, observer: SamplingObserver) -> VLLMBackend:
+    """Sampling base model `name` on vLLM (launched with the same weights, or attached), the jobs
+    it refuses on `builtin`. vLLM starts in the background (20-90 s on a CPU, minutes for a big
+    model on a GPU); sampling requests wait for it, training does not."""
+    if config.vllm_url is not None:
+        sidecar = VLLMSidecar(url=config.vllm_url, served_model_name=name)
+    else:
+        dtype = str(pick_dtype(config.dtype, device)).removeprefix("torch.")  # vLLM runs the training dtype
+        launch = VLLMLaunch(
+            python=str(vllm_python(config)), model=str(model_directory(name, data_dir).resolve()), served_model_name=name,
+            max_lora_rank=config.max_lora_rank, max_loras=config.max_live_adapters,
+            max_cpu_loras=config.max_live_adapters + config.max_sampler_snapshots, max_model_len=runtime.max_context,
+            lora_lm_head=config.vllm_lora_lm_head, dtype=dtype, kv_cache_bytes=config.vllm_kv_cache_bytes,
+            devices=vllm_child_devices(config.vllm_devices, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        sidecar = VLLMSidecar(launch=launch, log_file=data_dir / "vllm.log")
+    adapters = AdapterVersions(sidecar, name, lora_lm_head=config.vllm_lora_lm_head,
+                               max_snapshots=config.max_sampler_snapshots,
+                               refused_layout=layout_refusal(runtime.projections))
+    backend = VLLMBackend(runtime, builtin, sidecar, adapters, VLLMSamplingBackend(sidecar, adapters),
+                          on_request_done=functools.partial(observer.observe_vllm_request, name),
+                          max_pins=config.max_sampler_snapshots)
+    sidecar.start()
+    log.info("vLLM %s; sampling requests wait for it to be ready", f"at {config.vllm_url}" if config.vllm_url else
+             f"starting on port {sidecar.port} (its log: {data_dir / 'vllm.log'})")
+    return backend

@@ -1,0 +1,71 @@
+"""A sample job and its answer: what the API side builds and every sampling backend runs.
+
+Kept apart from the engines that run them (engine.py, vllm_backend.py), as vLLM keeps its requests
+apart from its engine (`v1/request.py`): the API, the services and the KV-cache budget need the job,
+not the machinery that decodes it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..vision import Pixels
+from .prompt_scoring import PromptAlternatives, PromptTargets, ScoredTargets
+
+
+@dataclass
+class SampleJob:
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    adapter_id: str | None  # None = base model
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    prompt_targets: PromptTargets | None = None  # target_prompt_logprobs (prompt_scoring.py)
+    prompt_alt_tokens_k: int = 0
+    pixels: Pixels | None = None  # a vision-language model's images; their placeholder tokens are in `prompt`
+    owner: str = ""  # the API key's owner: its running jobs share one part of the KV-cache budget
+    on_done: Callable[["SampleResult"], None] = lambda r: None
+    on_error: Callable[[str], None] = lambda msg: None
+    # Streaming (optional): called on the cycle thread for every chosen token, before on_done, as
+    # on_token(index, token, logprob, topk_ids | None, topk_logprobs | None, stop_reason | None);
+    # stop_reason is set on a sequence's last token. None (the default) costs one check per token.
+    on_token: Callable[[int, int, float, list[int] | None, list[float] | None, str | None], None] | None = None
+    # Set from any thread when nobody waits for the result any more (its HTTP client left): the
+    # engine drops the job at admission or before its next decode step, with its KV cache, and
+    # calls on_error once.
+    cancelled: bool = False
+    # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+@dataclass
+class SequenceResult:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" | "length"
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class SampleResult:
+    sequences: list[SequenceResult]
+    prompt_logprobs: np.ndarray | None  # float32 [len(prompt)], NaN at 0 and at unscored positions
+    topk_prompt_ids: np.ndarray | None  # int [len(prompt), k]
+    topk_prompt_logprobs: np.ndarray | None
+    target_prompt_logprobs: ScoredTargets | None = None
+    prompt_alt_tokens: PromptAlternatives | None = None
