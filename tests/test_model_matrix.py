@@ -59,10 +59,22 @@ def configs(vocab: int) -> dict[str, T.PretrainedConfig]:
         # GPT-OSS: transposed experts with biases, gate/up interleaved, attention sinks, sliding layers.
         "gpt_oss": T.GptOssConfig(vocab_size=vocab, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                   **kv, **SMALL),
+        # DeepSeek-V3: MLA attention (q_a/q_b, kv_a_proj_with_mqa/kv_b), a dense first layer, then
+        # routed experts beside a shared expert.
+        "deepseek_v3": T.DeepseekV3Config(vocab_size=vocab, moe_intermediate_size=16, n_routed_experts=4,
+                                          num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                          n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+                                          qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                                          num_key_value_heads=4, **SMALL),
+        # Qwen3.5: linear attention (Gated DeltaNet, fused in_proj_qkv trained as in_proj_q/k/v) in
+        # its first layer, full attention in the second.
+        "qwen3_5": T.Qwen3_5TextConfig(vocab_size=vocab, head_dim=8, layer_types=["linear_attention", "full_attention"],
+                                       linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                       linear_num_value_heads=4, **kv, **SMALL),
     }
 
 
-MOE = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
 def build(root, name: str, config, tokenizer_dir) -> str:
@@ -108,7 +120,7 @@ def logprobs_of_model(model, tokens: list[int]) -> np.ndarray:
     return lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", *MOE])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", "qwen3_5", *MOE])
 def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     from tinker import types
     from tinker_cookbook.weights import build_hf_model, build_lora_adapter
@@ -145,8 +157,9 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     built = set(load_file(str(peft_out / "adapter_model.safetensors")))
     if arch in MOE:  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
         per_expert = {k for k in built if ".experts." in k}
+        moe_layers = {int(k.split(".layers.")[1].split(".")[0]) for k in tensors if ".experts." in k}
         assert per_expert == {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
-                              for i in range(2) for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
+                              for i in moe_layers for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
                               for ab in "AB"}
         built = (built - per_expert) | {k for k in tensors if ".experts." in k}
     assert built == set(tensors)
