@@ -120,9 +120,26 @@ def logprobs_of_model(model, tokens: list[int]) -> np.ndarray:
     return lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
 
 
+def check_peft_adapter(base: str, arch: str, ckpt, tensors: dict, peft_out) -> None:
+    """The cookbook's `build_lora_adapter` writes our checkpoint's LoRAs as PEFT names them."""
+    from tinker_cookbook.weights import build_lora_adapter
+
+    build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
+    built = set(load_file(str(peft_out / "adapter_model.safetensors")))
+    if arch in MOE:  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
+        per_expert = {k for k in built if ".experts." in k}
+        moe_layers = {int(k.split(".layers.")[1].split(".")[0]) for k in tensors if ".experts." in k}
+        assert per_expert == {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
+                              for i in moe_layers for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
+                              for ab in "AB"}
+        built = (built - per_expert) | {k for k in tensors if ".experts." in k}
+    assert built == set(tensors)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", "qwen3_5", *MOE])
 def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     from tinker import types
+    from tinker_cookbook.exceptions import WeightsAdapterError
     from tinker_cookbook.weights import build_hf_model, build_lora_adapter
 
     base = models[arch]
@@ -153,16 +170,11 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
         assert tensors[f"base_model.model.{m}.lora_B.weight"].abs().sum() > 0, f"{m} was not trained"
 
     peft_out = tmp_path / "peft"
-    build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
-    built = set(load_file(str(peft_out / "adapter_model.safetensors")))
-    if arch in MOE:  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
-        per_expert = {k for k in built if ".experts." in k}
-        moe_layers = {int(k.split(".layers.")[1].split(".")[0]) for k in tensors if ".experts." in k}
-        assert per_expert == {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
-                              for i in moe_layers for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
-                              for ab in "AB"}
-        built = (built - per_expert) | {k for k in tensors if ".experts." in k}
-    assert built == set(tensors)
+    if arch == "deepseek_v3":  # the cookbook offers DeepSeek-V3 adapters for merging only (no vLLM/SGLang LoRA)
+        with pytest.raises(WeightsAdapterError, match="does not support LoRA adapter serving"):
+            build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
+    else:
+        check_peft_adapter(base, arch, ckpt, tensors, peft_out)
 
     merged = tmp_path / "merged"
     if arch == "gpt2":  # the cookbook's merge assumes [out, in] weights; Conv1D's are [in, out]
@@ -184,3 +196,7 @@ def test_the_startup_summary_says_what_a_lora_covers(srv, models):
     assert "covers: attention o_proj qkv_proj (as q, k, v); MLP gate_up_proj (as gate, up) down_proj; unembed lm_head" in log
     assert "covers: attention c_attn (as q, k, v) c_proj; MLP c_fc c_proj; unembed lm_head" in log
     assert "covers: attention q_proj k_proj v_proj o_proj; MLP experts (w1, w3, w2 per expert); unembed lm_head" in log
+    assert ("covers: attention q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj; MLP gate_proj up_proj down_proj "
+            "experts (w1, w3, w2 per expert); unembed lm_head") in log  # DeepSeek-V3: shared experts are the MLP's
+    assert ("covers: attention out_proj in_proj_qkv (as in_proj_q, in_proj_k, in_proj_v) in_proj_z in_proj_b in_proj_a "
+            "q_proj k_proj v_proj o_proj; MLP gate_proj up_proj down_proj; unembed lm_head") in log  # Qwen3.5
