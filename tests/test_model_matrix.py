@@ -1,10 +1,12 @@
 """Every weight matrix a LoRA is asked to train is trained, on the architectures Tinker users bring
 (issue 23, parts 1 and 3).
 
-Tiny random models of seven families, built here and served by path by ONE server process:
+Tiny random models of eight families, built here and served by path by ONE server process:
 Qwen3, Llama, Gemma3 (plain q/k/v/o and gate/up/down), Phi (dense, fc1, fc2), Phi3 (fused
-qkv_proj and gate_up_proj), GPT-NeoX (fused query_key_value, heads interleaved) and GPT-2
-(transformers Conv1D, fused c_attn). Each, through the real SDK:
+qkv_proj and gate_up_proj), GPT-NeoX (fused query_key_value, heads interleaved), GPT-2
+(transformers Conv1D, fused c_attn) and Qwen3.5 (a Gated DeltaNet linear-attention layer: fused
+in_proj_qkv trained as in_proj_q/k/v, in_proj_z/b/a, out_proj; the sampler keeps its recurrent
+state). Each, through the real SDK:
 - trains with falling loss;
 - adapts every attention and MLP weight matrix: the saved checkpoint holds a non-zero LoRA for
   each (a fused projection as one PEFT LoRA of rank 3r / 2r with a block-diagonal B);
@@ -12,9 +14,11 @@ qkv_proj and gate_up_proj), GPT-NeoX (fused query_key_value, heads interleaved) 
 - goes through the cookbook's `build_lora_adapter` and `build_hf_model`, the merged model's
   logprobs equal to the server's. GPT-2 is the exception the cookbook makes: its 2-D merge
   computes B @ A as [out, in] and GPT-2's Conv1D weights are [in, out], so it refuses them.
-And three MoE families, Qwen3-MoE, Mixtral and GPT-OSS (transposed experts with biases, gate/up
-interleaved, attention sinks): their experts' LoRA (w1, w2, w3 per expert, runtime/moe_lora.py)
-goes the same way.
+And four MoE families, Qwen3-MoE, Mixtral, GPT-OSS (transposed experts with biases, gate/up
+interleaved, attention sinks) and DeepSeek-V3 (MLA attention q_a/q_b/kv_a_proj_with_mqa/kv_b/o, a
+dense first layer, routed experts beside a shared expert): their experts' LoRA (w1, w2, w3 per
+expert, runtime/moe_lora.py) goes the same way. The cookbook makes no PEFT adapter of DeepSeek-V3
+(it refuses: no vLLM/SGLang LoRA for it) and merges it with its DeepSeek profile.
 """
 
 from __future__ import annotations
