@@ -19,6 +19,9 @@ interleaved, attention sinks) and DeepSeek-V3 (MLA attention q_a/q_b/kv_a_proj_w
 dense first layer, routed experts beside a shared expert): their experts' LoRA (w1, w2, w3 per
 expert, runtime/moe_lora.py) goes the same way. The cookbook makes no PEFT adapter of DeepSeek-V3
 (it refuses: no vLLM/SGLang LoRA for it) and merges it with its DeepSeek profile.
+And Qwen3.5 as released, a vision-language model (text decoder under model.language_model): its
+checkpoint names the LoRAs as Tinker does (model.layers...), which the cookbook's Qwen3.5 profile
+maps back to the model's keys.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from safetensors.torch import load_file
 
 from helpers import checkpoint_dir, logprobs_of, sft_datum
 from hosted_tinker.embedded_model import ensure_embedded_model
-from hosted_tinker.runtime.projections import discover
+from hosted_tinker.runtime.projections import discover, tinker_name
 from server_process import ServerProcess
+from tiny_vl_model import build_tiny_vl_model
 
 pytestmark = pytest.mark.e2e
 
@@ -79,6 +83,7 @@ def configs(vocab: int) -> dict[str, T.PretrainedConfig]:
 
 
 MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+VL = ("qwen3_5_vl",)  # Qwen3.5 as released: its text decoder under model.language_model, a vision tower
 
 
 def build(root, name: str, config, tokenizer_dir) -> str:
@@ -100,7 +105,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     tok_dir = ensure_embedded_model(root / "embedded")
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-    return {name: build(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
+    built = {name: build(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
+    return {**built, "qwen3_5_vl": str(build_tiny_vl_model(root / "qwen3_5_vl", family="qwen3_5"))}
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +117,16 @@ def srv(models, tmp_path_factory):
     proc.stop()
 
 
-def expected_peft_modules(path: str) -> set[str]:
-    """The PEFT module paths a default LoRA (attention, MLP, unembedding) must cover."""
-    model = T.AutoModelForCausalLM.from_pretrained(path)
-    return {f"{p.path}.{w}" if p.kind == "experts" else p.path for p in discover(model)
+def load_model(path: str, arch: str):
+    return (T.AutoModelForImageTextToText if arch in VL else T.AutoModelForCausalLM).from_pretrained(
+        path, dtype=torch.float32)
+
+
+def expected_peft_modules(path: str, arch: str) -> set[str]:
+    """The PEFT module paths a default LoRA (attention, MLP, unembedding) must cover, as Tinker
+    names them (a vision-language model's text decoder as the text model's)."""
+    model = load_model(path, arch)
+    return {tinker_name(f"{p.path}.{w}" if p.kind == "experts" else p.path) for p in discover(model)
             if p.role in ("attn", "mlp", "unembed") for w in (("w1", "w2", "w3") if p.kind == "experts" else ("",))}
 
 
@@ -137,10 +149,12 @@ def check_peft_adapter(base: str, arch: str, ckpt, tensors: dict, peft_out) -> N
                               for i in moe_layers for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
                               for ab in "AB"}
         built = (built - per_expert) | {k for k in tensors if ".experts." in k}
+    if arch in VL:  # the cookbook names a vision-language model's PEFT LoRAs as vLLM serves them
+        tensors = {k.replace(".model.model.", ".model.model.language_model.", 1): v for k, v in tensors.items()}
     assert built == set(tensors)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", "qwen3_5", *MOE])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", "qwen3_5", *MOE, *VL])
 def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     from tinker import types
     from tinker_cookbook.exceptions import WeightsAdapterError
@@ -169,7 +183,7 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     ckpt = checkpoint_dir(srv, saved)
     tensors = load_file(str(ckpt / "adapter_model.safetensors"))
     modules = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors}
-    assert modules == expected_peft_modules(base) - ({"lm_head"} if tied else set())
+    assert modules == expected_peft_modules(base, arch) - ({"lm_head"} if tied else set())
     for m in modules:
         assert tensors[f"base_model.model.{m}.lora_B.weight"].abs().sum() > 0, f"{m} was not trained"
 
@@ -190,7 +204,7 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     # them as transformers does.
     build_hf_model(base_model=base, adapter_path=str(ckpt), output_path=str(merged), dtype="float32",
                    merge_strategy="full" if arch in ("mixtral", "gpt_oss") else "auto")
-    model = T.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    model = load_model(str(merged), arch)
     np.testing.assert_allclose(logprobs_of_model(model, TOKENS), trained, atol=PARITY)
 
 

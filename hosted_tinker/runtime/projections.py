@@ -288,3 +288,25 @@ class SplitProjection(nn.Module):
         if self.inverse.device != y.device:
             self.inverse = self.inverse.to(y.device)
         return y.index_select(-1, self.inverse)
+
+
+# -- the names a checkpoint gives them ----------------------------------------------------------------
+
+# A vision-language model's text decoder sits under "model.language_model." (Qwen3-VL, Qwen3.5);
+# Tinker names its LoRAs as the text model's ("model.layers..."), and the cookbook's weight tools
+# put "language_model." back when they merge (its merge profiles' `has_language_model_prefix`).
+_VL_TEXT, _TEXT = "model.language_model.", "model."
+
+
+def tinker_name(name: str) -> str:
+    """The name a checkpoint gives the LoRA tensor `name` of the served model (Tinker's)."""
+    return _TEXT + name[len(_VL_TEXT):] if name.startswith(_VL_TEXT) else name
+
+
+def served_names(tensors: dict[str, torch.Tensor], lora_paths) -> dict[str, torch.Tensor]:
+    """A checkpoint's `tensors` under the served model's names (the inverse of `tinker_name`), for
+    a model whose LoRA paths are `lora_paths`."""
+    if not any(p.startswith(_VL_TEXT) for p in lora_paths):
+        return tensors
+    return {_VL_TEXT + k[len(_TEXT):] if k.startswith(_TEXT) and not k.startswith(_VL_TEXT) else k: v
+            for k, v in tensors.items()}
