@@ -189,8 +189,12 @@ def discover(model: nn.Module) -> list[Projection]:
     """Every weight matrix of `model`'s decoder layers and its unembedding, with its role."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     found: list[Projection] = []
+    head = model.get_output_embeddings()
     located = _decoder_layers(model)
-    if located is not None:
+    if located is None:  # no layer list we know: every linear of the model is refused, none left out
+        found += [Projection(p, "unknown", "unknown", why="no decoder layers with an attention block were found")
+                  for p, m in model.named_modules() if _linear_kind(m) and m is not head]
+    else:
         layers_path, layers = located
         for i, layer in enumerate(layers):
             for name, child in layer.named_children():
@@ -202,7 +206,6 @@ def discover(model: nn.Module) -> list[Projection]:
                     found += [Projection(f"{child_path}.{p}" if p else child_path, "unknown", "unknown",
                                          why="a projection outside the attention and MLP blocks")
                               for p, m in child.named_modules() if _linear_kind(m)]
-    head = model.get_output_embeddings()
     if _linear_kind(head):
         path = next(p for p, m in model.named_modules() if m is head)
         found.append(Projection(path, "unembed", _linear_kind(head)))
