@@ -5,9 +5,9 @@ rewards; chat_sl trains on a local JSONL of conversations; sdft distils the mode
 through its teacher's top-K prompt logprobs, with (N, K) cross_entropy targets (forward KL) or a
 custom loss on (N, K) logprobs (reverse KL), from a local ToolAlpaca-format data set; the decisions
 recipes score their choices with target_prompt_logprobs and train a Brier loss on (N, K) logprobs,
-on a small stand-in for the Prophet Arena CSV (issue 27); vlm_classifier trains a tiny Qwen3-VL on
-images from a stand-in for its caltech101 data set and evaluates it by sampling with images and by
-compute_logprobs (issue 23). The models are tiny ones served under cookbook-known names from a fake
+on a small stand-in for the Prophet Arena CSV (issue 27); vlm_classifier trains a tiny Qwen3.5 (the
+recipe's default family: linear-attention layers, a vision tower) on images from a stand-in for its
+caltech101 data set and evaluates it by sampling with images and by compute_logprobs (issue 23). The models are tiny ones served under cookbook-known names from a fake
 Hugging Face cache (see test_cookbook_sl_loop.py).
 """
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.e2e
 cookbook = pytest.importorskip("tinker_cookbook")
 
 MODEL = "Qwen/Qwen3-8B"
-VL_MODEL = "Qwen/Qwen3-VL-30B-A3B-Instruct"  # model_info maps it to the qwen3_vl_instruct renderer
+VL_MODEL = "Qwen/Qwen3.5-4B"  # dense, like the tiny one; the recipe's default renderer is Qwen3.5's
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def cookbook_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("cookbook")
     hf_home = root / "hf"
     install_fake_hub_model(hf_home, MODEL)
-    install_hub_snapshot(hf_home, VL_MODEL, build_tiny_vl_model(root / "tiny-qwen3-vl"))
+    install_hub_snapshot(hf_home, VL_MODEL, build_tiny_vl_model(root / "tiny-qwen3_5", family="qwen3_5"))
     install_caltech101_stand_in(hf_home)
     env = {**os.environ, **offline_env(hf_home), "TINKER_API_KEY": "tml-cookbook"}
     srv = ServerProcess(root / "srv", base_model=MODEL, env=env, args=("--base-model", VL_MODEL)).start()
@@ -189,7 +189,7 @@ def test_vlm_classifier_trains_on_images_and_evaluates(cookbook_server, tmp_path
     class name for each test image and the NLL evaluator scores the test examples (compute_logprobs)."""
     srv, env = cookbook_server
     run_recipe("tinker_cookbook.recipes.vlm_classifier.train", [
-        f"base_url={srv.base_url}", f"model_name={VL_MODEL}", "renderer_name=qwen3_vl_instruct",
+        f"base_url={srv.base_url}", f"model_name={VL_MODEL}",
         "dataset=caltech101", "batch_size=4", "num_epochs=1", "lora_rank=8", "learning_rate=1e-3",
         "eval_every=2", "save_every=0", "n_eval=2", "max_tokens=8", f"experiment_dir={tmp_path}",
         "behavior_if_log_dir_exists=delete"], env, srv)

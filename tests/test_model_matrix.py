@@ -12,9 +12,15 @@ qkv_proj and gate_up_proj), GPT-NeoX (fused query_key_value, heads interleaved) 
 - goes through the cookbook's `build_lora_adapter` and `build_hf_model`, the merged model's
   logprobs equal to the server's. GPT-2 is the exception the cookbook makes: its 2-D merge
   computes B @ A as [out, in] and GPT-2's Conv1D weights are [in, out], so it refuses them.
-And three MoE families, Qwen3-MoE, Mixtral and GPT-OSS (transposed experts with biases, gate/up
-interleaved, attention sinks): their experts' LoRA (w1, w2, w3 per expert, runtime/moe_lora.py)
-goes the same way.
+And four MoE families, Qwen3-MoE, Mixtral, GPT-OSS (transposed experts with biases, gate/up
+interleaved, attention sinks) and DeepSeek-V3 (MLA attention q_a/q_b/kv_a_proj_with_mqa/kv_b/o, a
+dense first layer, routed experts beside a shared expert): their experts' LoRA (w1, w2, w3 per
+expert, runtime/moe_lora.py) goes the same way. The cookbook makes no PEFT adapter of DeepSeek-V3
+(it refuses: no vLLM/SGLang LoRA for it) and merges it with its DeepSeek profile.
+And Qwen3.5 as released, a vision-language model (text decoder under model.language_model) whose
+first layer has linear attention (Gated DeltaNet: fused in_proj_qkv trained as in_proj_q/k/v,
+in_proj_z/b/a, out_proj; the sampler keeps its recurrent state): its checkpoint names the LoRAs as
+Tinker does (model.layers...), which the cookbook's Qwen3.5 profile maps back to the model's keys.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from safetensors.torch import load_file
 
 from helpers import checkpoint_dir, logprobs_of, sft_datum
 from hosted_tinker.embedded_model import ensure_embedded_model
-from hosted_tinker.runtime.projections import discover
+from hosted_tinker.runtime.projections import discover, tinker_name
 from server_process import ServerProcess
+from tiny_vl_model import build_tiny_vl_model
 
 pytestmark = pytest.mark.e2e
 
@@ -59,10 +66,18 @@ def configs(vocab: int) -> dict[str, T.PretrainedConfig]:
         # GPT-OSS: transposed experts with biases, gate/up interleaved, attention sinks, sliding layers.
         "gpt_oss": T.GptOssConfig(vocab_size=vocab, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                   **kv, **SMALL),
+        # DeepSeek-V3: MLA attention (q_a/q_b, kv_a_proj_with_mqa/kv_b), a dense first layer, then
+        # routed experts beside a shared expert.
+        "deepseek_v3": T.DeepseekV3Config(vocab_size=vocab, moe_intermediate_size=16, n_routed_experts=4,
+                                          num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                                          n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+                                          qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                                          num_key_value_heads=4, **SMALL),
     }
 
 
-MOE = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+VL = ("qwen3_5_vl",)  # Qwen3.5 as released: its text decoder under model.language_model, a vision tower
 
 
 def build(root, name: str, config, tokenizer_dir) -> str:
@@ -84,7 +99,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     tok_dir = ensure_embedded_model(root / "embedded")
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-    return {name: build(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
+    built = {name: build(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
+    return {**built, "qwen3_5_vl": str(build_tiny_vl_model(root / "qwen3_5_vl", family="qwen3_5"))}
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +111,16 @@ def srv(models, tmp_path_factory):
     proc.stop()
 
 
-def expected_peft_modules(path: str) -> set[str]:
-    """The PEFT module paths a default LoRA (attention, MLP, unembedding) must cover."""
-    model = T.AutoModelForCausalLM.from_pretrained(path)
-    return {f"{p.path}.{w}" if p.kind == "experts" else p.path for p in discover(model)
+def load_model(path: str, arch: str):
+    return (T.AutoModelForImageTextToText if arch in VL else T.AutoModelForCausalLM).from_pretrained(
+        path, dtype=torch.float32)
+
+
+def expected_peft_modules(path: str, arch: str) -> set[str]:
+    """The PEFT module paths a default LoRA (attention, MLP, unembedding) must cover, as Tinker
+    names them (a vision-language model's text decoder as the text model's)."""
+    model = load_model(path, arch)
+    return {tinker_name(f"{p.path}.{w}" if p.kind == "experts" else p.path) for p in discover(model)
             if p.role in ("attn", "mlp", "unembed") for w in (("w1", "w2", "w3") if p.kind == "experts" else ("",))}
 
 
@@ -108,9 +130,28 @@ def logprobs_of_model(model, tokens: list[int]) -> np.ndarray:
     return lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].numpy()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", *MOE])
+def check_peft_adapter(base: str, arch: str, ckpt, tensors: dict, peft_out) -> None:
+    """The cookbook's `build_lora_adapter` writes our checkpoint's LoRAs as PEFT names them."""
+    from tinker_cookbook.weights import build_lora_adapter
+
+    build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
+    built = set(load_file(str(peft_out / "adapter_model.safetensors")))
+    if arch in MOE:  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
+        per_expert = {k for k in built if ".experts." in k}
+        moe_layers = {int(k.split(".layers.")[1].split(".")[0]) for k in tensors if ".experts." in k}
+        assert per_expert == {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
+                              for i in moe_layers for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
+                              for ab in "AB"}
+        built = (built - per_expert) | {k for k in tensors if ".experts." in k}
+    if arch in VL:  # the cookbook names a vision-language model's PEFT LoRAs as vLLM serves them
+        tensors = {k.replace(".model.model.", ".model.model.language_model.", 1): v for k, v in tensors.items()}
+    assert built == set(tensors)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", *MOE, *VL])
 def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     from tinker import types
+    from tinker_cookbook.exceptions import WeightsAdapterError
     from tinker_cookbook.weights import build_hf_model, build_lora_adapter
 
     base = models[arch]
@@ -136,20 +177,16 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     ckpt = checkpoint_dir(srv, saved)
     tensors = load_file(str(ckpt / "adapter_model.safetensors"))
     modules = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors}
-    assert modules == expected_peft_modules(base) - ({"lm_head"} if tied else set())
+    assert modules == expected_peft_modules(base, arch) - ({"lm_head"} if tied else set())
     for m in modules:
         assert tensors[f"base_model.model.{m}.lora_B.weight"].abs().sum() > 0, f"{m} was not trained"
 
     peft_out = tmp_path / "peft"
-    build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
-    built = set(load_file(str(peft_out / "adapter_model.safetensors")))
-    if arch in MOE:  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
-        per_expert = {k for k in built if ".experts." in k}
-        assert per_expert == {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
-                              for i in range(2) for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
-                              for ab in "AB"}
-        built = (built - per_expert) | {k for k in tensors if ".experts." in k}
-    assert built == set(tensors)
+    if arch == "deepseek_v3":  # the cookbook offers DeepSeek-V3 adapters for merging only (no vLLM/SGLang LoRA)
+        with pytest.raises(WeightsAdapterError, match="does not support LoRA adapter serving"):
+            build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
+    else:
+        check_peft_adapter(base, arch, ckpt, tensors, peft_out)
 
     merged = tmp_path / "merged"
     if arch == "gpt2":  # the cookbook's merge assumes [out, in] weights; Conv1D's are [in, out]
@@ -161,7 +198,7 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     # them as transformers does.
     build_hf_model(base_model=base, adapter_path=str(ckpt), output_path=str(merged), dtype="float32",
                    merge_strategy="full" if arch in ("mixtral", "gpt_oss") else "auto")
-    model = T.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    model = load_model(str(merged), arch)
     np.testing.assert_allclose(logprobs_of_model(model, TOKENS), trained, atol=PARITY)
 
 
@@ -171,3 +208,7 @@ def test_the_startup_summary_says_what_a_lora_covers(srv, models):
     assert "covers: attention o_proj qkv_proj (as q, k, v); MLP gate_up_proj (as gate, up) down_proj; unembed lm_head" in log
     assert "covers: attention c_attn (as q, k, v) c_proj; MLP c_fc c_proj; unembed lm_head" in log
     assert "covers: attention q_proj k_proj v_proj o_proj; MLP experts (w1, w3, w2 per expert); unembed lm_head" in log
+    assert ("covers: attention q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj; MLP gate_proj up_proj down_proj "
+            "experts (w1, w3, w2 per expert); unembed lm_head") in log  # DeepSeek-V3: shared experts are the MLP's
+    assert ("covers: attention out_proj in_proj_qkv (as in_proj_q, in_proj_k, in_proj_v) in_proj_z in_proj_b in_proj_a "
+            "q_proj k_proj v_proj o_proj; MLP gate_proj up_proj down_proj; unembed lm_head") in log  # Qwen3.5

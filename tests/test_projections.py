@@ -24,6 +24,13 @@ CONFIGS = {
                  "attention query_key_value (as q, k, v) dense; MLP dense_h_to_4h dense_4h_to_h; unembed lm_head"),
     "gpt2": (T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64),
              "attention c_attn (as q, k, v) c_proj; MLP c_fc c_proj; unembed lm_head"),
+    # Linear attention first (its layers are found though layer 0 has no softmax attention), the
+    # depthwise conv1d is no projection.
+    "qwen3_5": (T.Qwen3_5TextConfig(head_dim=8, num_key_value_heads=2, layer_types=["linear_attention", "full_attention"],
+                                    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, **SMALL),
+                "attention out_proj in_proj_qkv (as in_proj_q, in_proj_k, in_proj_v) in_proj_z in_proj_b in_proj_a "
+                "q_proj k_proj v_proj o_proj; MLP gate_proj up_proj down_proj; unembed lm_head"),
 }
 
 
@@ -89,6 +96,22 @@ def test_moe_experts_are_mlp_and_those_moe_lora_cannot_adapt_are_refused_by_name
     why = refusal(projections, {"attn": True, "mlp": True, "unembed": True})
     assert why is not None and "model.layers.0.mlp.experts (" in why and "post-expert norm" in why
     assert refusal(projections, {"attn": True, "mlp": False, "unembed": True}) is None
+
+
+def test_a_model_whose_decoder_layers_are_not_found_has_its_projections_refused_not_left_out():
+    class Mixer(torch.nn.Module):  # a token mixer of a kind discovery does not know
+        def __init__(self, proj):
+            super().__init__()
+            self.proj = proj
+
+    model = model_of(CONFIGS["qwen3"][0])
+    for layer in model.model.layers:
+        layer.mixer = Mixer(layer.self_attn.q_proj)
+        del layer.self_attn
+    why = refusal(discover(model), {"attn": True, "mlp": False, "unembed": False})
+    assert why is not None and why.startswith("model.layers.0.mlp.gate_proj cannot be adapted: no decoder layers")
+    assert "(and 7 more like it)" in why  # the MLPs and the mixers of both layers
+    assert refusal(discover(model), {"attn": False, "mlp": False, "unembed": True}) is None
 
 
 def test_vllm_gets_only_the_layouts_it_is_launched_for():

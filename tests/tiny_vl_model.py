@@ -1,5 +1,5 @@
-"""A tiny random Qwen3-VL model directory built offline: the embedded model's tokenizer plus
-Qwen-VL's vision tokens, a 2-layer text model, a 2-block vision tower and a Qwen2-VL image
+"""A tiny random Qwen3-VL or Qwen3.5 model directory built offline: the embedded model's tokenizer
+plus Qwen-VL's vision tokens, a 2-layer text model, a 2-block vision tower and a Qwen2-VL image
 processor whose 16-pixel patches merge 2x2 into one token (a 64x32 image is 2 tokens)."""
 
 from __future__ import annotations
@@ -27,10 +27,51 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def build_tiny_vl_model(out_dir: Path, seed: int = 0) -> Path:
+def qwen3_vl_config(vocab: int, eot: int, ids: dict[str, int]):
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                          "mrope_interleaved": True},
+                         tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        **_vision_token_ids(ids), tie_word_embeddings=False, dtype="float32")
+
+
+def qwen3_5_config(vocab: int, eot: int, ids: dict[str, int]):
+    """Qwen3.5: a linear-attention (Gated DeltaNet) layer, then a full-attention one, with partial
+    rotary (half of the 16-dim heads) on Qwen-VL's 3-D positions."""
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(
+        text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                         linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                          "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+                         tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64),
+        **_vision_token_ids(ids), tie_word_embeddings=False, dtype="float32")
+
+
+def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+
+
+CONFIGS = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config}
+
+
+def build_tiny_vl_model(out_dir: Path, seed: int = 0, family: str = "qwen3_vl") -> Path:
     import torch
+    import transformers
     from tokenizers import AddedToken
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from hosted_tinker.embedded_model import ENDOFTEXT, TinyModelSpec, _tokenizer_config, _write_json, build_tokenizer
@@ -51,22 +92,12 @@ def build_tiny_vl_model(out_dir: Path, seed: int = 0) -> Path:
     _write_json(out_dir / "tokenizer_config.json", tok_config)
     eot = tok.token_to_id(ENDOFTEXT)
     vocab = -(-tok.get_vocab_size(with_added_tokens=True) // 64) * 64
-    config = Qwen3VLConfig(
-        text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
-                                          "mrope_interleaved": True},
-                         tie_word_embeddings=False, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=16,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
-                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False, dtype="float32")
+    config = CONFIGS[family](vocab, eot, ids)
     rng = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen3VLForConditionalGeneration(config).float().eval()
+        model_class = getattr(transformers, type(config).__name__.replace("Config", "ForConditionalGeneration"))
+        model = model_class(config).float().eval()
     finally:
         torch.random.set_rng_state(rng)
     model.save_pretrained(out_dir)

@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from .. import faults
 from ..runtime.adapters import LoRAAdapter, LoRAConfig
 from ..runtime.multi_lora import FusedPart, MultiLoRALinear
+from ..runtime.projections import served_names, tinker_name
 
 PEFT_PREFIX = "base_model.model."
 MANIFEST = "manifest.json"
@@ -350,7 +351,7 @@ def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_o
                  overwrite: bool = False) -> int:
     """Write the adapter (and optionally its optimizer state) atomically; return total bytes."""
     peft, fused = to_peft(adapter.named_tensors(), adapter.parts)
-    tensors = {PEFT_PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in peft.items()}
+    tensors = {PEFT_PREFIX + tinker_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in peft.items()}
     optim: dict[str, torch.Tensor] = {}
     if with_optimizer:
         names = list(adapter.named_tensors())
@@ -441,6 +442,8 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
             ".lora_B.default.weight", ".lora_B.weight")
         tensors[name] = value.to(torch.float32)
     rank = manifest.lora_config.rank if manifest is not None else peft_cfg.get("r")
+    if layers is not None:
+        tensors = served_names(tensors, layers)
     if layers is not None and type(rank) is int:  # a bad r is named below
         tensors = from_peft(tensors, layers, rank)
     if manifest is not None:

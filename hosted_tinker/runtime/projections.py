@@ -79,6 +79,11 @@ def _neox_qkv(attn: nn.Module, config) -> tuple:
                  for i, name in enumerate(("q_proj", "k_proj", "v_proj")))
 
 
+def _gated_delta_qkv(attn: nn.Module, config) -> tuple:
+    # Qwen3.5's linear attention: Q | K | V, the value part wider; Tinker names them in_proj_q/k/v.
+    return _consecutive(("in_proj_q", attn.key_dim), ("in_proj_k", attn.key_dim), ("in_proj_v", attn.value_dim))
+
+
 def _gpt2_qkv(attn: nn.Module, config) -> tuple:
     d = attn.split_size
     return _consecutive(("q_proj", d), ("k_proj", d), ("v_proj", d))
@@ -91,6 +96,8 @@ FUSED_LAYOUTS = {
     ("Phi3MLP", "gate_up_proj"): _gate_up_halves,
     ("GPTNeoXAttention", "query_key_value"): _neox_qkv,
     ("GPT2Attention", "c_attn"): _gpt2_qkv,
+    ("Qwen3_5GatedDeltaNet", "in_proj_qkv"): _gated_delta_qkv,
+    ("Qwen3_5MoeGatedDeltaNet", "in_proj_qkv"): _gated_delta_qkv,
 }
 # Names that say a projection is fused; one without a layout above is refused, not trained whole
 # (a single LoRA over it would not be Tinker's layout, and the cookbook could not merge it).
@@ -102,7 +109,8 @@ _FUSED_NAME = re.compile(r"qkv|query_key_value|c_attn|gate_up|w_pack", re.IGNORE
 def _block_role(name: str, module: nn.Module) -> str | None:
     """The role of a decoder layer's child (its attention or MLP block), or None."""
     cls = type(module).__name__.lower()
-    if "attention" in cls or name in ("self_attn", "attn", "attention", "self_attention"):
+    if "attention" in cls or "deltanet" in cls or name in ("self_attn", "attn", "linear_attn", "attention",
+                                                            "self_attention"):
         return "attn"
     if any(s in cls for s in ("mlp", "feedforward", "moe", "sparse")) or name in ("mlp", "feed_forward", "ffn"):
         return "mlp"
@@ -111,13 +119,14 @@ def _block_role(name: str, module: nn.Module) -> str | None:
 
 def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """(path, layers) of the text decoder's layer list: the ModuleList under `get_decoder()` whose
-    layers have an attention block (a vision tower's blocks are not under the text decoder)."""
+    layers have an attention block (a vision tower's blocks are not under the text decoder). Any
+    layer may show it: Qwen3.5's first layers have linear attention, its full attention comes later."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     decoder = decoder if isinstance(decoder, nn.Module) else model
     prefix = next(p for p, m in model.named_modules() if m is decoder)
     for path, module in decoder.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and any(
-                _block_role(n, c) == "attn" for n, c in module[0].named_children()):
+        if isinstance(module, nn.ModuleList) and any(
+                _block_role(n, c) == "attn" for layer in module for n, c in layer.named_children()):
             return ".".join(p for p in (prefix, path) if p), module
     return None
 
@@ -151,6 +160,8 @@ def _in_block(block_path: str, block: nn.Module, role: str, config) -> list[Proj
     found: list[Projection] = []
     for path, module in block.named_modules():
         full = f"{block_path}.{path}" if path else block_path
+        if isinstance(module, nn.modules.conv._ConvNd):
+            continue  # a convolution over time (Qwen3.5's depthwise conv1d), not a projection: Tinker leaves it
         params3d = [n for n, p in module.named_parameters(recurse=False) if p.ndim == 3]
         if params3d:
             why = experts_unsupported(module)
@@ -178,8 +189,12 @@ def discover(model: nn.Module) -> list[Projection]:
     """Every weight matrix of `model`'s decoder layers and its unembedding, with its role."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     found: list[Projection] = []
+    head = model.get_output_embeddings()
     located = _decoder_layers(model)
-    if located is not None:
+    if located is None:  # no layer list we know: every linear of the model is refused, none left out
+        found += [Projection(p, "unknown", "unknown", why="no decoder layers with an attention block were found")
+                  for p, m in model.named_modules() if _linear_kind(m) and m is not head]
+    else:
         layers_path, layers = located
         for i, layer in enumerate(layers):
             for name, child in layer.named_children():
@@ -191,7 +206,6 @@ def discover(model: nn.Module) -> list[Projection]:
                     found += [Projection(f"{child_path}.{p}" if p else child_path, "unknown", "unknown",
                                          why="a projection outside the attention and MLP blocks")
                               for p, m in child.named_modules() if _linear_kind(m)]
-    head = model.get_output_embeddings()
     if _linear_kind(head):
         path = next(p for p, m in model.named_modules() if m is head)
         found.append(Projection(path, "unembed", _linear_kind(head)))
@@ -277,3 +291,25 @@ class SplitProjection(nn.Module):
         if self.inverse.device != y.device:
             self.inverse = self.inverse.to(y.device)
         return y.index_select(-1, self.inverse)
+
+
+# -- the names a checkpoint gives them ----------------------------------------------------------------
+
+# A vision-language model's text decoder sits under "model.language_model." (Qwen3-VL, Qwen3.5);
+# Tinker names its LoRAs as the text model's ("model.layers..."), and the cookbook's weight tools
+# put "language_model." back when they merge (its merge profiles' `has_language_model_prefix`).
+_VL_TEXT, _TEXT = "model.language_model.", "model."
+
+
+def tinker_name(name: str) -> str:
+    """The name a checkpoint gives the LoRA tensor `name` of the served model (Tinker's)."""
+    return _TEXT + name[len(_VL_TEXT):] if name.startswith(_VL_TEXT) else name
+
+
+def served_names(tensors: dict[str, torch.Tensor], lora_paths) -> dict[str, torch.Tensor]:
+    """A checkpoint's `tensors` under the served model's names (the inverse of `tinker_name`), for
+    a model whose LoRA paths are `lora_paths`."""
+    if not any(p.startswith(_VL_TEXT) for p in lora_paths):
+        return tensors
+    return {_VL_TEXT + k[len(_TEXT):] if k.startswith(_TEXT) and not k.startswith(_VL_TEXT) else k: v
+            for k, v in tensors.items()}

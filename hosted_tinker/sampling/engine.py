@@ -284,7 +284,7 @@ class SamplingEngine:
         inputs, deltas = {"position_ids": positions}, None
         if states[0][0].job.pixels is not None:  # a group of image jobs (_admit)
             inputs, deltas = prefill_inputs(self.model, ids, mask, positions, [st.job.pixels for st, _ in states])
-        cache = DynamicCache()
+        cache = _new_cache(self.model.config)
         with self.routing.batch(segments_of([aid for _, aid in states]), exact=self.exact_lora):
             out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                              logits_to_keep=0 if need_prompt else 1, **inputs)
@@ -297,7 +297,7 @@ class SamplingEngine:
         # Share the prefill across num_samples: repeat each prompt's cache row.
         expand = torch.tensor([r for r, (st, _) in enumerate(states) for _ in range(st.job.num_samples)],
                               device=self.device)
-        cache.batch_select_indices(expand)
+        cache.reorder_cache(expand)  # reorder_cache: linear-attention layers have no batch_select_indices
         rows = [_Row(job=st, index=i, sampling=_row_sampling(st.job, i), adapter_id=aid)
                 for st, aid in states for i in range(st.job.num_samples)]
         group = _Group(rows=rows, cache=cache, mask=mask[expand], positions=positions[expand, -1],
@@ -414,7 +414,7 @@ class SamplingEngine:
         group.rows = [group.rows[r] for r in keep]
         if keep:
             idx = torch.tensor(keep, device=self.device)
-            group.cache.batch_select_indices(idx)
+            group.cache.reorder_cache(idx)
             group.mask, group.positions = group.mask[idx], group.positions[idx]
             group.last_tokens = group.last_tokens[idx]
             if group.rope_deltas is not None:
@@ -452,6 +452,14 @@ class SamplingEngine:
                 self.on_request_done(job, sum(len(r.tokens) for r in st.results))
             except Exception:  # an observer must not fail the requests
                 log.exception("a sampling observer failed")
+
+
+def _new_cache(config) -> DynamicCache:
+    """An empty KV cache. A model with linear-attention layers (Qwen3.5) needs one built from its
+    config (those layers keep a recurrent state, not keys); others get a plain one, which keeps
+    every key even of sliding-window layers (the engine's masks span the whole row)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return DynamicCache(config=config) if "linear_attention" in (getattr(text, "layer_types", None) or ()) else DynamicCache()
 
 
 def _report_token(job: SampleJob, row: _Row) -> None:
