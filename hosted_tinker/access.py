@@ -23,6 +23,13 @@ from .store import Store
 from .store_records import CheckpointRecord, FutureRecord, ModelRecord, SamplingSessionRecord, SessionRecord
 
 
+def owned(record, owner: str, not_found: str):
+    """`record` if this key owns it; else NotFound, the same whether it is absent or another key's."""
+    if record is None or record.owner != owner:
+        raise NotFound(not_found)
+    return record
+
+
 @dataclass(frozen=True)
 class SamplerGrant:
     """A sampling session this key may use now, and the adapter directory it samples (None = base model)."""
@@ -37,17 +44,11 @@ class Access:
         self._is_loaded = is_loaded
 
     def session(self, owner: str, session_id: str) -> SessionRecord:
-        row = self.store.get_session(session_id)
-        if row is None or row.owner != owner:
-            raise NotFound(f"session {session_id!r} not found")
-        return row
+        return owned(self.store.get_session(session_id), owner, f"session {session_id!r} not found")
 
     def model(self, owner: str, model_id: str) -> ModelRecord:
         """A training model of this key's, loaded or not."""
-        row = self.store.get_model(model_id)
-        if row is None or row.owner != owner:
-            raise NotFound(f"model {model_id!r} not found")
-        return row
+        return owned(self.store.get_model(model_id), owner, f"model {model_id!r} not found")
 
     def loaded_model(self, owner: str, model_id: str) -> ModelRecord:
         """A training model of this key's that this server holds now (it can take work)."""
@@ -58,10 +59,7 @@ class Access:
         return row
 
     def future(self, owner: str, request_id: str) -> FutureRecord:
-        rec = self.store.get_future(request_id)
-        if rec is None or rec.owner != owner:
-            raise NotFound(f"unknown request_id {request_id!r}")
-        return rec
+        return owned(self.store.get_future(request_id), owner, f"unknown request_id {request_id!r}")
 
     def checkpoint(self, owner: str, run_id: str, checkpoint_id: str, *, write: bool = False) -> CheckpointRecord:
         """A live checkpoint this key owns, or, to read it, one that is published."""
@@ -83,9 +81,8 @@ class Access:
 
     def sampler(self, owner: str, sampling_session_id: str) -> SamplerGrant:
         """A sampling session of this key's, with the checkpoint it samples checked again now."""
-        row = self.store.get_sampling_session(sampling_session_id)
-        if row is None or row.owner != owner:
-            raise NotFound(f"sampling session {sampling_session_id!r} not found")
+        row = owned(self.store.get_sampling_session(sampling_session_id), owner,
+                    f"sampling session {sampling_session_id!r} not found")
         path = row.model_path
         if path is None:
             return SamplerGrant(row, None)

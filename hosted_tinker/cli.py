@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Callable
 
 from .checkpoints.paths import KINDS, SCHEME
 from .config import ServerConfig, SettingsError
@@ -76,37 +77,37 @@ class _ProgressBar:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import ExportError, export_checkpoint
+    from .export import export_checkpoint
     from .logs import configure_logging
 
     configure_logging("info", "text")  # --merged loads the base model: its stages are logged
-    bar = _ProgressBar("checkpoint")
-    try:
-        out = export_checkpoint(args.tinker_path, args.out, data_dir=args.data_dir, base_url=args.base_url,
-                                api_key=args.api_key, merged=args.merged, base_model=args.base_model,
-                                dtype=args.dtype, force=args.force, progress=bar)
-    except ExportError as e:
-        bar.close()
-        print(f"hosted-tinker export: {e}", file=sys.stderr)
-        return 1
-    bar.close()
-    print(out)
-    return 0
+    return _with_progress("export", "checkpoint", lambda bar: export_checkpoint(
+        args.tinker_path, args.out, data_dir=args.data_dir, base_url=args.base_url, api_key=args.api_key,
+        merged=args.merged, base_model=args.base_model, dtype=args.dtype, force=args.force, progress=bar))
 
 
 def _import(args: argparse.Namespace) -> int:
-    from .export import ExportError, import_adapter
+    from .export import import_adapter
 
-    bar = _ProgressBar("upload")
+    return _with_progress("import", "upload", lambda bar: import_adapter(
+        args.adapter_dir, name=args.name, base_url=args.base_url, api_key=args.api_key,
+        training_run_id=args.run_id, overwrite=args.overwrite, progress=bar)["tinker_path"])
+
+
+def _with_progress(command: str, label: str, work: Callable[[_ProgressBar], str]) -> int:
+    """Runs `work` beside a progress bar and prints what it answers; an ExportError is the
+    user's (a message on stderr, exit status 1). The bar is closed before anything is printed."""
+    from .export import ExportError
+
+    bar = _ProgressBar(label)
     try:
-        answer = import_adapter(args.adapter_dir, name=args.name, base_url=args.base_url, api_key=args.api_key,
-                                training_run_id=args.run_id, overwrite=args.overwrite, progress=bar)
+        out = work(bar)
     except ExportError as e:
         bar.close()
-        print(f"hosted-tinker import: {e}", file=sys.stderr)
+        print(f"hosted-tinker {command}: {e}", file=sys.stderr)
         return 1
     bar.close()
-    print(answer["tinker_path"])
+    print(out)
     return 0
 
 

@@ -1,27 +1,6 @@
-"""Protobuf wire format of the Tinker API (see codec.py)."""
+"""Protobuf wire format of the Tinker API: the package re-exports the codec (see codec.py)."""
 
-from .codec import (
-    TOPK_EMPTY_LOGPROB,
-    ForwardBackwardCall,
-    ProvenanceSpan,
-    SampledSequenceOut,
-    TopkOut,
-    WireDatum,
-    WireError,
-    decode_forward_backward_request,
-    encode_forward_backward_output,
-    encode_sample_response,
-)
+from . import codec
+from .codec import *  # noqa: F403 (its __all__)
 
-__all__ = [
-    "TOPK_EMPTY_LOGPROB",
-    "ForwardBackwardCall",
-    "ProvenanceSpan",
-    "SampledSequenceOut",
-    "TopkOut",
-    "WireDatum",
-    "WireError",
-    "decode_forward_backward_request",
-    "encode_forward_backward_output",
-    "encode_sample_response",
-]
+__all__ = codec.__all__
