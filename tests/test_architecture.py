@@ -41,7 +41,6 @@ DEVICE_SIDE = ("hosted_tinker.worker", "hosted_tinker.device_loop", "hosted_tink
                "hosted_tinker.runtime.moe_lora", "hosted_tinker.sampling.engine")
 
 KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"runtime.invariance", "runtime.multi_lora"}),
     frozenset({"sampling.engine", "sampling.kv_budget"}),
 }
 KNOWN_ARROWS_UP = {
@@ -59,7 +58,7 @@ KNOWN_DEVICE_IMPORTS = {
     ("services.training", "worker"),
 }
 KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
-KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.adapters", "runtime.distributed", "runtime.multi_lora",
+KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.adapters", "runtime.distributed",
                       "runtime.trainer", "sampling.engine", "store"}
 KNOWN_STRING_DISPATCH = {"worker"}
 KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .multi_lora import FusedPart, LoRAWeights, MultiLoRALinear, SlotStack, attach_adapter, detach_adapter
+from .lora_slots import LoRAWeights, SlotStack
+from .multi_lora import FusedPart, MultiLoRALinear, attach_adapter, detach_adapter
 from .invariance import row_norms
 from .torch_compat import adamw_update_, norms, scale_, zero_
 

@@ -42,7 +42,8 @@ from .graphs import CudaGraphCapture, StepGraphs
 from .invariance import FusionPolicy, RowIndependenceProbe
 from .losses import LOSSES, merge_metrics, run_losses, targets_per_position, topk_cross_entropy
 from .moe_lora import ExpertProjection, attach_moe_lora
-from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
+from .lora_plan import LoRARouting
+from .multi_lora import MultiLoRALinear, attach_multi_lora, fp32_logits_refused
 from .projections import discover
 from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..runtime.multi_lora import LoRARouting
+from ..runtime.lora_plan import LoRARouting
 from ..runtime.packing import segments_of
 from ..vision import Pixels
 from .image_positions import decode_positions, prefill_inputs
