@@ -329,7 +329,7 @@ def test_gradient_norms_reduce_only_the_slots_of_the_tenants_stepping(monkeypatc
     """Stepping one of eight live tenants sums that tenant's gradient rows, not every slot of each
     layer's stack (with 16 live tenants, that made a lone tenant's AdamW step 2.3x slower), and its
     grad_norm keeps the bits it has when all eight step together."""
-    from hosted_tinker.runtime import adapters as adapters_module
+    from hosted_tinker.runtime import adamw as adamw_module
 
     rt = tiny_runtime()
     for i in range(8):
@@ -342,11 +342,11 @@ def test_gradient_norms_reduce_only_the_slots_of_the_tenants_stepping(monkeypatc
         reduced_rows.append(t.shape[0])
         return row_norms(t)
 
-    monkeypatch.setattr(adapters_module, "row_norms", counting)
-    norms = adapters_module.grad_norms([rt.adapter(f"t{i}") for i in range(8)], rt.policy)
+    monkeypatch.setattr(adamw_module, "row_norms", counting)
+    norms = adamw_module.grad_norms([rt.adapter(f"t{i}") for i in range(8)], rt.policy)
     assert reduced_rows and max(reduced_rows) <= 8
     reduced_rows.clear()
-    alone = adapters_module.grad_norms([rt.adapter("t5")], rt.policy)
+    alone = adamw_module.grad_norms([rt.adapter("t5")], rt.policy)
     assert reduced_rows and max(reduced_rows) <= 2  # its own row, or its canonical pair
     assert alone == [norms[5]]
     assert all(torch.equal(v, saved["t5"][k]) for k, v in grads(rt.adapter("t5")).items())

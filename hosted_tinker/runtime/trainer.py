@@ -33,9 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .adapters import (
-    AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, adamw_step, snapshot_gradient_rows,
-)
+from .adamw import adamw_step
+from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, snapshot_gradient_rows
 from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
 from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
 from .graphs import CudaGraphCapture, StepGraphs
