@@ -45,7 +45,6 @@ KNOWN_CIRCLES: set[frozenset[str]] = {
 }
 KNOWN_ARROWS_UP = {
     ("runtime.provenance", "sampling.records"),
-    ("runtime.trainer", "checkpoints.format"),
 }
 KNOWN_DEVICE_IMPORTS = {
     ("api.metrics", "sampling.engine"),
@@ -58,7 +57,7 @@ KNOWN_DEVICE_IMPORTS = {
     ("services.training", "worker"),
 }
 KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
-KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.trainer", "sampling.engine", "store"}
+KNOWN_LONG_MODULES = {"runtime.trainer", "sampling.engine", "store"}
 KNOWN_STRING_DISPATCH = {"worker"}
 KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
 KNOWN_SCHEME_LITERALS = {"cli"}

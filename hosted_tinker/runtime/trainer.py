@@ -27,7 +27,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import groupby
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,7 +34,6 @@ import torch.nn.functional as F
 
 from .adamw import adamw_step
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, snapshot_gradient_rows
-from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
 from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
 from .graphs import CudaGraphCapture, StepGraphs
 from .invariance import FusionPolicy, RowIndependenceProbe
@@ -612,31 +610,3 @@ class TrainingRuntime:
         """Every ready model's AdamW step of a cycle, together (one fused kernel per distinct
         set of hyper-parameters; see `adamw_step`). Each model's result is as if stepped alone."""
         return adamw_step([(self.adapter(mid), params) for mid, params in steps], self.policy)
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int:
-        return save_adapter(self.adapter(model_id), out_dir, self.base_model_name,
-                            with_optimizer=with_optimizer, overwrite=overwrite)
-
-    def read(self, ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint:
-        ckpt = read_checkpoint(ckpt_dir, with_optimizer=with_optimizer, layers=self.layers)
-        if ckpt.base_model and ckpt.base_model != self.base_model_name:
-            raise CheckpointError(
-                f"checkpoint was trained on base model {ckpt.base_model!r}; this server serves "
-                f"{self.base_model_name!r}")
-        return ckpt
-
-    def load(self, model_id: str, ckpt: LoadedCheckpoint) -> LoRAAdapter:
-        """(Re)build `model_id`'s adapter from a checkpoint: its LoRA config comes from the files."""
-        old = self.adapters.get(model_id)
-        self.remove_adapter(model_id)
-        try:
-            adapter = self.create_adapter(model_id, ckpt.config)
-            restore_adapter(adapter, ckpt)
-        except Exception:
-            self.remove_adapter(model_id)
-            if old is not None:  # leave the model as it was
-                self.adapters[model_id] = old
-                self.ensure_live([model_id])
-            raise
-        return adapter
