@@ -57,7 +57,7 @@ KNOWN_DEVICE_IMPORTS = {
     ("services.training", "worker"),
 }
 KNOWN_HTTP_OUTSIDE_API = {"access", "services", "services.sampling", "services.training"}
-KNOWN_LONG_MODULES = {"runtime.trainer", "sampling.engine", "store"}
+KNOWN_LONG_MODULES = {"sampling.engine", "store"}
 KNOWN_STRING_DISPATCH = {"worker"}
 KNOWN_PRIVATE_IMPORTS = {("api.openai_compat.plan", "_checkpoint_for_load"), ("api.sampling", "_checkpoint_for_load")}
 KNOWN_SCHEME_LITERALS = {"cli"}
