@@ -8,18 +8,21 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
 from .. import faults
-from ..model_runtime import ModelRuntime
 from ..runtime.adapters import LoRAAdapter
 from ..runtime.multi_lora import MultiLoRALinear
 from .format import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, OPTIMIZER_STATE, PEFT_PREFIX, CheckpointError, LoadedCheckpoint,
     describe, peft_adapter_config, read_checkpoint, to_peft, write_atomically,
 )
+
+if TYPE_CHECKING:  # the runtime's surface, for annotations only (it imports the whole trainer)
+    from ..model_runtime import ModelRuntime
 
 
 def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_optimizer: bool,
