@@ -6,7 +6,7 @@ so every request generates exactly 64 tokens:
 
   engine:   ``SamplingEngine`` + ``SnapshotCache``, all requests submitted at once and run to
             completion with ``engine.run`` (what the server's clock-cycle thread does when no
-            training work waits); adapters are the sampler checkpoints ``TrainingRuntime.save``
+            training work waits); adapters are the sampler checkpoints ``adapter_io.save_checkpoint``
             writes, loaded through the snapshot cache as the server loads them;
   baseline: a ``PeftModel`` holding the same 4 adapters; per request ``set_adapter`` +
             ``model.generate(max_new_tokens=64, min_new_tokens=64, do_sample=True, top_k=0)``,
@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from hosted_tinker.checkpoints.adapter_io import save_checkpoint  # noqa: E402
 from hosted_tinker.embedded_model import SPEC_PRESETS, build_tiny_model  # noqa: E402
 from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.request_types import DatumWork, FBWork  # noqa: E402
@@ -327,7 +328,7 @@ def main() -> int:
             for w in adapter.weights.values():
                 w.B.normal_(0, 0.02)
         out = tmp / "adapters" / mid
-        runtime.save(mid, out, with_optimizer=False)
+        save_checkpoint(runtime, mid, out, with_optimizer=False)
         runtime.remove_adapter(mid)  # sampling uses the snapshots only
         adapter_dirs.append(str(out))
     engine = Engine(model, runtime, tokenizer, device)

@@ -4,17 +4,16 @@ Two implementations: `runtime.trainer.TrainingRuntime`, in this process, on one 
 `runtime.distributed.PoolRuntime`, whose rank 0 is this process and whose passes are split over
 a pool of torch.distributed ranks. This is the surface they offer the worker (which calls it on
 the device loop's thread only) and the API (which reads the limits). Storage stays outside: the worker
-records checkpoints and futures; the runtime only computes and writes adapter files.
+records checkpoints and futures; the runtime only computes (checkpoints/adapter_io.py writes and reads
+its adapters' files).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 from .runtime.adapters import AdamParams, LoRAConfig, SkippedStep
-from .checkpoints.format import LoadedCheckpoint
 from .runtime.recompute import RecomputeChoice
 from .request_types import FBOutcome, FBWork
 from .runtime.trainer import PassStats
@@ -26,13 +25,17 @@ class ModelRuntime(Protocol):
     vocab_size: int  # token ids a request may use
     max_context: int  # longest sequence a request may send
     layers: Mapping[str, Any]  # adaptable projections by module path
-    adapters: Mapping[str, Any]  # model id -> its adapter (read: membership, `.step`)
+    adapters: dict[str, Any]  # model id -> its adapter (membership, `.step`; a failed load puts one back)
     last_pass: PassStats  # what the last forward_backward did
     recompute: RecomputeChoice  # whether decoder layers recompute activations in the backward, and why
 
     def create_adapter(self, model_id: str, config: LoRAConfig) -> Any: ...
 
     def remove_adapter(self, model_id: str) -> None: ...
+
+    def ensure_live(self, model_ids) -> None:
+        """Page these models' adapters in (and idle ones out, over the limit)."""
+        ...
 
     def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
         """One fused pass over every request; gradients accumulate per model."""
@@ -41,12 +44,6 @@ class ModelRuntime(Protocol):
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | SkippedStep]:
         """Each model's metrics, or `SkippedStep` (a user error) where its step was not finite."""
         ...
-
-    def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int: ...
-
-    def read(self, ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint: ...
-
-    def load(self, model_id: str, ckpt: LoadedCheckpoint) -> Any: ...
 
     def adapter(self, model_id: str) -> Any: ...
 

@@ -24,7 +24,8 @@ from .errors import UserError
 from .model_loading import load_base_model, pick_dtype
 from .model_runtime import ModelRuntime
 from .runtime.recompute import RecomputeChoice, choose_recompute
-from .runtime.trainer import TrainingRuntime, default_micro_batch_tokens
+from .runtime.kernel_choices import default_micro_batch_tokens
+from .runtime.trainer import TrainingRuntime
 from .sampling.backend import SamplingBackend
 from .sampling.kv_budget import KVBudget
 from .sampling.service import SamplingService

@@ -17,7 +17,8 @@ from pathlib import Path
 from . import faults
 from .checkpoints.catalog import CheckpointCatalog, CheckpointExists
 from .checkpoints.encryption import save_encrypted
-from .checkpoints.format import CheckpointError, check_fits
+from .checkpoints.adapter_io import check_fits, load_checkpoint, read_checkpoint_for, save_checkpoint
+from .checkpoints.format import CheckpointError
 from .checkpoints.paths import TinkerPath
 from .errors import UserError
 from .futures import FutureStore
@@ -237,7 +238,7 @@ class TrainingWorker:
         path = TinkerPath(req.model_id, spec.kind, spec.name)
 
         def write_plain(folder: Path) -> None:
-            self.runtime.save(req.model_id, folder, with_optimizer=with_optimizer, overwrite=True)
+            save_checkpoint(self.runtime, req.model_id, folder, with_optimizer=with_optimizer, overwrite=True)
 
         def write(folder: Path) -> None:
             if spec.age_recipients:
@@ -254,9 +255,9 @@ class TrainingWorker:
 
     def _load_weights(self, req: Request) -> LoadWeightsResult:
         spec: LoadSpec = req.payload
-        ckpt = self.runtime.read(spec.checkpoint_dir, with_optimizer=spec.with_optimizer)
+        ckpt = read_checkpoint_for(self.runtime, spec.checkpoint_dir, with_optimizer=spec.with_optimizer)
         check_fits(ckpt, self.runtime.layers, max_rank=spec.max_rank)  # the files as read now, whatever the route saw
-        adapter = self.runtime.load(req.model_id, ckpt)
+        adapter = load_checkpoint(self.runtime, req.model_id, ckpt)
         self.store.update_model_lora(req.model_id, adapter.config.to_dict())
         return LoadWeightsResult(path=spec.path, model_id=req.model_id)
 

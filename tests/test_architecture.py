@@ -40,15 +40,11 @@ DEVICE_SIDE = ("hosted_tinker.worker", "hosted_tinker.device_loop", "hosted_tink
                "hosted_tinker.runtime.distributed", "hosted_tinker.runtime.multi_lora",
                "hosted_tinker.runtime.moe_lora", "hosted_tinker.sampling.engine")
 
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"runtime.invariance", "runtime.multi_lora"}),
-}
-KNOWN_ARROWS_UP = {
-    ("runtime.trainer", "checkpoints.format"),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
+KNOWN_ARROWS_UP: set[tuple[str, str]] = set()
 KNOWN_DEVICE_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_HTTP_OUTSIDE_API: set[str] = set()
-KNOWN_LONG_MODULES = {"checkpoints.format", "runtime.distributed", "runtime.multi_lora", "runtime.trainer"}
+KNOWN_LONG_MODULES: set[str] = set()
 KNOWN_STRING_DISPATCH: set[str] = set()
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_SCHEME_LITERALS: set[str] = set()

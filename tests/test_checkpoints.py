@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from hosted_tinker.checkpoints import format as checkpoints
+from hosted_tinker.checkpoints import adapter_io as checkpoints
 from hosted_tinker.checkpoints.paths import InvalidPath, TinkerPath
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.checkpoints.format import (
@@ -22,10 +22,15 @@ from hosted_tinker.checkpoints.format import (
     OPTIMIZER_STATE,
     PEFT_PREFIX,
     CheckpointError,
-    check_fits,
     read_checkpoint,
+)
+from hosted_tinker.checkpoints.adapter_io import (
+    check_fits,
+    load_checkpoint,
+    read_checkpoint_for,
     restore_adapter,
     save_adapter,
+    save_checkpoint,
 )
 from tiny_model import TINY_VOCAB as VOCAB, ce_work, logits, one_torch_thread, random_seqs, randomize_b, tiny_qwen3, \
     tiny_runtime  # noqa: F401 (one_torch_thread: an autouse fixture)
@@ -58,14 +63,14 @@ def test_round_trip_is_bit_exact_and_training_continues_identically(trained, tmp
     the next step matches the one taken without the save/restore."""
     a = trained.adapter("a")
     out = tmp_path / "ckpts" / "step-2"
-    size = trained.save("a", out, with_optimizer=True)
+    size = save_checkpoint(trained, "a", out, with_optimizer=True)
     assert size == sum(f.stat().st_size for f in out.iterdir())
     assert sorted(f.name for f in out.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, OPTIMIZER_STATE])
     assert no_temp_dirs(out.parent)
 
-    ckpt = trained.read(out, with_optimizer=True)
+    ckpt = read_checkpoint_for(trained, out, with_optimizer=True)
     assert ckpt.config == CFG and ckpt.step == 2 and ckpt.base_model == "tiny-qwen3"
-    b = trained.load("b", ckpt)
+    b = load_checkpoint(trained, "b", ckpt)
     assert b.config == CFG and b.step == 2
     ta, tb = a.named_tensors(), b.named_tensors()
     assert list(ta) == list(tb)
@@ -89,11 +94,11 @@ def test_restore_without_optimizer_resets_moments(trained, tmp_path):
     """A sampler save has no optimizer state: loading it with the optimizer is refused, and
     loading the weights alone starts AdamW fresh."""
     out = tmp_path / "sampler"
-    trained.save("a", out, with_optimizer=False)
+    save_checkpoint(trained, "a", out, with_optimizer=False)
     assert not (out / OPTIMIZER_STATE).exists()
     with pytest.raises(CheckpointError, match="has no optimizer state"):
         read_checkpoint(out, with_optimizer=True)
-    b = trained.load("b", read_checkpoint(out, with_optimizer=False))
+    b = load_checkpoint(trained, "b", read_checkpoint(out, with_optimizer=False))
     assert not b.optimizer.state
     for k, v in trained.adapter("a").named_tensors().items():
         assert torch.equal(v, b.named_tensors()[k])
@@ -102,7 +107,7 @@ def test_restore_without_optimizer_resets_moments(trained, tmp_path):
 def test_restore_adapter_rejects_a_checkpoint_of_another_shape(trained, tmp_path):
     """Loading a rank-4 checkpoint into a rank-8 adapter is a CheckpointError, not a crash."""
     out = tmp_path / "r4"
-    trained.save("a", out, with_optimizer=False)
+    save_checkpoint(trained, "a", out, with_optimizer=False)
     ckpt = read_checkpoint(out, with_optimizer=False)
     other = trained.create_adapter("r8", LoRAConfig(rank=8, seed=0))
     with pytest.raises(CheckpointError, match="shape"):
@@ -115,12 +120,12 @@ def test_restore_adapter_rejects_a_checkpoint_of_another_shape(trained, tmp_path
 def test_failed_load_leaves_the_model_as_it_was(trained, tmp_path):
     """TrainingRuntime.load of an unusable checkpoint keeps the old adapter attached."""
     out = tmp_path / "ok"
-    trained.save("a", out, with_optimizer=False)
+    save_checkpoint(trained, "a", out, with_optimizer=False)
     ckpt = read_checkpoint(out, with_optimizer=False)
     ckpt.tensors.popitem()  # now it does not fit
     old = trained.adapter("a")
     with pytest.raises(CheckpointError):
-        trained.load("a", ckpt)
+        load_checkpoint(trained, "a", ckpt)
     assert trained.adapter("a") is old
     assert all(layer.adapters.get("a") is w for path, w in old.weights.items()
                for layer in [trained.layers[path]])
@@ -131,7 +136,7 @@ def test_saved_adapter_loads_in_peft_with_same_logits(trained, tmp_path):
     from peft import PeftModel
 
     out = tmp_path / "for-peft"
-    trained.save("a", out, with_optimizer=False)
+    save_checkpoint(trained, "a", out, with_optimizer=False)
     cfg = json.loads((out / ADAPTER_CONFIG).read_text())
     assert cfg["r"] == 4 and cfg["lora_alpha"] == CFG.alpha and cfg["peft_type"] == "LORA"
     assert set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -152,7 +157,7 @@ def test_saved_adapter_loads_in_peft_with_same_logits(trained, tmp_path):
 def test_corrupted_file_is_detected_by_checksum(trained, tmp_path, victim):
     """Flipping one byte of any listed file makes read_checkpoint fail with a checksum error."""
     out = tmp_path / "c"
-    trained.save("a", out, with_optimizer=True)
+    save_checkpoint(trained, "a", out, with_optimizer=True)
     path = out / victim
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
@@ -164,15 +169,15 @@ def test_corrupted_file_is_detected_by_checksum(trained, tmp_path, victim):
 def test_overwrite_false_refuses_and_leaves_existing_dir_intact(trained, tmp_path):
     """A second save to an existing name fails without touching it; overwrite=True replaces it."""
     out = tmp_path / "ckpts" / "name"
-    trained.save("a", out, with_optimizer=True)
+    save_checkpoint(trained, "a", out, with_optimizer=True)
     before = {f.name: f.read_bytes() for f in out.iterdir()}
     train_steps(trained, "a", 1, seed=50)  # the weights change
     with pytest.raises(CheckpointError, match="already exists"):
-        trained.save("a", out, with_optimizer=True)
+        save_checkpoint(trained, "a", out, with_optimizer=True)
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     assert no_temp_dirs(out.parent)
 
-    trained.save("a", out, with_optimizer=True, overwrite=True)
+    save_checkpoint(trained, "a", out, with_optimizer=True, overwrite=True)
     after = read_checkpoint(out, with_optimizer=True)
     assert after.step == 3
     for k, v in trained.adapter("a").named_tensors().items():
@@ -221,7 +226,7 @@ def test_peft_made_adapter_reads_back_and_reproduces_peft_logits(tmp_path):
     with pytest.raises(CheckpointError, match="has no optimizer state"):
         read_checkpoint(out, with_optimizer=True)
 
-    adapter = rt.load("p", ckpt)
+    adapter = load_checkpoint(rt, "p", ckpt)
     assert set(adapter.weights) == {k.rsplit(".lora_", 1)[0] for k in ckpt.tensors}
     got = logits(rt, ids, [("p", 0, 2)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -230,11 +235,11 @@ def test_peft_made_adapter_reads_back_and_reproduces_peft_logits(tmp_path):
     # Training it further and saving gives our own checkpoint that keeps the narrow targets.
     train_steps(rt, "p", 1)
     again = tmp_path / "ours"
-    rt.save("p", again, with_optimizer=True)
+    save_checkpoint(rt, "p", again, with_optimizer=True)
     back = read_checkpoint(again, with_optimizer=True)
     assert back.config == adapter.config and back.config.target_modules == ("q_proj", "v_proj")
     assert json.loads((again / ADAPTER_CONFIG).read_text())["target_modules"] == ["q_proj", "v_proj"]
-    rt.load("p2", back)
+    load_checkpoint(rt, "p2", back)
 
 
 def test_read_rejects_a_directory_without_adapter_files(tmp_path):
@@ -249,7 +254,7 @@ def test_checkpoint_of_another_base_model_is_refused(trained, tmp_path):
     out = tmp_path / "other-base"
     save_adapter(trained.adapter("a"), out, "some/other-model", with_optimizer=False)
     with pytest.raises(CheckpointError, match="some/other-model"):
-        trained.read(out, with_optimizer=False)
+        read_checkpoint_for(trained, out, with_optimizer=False)
 
 
 def test_randomized_adapter_round_trips_through_save(tmp_path):
@@ -257,11 +262,11 @@ def test_randomized_adapter_round_trips_through_save(tmp_path):
     rt = tiny_runtime()
     randomize_b(rt.create_adapter("a", CFG), seed=1)
     randomize_b(rt.create_adapter("b", LoRAConfig(rank=8, seed=4, train_attn=False)), seed=2)
-    rt.save("b", tmp_path / "b", with_optimizer=False)
+    save_checkpoint(rt, "b", tmp_path / "b", with_optimizer=False)
     ids = torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(8))
     want = logits(rt, ids, [("b", 0, 3)])
     rt2 = tiny_runtime()
-    rt2.load("b", rt2.read(tmp_path / "b", with_optimizer=False))
+    load_checkpoint(rt2, "b", read_checkpoint_for(rt2, tmp_path / "b", with_optimizer=False))
     assert torch.equal(logits(rt2, ids, [("b", 0, 3)]), want)
 
 
@@ -283,7 +288,7 @@ def test_read_opens_only_plain_files_of_the_checkpoint(trained, tmp_path):
     """A checkpoint file that is a link or a FIFO is refused without following or blocking on
     it, and the message names the file, never a server path."""
     out = tmp_path / "c"
-    trained.save("a", out, with_optimizer=True)
+    save_checkpoint(trained, "a", out, with_optimizer=True)
     secret = tmp_path / "elsewhere.safetensors"
     (out / ADAPTER_WEIGHTS).rename(secret)
     (out / ADAPTER_WEIGHTS).symlink_to(secret)
@@ -302,7 +307,7 @@ def test_fits_refuses_rank_above_the_limit_and_optimizer_state_of_other_shapes(t
     """check_fits (import and every load) holds the rank limit; optimizer moments of another
     shape are refused up front, since the AdamW step is fused across tenants."""
     out = tmp_path / "c"
-    trained.save("a", out, with_optimizer=True)
+    save_checkpoint(trained, "a", out, with_optimizer=True)
     ckpt = read_checkpoint(out, with_optimizer=True)
     check_fits(ckpt, trained.layers, max_rank=4)
     with pytest.raises(CheckpointError, match="LoRA rank 4, above this server's limit of 3"):
@@ -312,7 +317,7 @@ def test_fits_refuses_rank_above_the_limit_and_optimizer_state_of_other_shapes(t
     with pytest.raises(CheckpointError, match="does not fit its weights"):
         check_fits(ckpt, trained.layers, max_rank=4)
     with pytest.raises(CheckpointError, match="does not fit its weights"):
-        trained.load("b", ckpt)
+        load_checkpoint(trained, "b", ckpt)
 
 
 def test_an_encrypted_export_survives_recovery_and_leaves_no_plaintext(trained, tmp_path):
@@ -332,13 +337,13 @@ def test_an_encrypted_export_survives_recovery_and_leaves_no_plaintext(trained, 
     identity = pyrage.x25519.Identity.generate()
     path = TinkerPath("run", "external_weights", "enc")
     catalog.save(path, "alice", lambda folder: save_encrypted(
-        folder, lambda out: trained.save("a", out, with_optimizer=False), parse_recipients([str(identity.to_public())])),
+        folder, lambda out: save_checkpoint(trained, "a", out, with_optimizer=False), parse_recipients([str(identity.to_public())])),
         overwrite=True)
     folder = catalog.folder(path)
     assert sorted(f.name for f in folder.iterdir()) == [
         "adapter_config.json.age", "adapter_model.safetensors.age", "manifest.json.age"]
     crashed = folder.parent / ".tmp-enc-plain-0123abcd"  # what a kill before the encryption leaves
-    trained.save("a", crashed, with_optimizer=False)
+    save_checkpoint(trained, "a", crashed, with_optimizer=False)
 
     report = recover(catalog)
     assert catalog.record(path) is not None and not report.removed_records

@@ -13,7 +13,7 @@ import torch
 from hosted_tinker.runtime import torch_compat
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import FusionPolicy, RowIndependenceProbe, probe_blocks, same_bits, row_norms
-from hosted_tinker.runtime.multi_lora import LoRARouting
+from hosted_tinker.runtime.lora_plan import LoRARouting
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from tiny_model import ce_work, grads, random_seqs, randomize_b, tiny_qwen3, tiny_runtime
 
@@ -164,7 +164,8 @@ def test_consecutive_slots_take_autograds_own_nodes_with_the_grouped_functions_b
     (a canonical pair, slots out of order) runs the `GroupedLoRA` function that the fusion probe
     checks. Both must give the same bits -- output, input gradient and the rows' gradients -- for
     fp32 and bf16, and for an incoming gradient that is not contiguous."""
-    from hosted_tinker.runtime.multi_lora import GroupedLoRA, LoRACall, SlotStack, lora_delta
+    from hosted_tinker.runtime.lora_ops import GroupedLoRA, lora_delta
+    from hosted_tinker.runtime.lora_slots import LoRACall, SlotStack
 
     gen = torch.Generator().manual_seed(0)
     for tokens, d_in, d_out, rank, n, dtype in [(256, 64, 64, 16, 1, torch.float32),
@@ -199,7 +200,7 @@ def test_consecutive_slots_take_autograds_own_nodes_with_the_grouped_functions_b
 
 
 def _weights(rank: int, d_in: int, d_out: int, gen: torch.Generator):
-    from hosted_tinker.runtime.multi_lora import LoRAWeights
+    from hosted_tinker.runtime.lora_slots import LoRAWeights
 
     return LoRAWeights(A=torch.randn(rank, d_in, generator=gen), B=torch.randn(d_out, rank, generator=gen),
                        scaling=1.5)
@@ -328,7 +329,7 @@ def test_gradient_norms_reduce_only_the_slots_of_the_tenants_stepping(monkeypatc
     """Stepping one of eight live tenants sums that tenant's gradient rows, not every slot of each
     layer's stack (with 16 live tenants, that made a lone tenant's AdamW step 2.3x slower), and its
     grad_norm keeps the bits it has when all eight step together."""
-    from hosted_tinker.runtime import adapters as adapters_module
+    from hosted_tinker.runtime import adamw as adamw_module
 
     rt = tiny_runtime()
     for i in range(8):
@@ -341,11 +342,11 @@ def test_gradient_norms_reduce_only_the_slots_of_the_tenants_stepping(monkeypatc
         reduced_rows.append(t.shape[0])
         return row_norms(t)
 
-    monkeypatch.setattr(adapters_module, "row_norms", counting)
-    norms = adapters_module.grad_norms([rt.adapter(f"t{i}") for i in range(8)], rt.policy)
+    monkeypatch.setattr(adamw_module, "row_norms", counting)
+    norms = adamw_module.grad_norms([rt.adapter(f"t{i}") for i in range(8)], rt.policy)
     assert reduced_rows and max(reduced_rows) <= 8
     reduced_rows.clear()
-    alone = adapters_module.grad_norms([rt.adapter("t5")], rt.policy)
+    alone = adamw_module.grad_norms([rt.adapter("t5")], rt.policy)
     assert reduced_rows and max(reduced_rows) <= 2  # its own row, or its canonical pair
     assert alone == [norms[5]]
     assert all(torch.equal(v, saved["t5"][k]) for k, v in grads(rt.adapter("t5")).items())

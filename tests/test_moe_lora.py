@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hosted_tinker.checkpoints.format import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, check_fits,
-                                              read_checkpoint, restore_adapter, save_adapter)
+from hosted_tinker.checkpoints.adapter_io import check_fits, restore_adapter, save_adapter
+from hosted_tinker.checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, read_checkpoint
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import same_bits
 from hosted_tinker.runtime.trainer import TrainingRuntime

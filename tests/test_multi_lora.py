@@ -299,7 +299,7 @@ def test_micro_batch_default_follows_device_and_mlp_width():
     setting wins."""
     from transformers import Qwen3Config
 
-    from hosted_tinker.runtime.trainer import default_micro_batch_tokens
+    from hosted_tinker.runtime.kernel_choices import default_micro_batch_tokens
 
     def model(mlp: int) -> torch.nn.Module:
         m = torch.nn.Module()

@@ -9,7 +9,8 @@ import torch
 import transformers as T
 
 from hosted_tinker.checkpoints.format import CheckpointError, from_peft, to_peft
-from hosted_tinker.runtime.multi_lora import LoRARouting, attach_multi_lora
+from hosted_tinker.runtime.lora_plan import LoRARouting
+from hosted_tinker.runtime.multi_lora import attach_multi_lora
 from hosted_tinker.runtime.projections import coverage, discover, refusal
 from hosted_tinker.sampling.vllm_adapters import layout_refusal
 

@@ -10,6 +10,7 @@ import torch
 from tinker import types
 
 from helpers import BASE_MODEL, logprobs_of, sft_batch, sft_datum
+from hosted_tinker.checkpoints.adapter_io import save_checkpoint
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.sampling.snapshots import SnapshotCache
 from tiny_model import ce_work, random_seqs, tiny_runtime
@@ -24,13 +25,13 @@ def test_resaved_checkpoint_gets_a_new_snapshot_and_the_old_one_goes(tmp_path):
     rt.create_adapter("a", LoRAConfig(rank=4, seed=1))
     cache = SnapshotCache(rt.layers, torch.device("cpu"))
     out = tmp_path / "sampler"
-    rt.save("a", out, with_optimizer=False)
+    save_checkpoint(rt, "a", out, with_optimizer=False)
     first = cache.ensure(out)
     assert cache.ensure(out) == first and cache.loads == 1  # unchanged content: served from memory
 
     rt.forward_backward([ce_work("a", random_seqs(2, 3))])
     rt.optim_step("a", AdamParams(learning_rate=1e-1))
-    rt.save("a", out, with_optimizer=False, overwrite=True)
+    save_checkpoint(rt, "a", out, with_optimizer=False, overwrite=True)
     second = cache.ensure(out, keep={first})  # a running request still samples the first version
     assert second != first and cache.loads == 2 and len(cache) == 2
     live = rt.adapter("a").weights

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from vllm_support import WAIT, StackConfig, job, stop_stack
 
+from hosted_tinker.checkpoints.adapter_io import save_checkpoint
 from hosted_tinker.sampling.vllm_adapters import latest_ref
 
 PROMPT = [5, 77, 300, 12, 900, 40, 41, 42]
@@ -74,7 +75,7 @@ def test_adapters_that_train_lm_head_are_refused(stack, tmp_path):
     assert stack.adapters.flush(WAIT)
     assert "lm_head" in stack.backend.refusal(job(PROMPT, latest_ref("m-head")))
     snap = tmp_path / "snap"
-    stack.runtime.save("m-head", snap, with_optimizer=False)
+    save_checkpoint(stack.runtime, "m-head", snap, with_optimizer=False)
     assert "lm_head" in stack.backend.refusal(job(PROMPT, str(snap)))
     with pytest.raises(AssertionError, match="built-in engine"):
         stack.vllm(job(PROMPT, str(snap)))

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from hosted_tinker.checkpoints.adapter_io import save_checkpoint
 from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.sampling.vllm_adapters import AdapterUnavailable, latest_ref
 from hosted_tinker.sampling.vllm_backend import completion_body
@@ -71,7 +72,7 @@ def test_newer_version_changes_greedy_answer_while_pinned_snapshot_keeps_its_own
     step = stack.train_step("m-pin", PROMPT, [7], lr=1e-4)  # barely moved: not yet the TARGET answer
     assert stack.adapters.wait_synced("m-pin", step, WAIT)
     snap_dir = tmp_path / "sampler-step1"
-    stack.runtime.save("m-pin", snap_dir, with_optimizer=False)
+    save_checkpoint(stack.runtime, "m-pin", snap_dir, with_optimizer=False)
     pinned = stack.adapters.pin(str(snap_dir))
     greedy = dict(temperature=0.0, max_tokens=len(TARGET), stop_token_ids=frozenset())
     before = stack.vllm(job(PROMPT, latest_ref("m-pin"), **greedy)).sequences[0].tokens
@@ -177,7 +178,7 @@ def test_evicted_and_lost_adapters_reload_on_demand(stack, tmp_path):
         stack.create(mid, seed=i)
         stack.train_step(mid, PROMPT, TARGET[i:] + TARGET[:i], lr=2e-2)
         d = tmp_path / mid
-        stack.runtime.save(mid, d, with_optimizer=False)
+        save_checkpoint(stack.runtime, mid, d, with_optimizer=False)
         dirs.append(str(d))
     greedy = dict(temperature=0.0, max_tokens=6, topk_sample_logprobs=1, stop_token_ids=frozenset())
     for d in dirs:
@@ -248,7 +249,7 @@ def test_kill9_of_the_process_group_is_recovered_without_user_action(stack, tmp_
     step = stack.train_step("m-kill", PROMPT, TARGET)
     assert stack.adapters.wait_synced("m-kill", step, WAIT)
     snap = tmp_path / "snap"
-    stack.runtime.save("m-kill", snap, with_optimizer=False)
+    save_checkpoint(stack.runtime, "m-kill", snap, with_optimizer=False)
     pinned = stack.adapters.pin(str(snap))
     greedy = dict(temperature=0.0, max_tokens=6, stop_token_ids=frozenset())
     answer = stack.vllm(job(PROMPT, latest_ref("m-kill"), **greedy)).sequences[0].tokens

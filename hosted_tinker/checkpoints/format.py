@@ -36,12 +36,12 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .. import faults
-from ..runtime.adapters import LoRAAdapter, LoRAConfig
+from ..runtime.adapters import LoRAConfig
 from ..runtime.multi_lora import FusedPart, MultiLoRALinear
-from ..runtime.projections import served_names, tinker_name
+from ..runtime.projections import served_names
 
 PEFT_PREFIX = "base_model.model."
 MANIFEST = "manifest.json"
@@ -347,40 +347,6 @@ def describe(folder: Path, names: list[str], *, base_model: str, config: LoRACon
                     files={n: file_digest(folder, n) for n in names}, imported_from=imported_from)
 
 
-def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_optimizer: bool,
-                 overwrite: bool = False) -> int:
-    """Write the adapter (and optionally its optimizer state) atomically; return total bytes."""
-    peft, fused = to_peft(adapter.named_tensors(), adapter.parts)
-    tensors = {PEFT_PREFIX + tinker_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in peft.items()}
-    optim: dict[str, torch.Tensor] = {}
-    if with_optimizer:
-        names = list(adapter.named_tensors())
-        for name, p in zip(names, adapter.parameters()):
-            state = adapter.optimizer.state.get(p)
-            if not state:
-                continue
-            optim[f"{name}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous()
-            optim[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
-            # A copy: an adapter's tensors share one step counter (adapters.adamw_step).
-            optim[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu().clone()
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        faults.crash_point("checkpoint.after_tensors")
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(
-            peft_adapter_config(adapter.config, base_model, sorted({k.rsplit(".lora_", 1)[0] for k in peft}),
-                                fused), indent=2))
-        files = [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
-        if with_optimizer:
-            save_file(optim, str(tmp / OPTIMIZER_STATE))
-            files.append(OPTIMIZER_STATE)
-        manifest = describe(tmp, files, base_model=base_model, config=adapter.config, step=adapter.step)
-        (tmp / MANIFEST).write_text(manifest.to_json())
-
-    write_atomically(out_dir, write, overwrite=overwrite)
-    return sum(f.stat().st_size for f in out_dir.iterdir())
-
-
 # -- reading ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -424,7 +390,7 @@ def _config_of_peft(peft_cfg: dict, paths: list[str], layers: dict[str, MultiLoR
 
 def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
                     layers: dict[str, MultiLoRALinear] | None = None) -> LoadedCheckpoint:
-    """Read a checkpoint written by `save_adapter`, or a plain PEFT adapter folder, for the served
+    """Read a checkpoint written by `adapter_io.save_adapter`, or a plain PEFT adapter folder, for the served
     model's `layers` (its tensors under their LoRA paths: `from_peft`); None only checks the files."""
     if not (_present(ckpt_dir, ADAPTER_WEIGHTS) and _present(ckpt_dir, ADAPTER_CONFIG)):
         raise CheckpointError(f"not a LoRA adapter (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
@@ -460,98 +426,3 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
         optimizer = _load_tensors(ckpt_dir, OPTIMIZER_STATE)
     return LoadedCheckpoint(config=config, base_model=base_model, step=step, tensors=tensors,
                             optimizer=optimizer)
-
-
-def check_fits(ckpt: LoadedCheckpoint, layers: dict[str, MultiLoRALinear], *, max_rank: int) -> None:
-    """Refuse an adapter the served model cannot load exactly, or above the server's rank limit."""
-    if ckpt.config.rank > max_rank:
-        raise CheckpointError(f"the adapter has LoRA rank {ckpt.config.rank}, above this server's limit of {max_rank}")
-    present = sorted({k.rsplit(".lora_", 1)[0] for k in ckpt.tensors})
-    unknown = [p for p in present if p not in layers]
-    if unknown:
-        raise CheckpointError(f"the adapter does not fit the served base model: it adapts {unknown[0][:200]!r}, "
-                              "which is not a linear projection of this model")
-    expected = [p for p in sorted(layers) if ckpt.config.adapts(p, layers[p])]
-    missing = [p for p in expected if p not in present]
-    if missing:
-        raise CheckpointError(f"the adapter leaves out {missing[0]!r} among the projections it targets; adapters "
-                              "restricted to some layers (layers_to_transform) are not supported")
-    r = ckpt.config.rank
-    for p in present:
-        a, b = ckpt.tensors.get(f"{p}.lora_A.weight"), ckpt.tensors.get(f"{p}.lora_B.weight")
-        if a is None or b is None or len(ckpt.tensors) != 2 * len(present):
-            raise CheckpointError(f"the adapter has tensors other than lora_A/lora_B weights (at {p!r}); "
-                                  "only plain LoRA (no bias, no modules_to_save, no embedding LoRA) is supported")
-        layer = layers[p]
-        want_a, want_b = (*layer.lora_lead, r, layer.in_features), (*layer.lora_lead, layer.out_features, r)
-        if not _fits(a.shape, want_a, b.shape, want_b):
-            raise CheckpointError(f"{p}: LoRA shapes {list(a.shape)} / {list(b.shape)} do not fit this model "
-                                  f"(rank {r} needs {list(want_a)} / {list(want_b)})")
-    for name, t in ckpt.tensors.items():  # a non-finite adapter would sample and train nothing but NaN
-        if not t.isfinite().all():
-            raise CheckpointError(f"{name} holds values that are not finite (NaN or inf): an adapter's weights "
-                                  "must be finite")
-    if ckpt.optimizer is not None:
-        for name, t in ckpt.tensors.items():
-            if f"{name}.exp_avg" in ckpt.optimizer:
-                _checked_moments(ckpt.optimizer, name, t.shape)
-
-
-def _fits(a: torch.Size, want_a: tuple, b: torch.Size, want_b: tuple) -> bool:
-    """Exact shapes; or, for MoE experts ([experts, ...] factors), one of A and B shared by every
-    expert ([1, ...]) as Tinker's checkpoints may hold it (broadcast when restored)."""
-    if tuple(a) == want_a and tuple(b) == want_b:
-        return True
-    if len(want_a) != 3 or len(a) != 3 or len(b) != 3 or (a[0] == 1 and b[0] == 1):
-        return False
-    return (tuple(a[1:]) == want_a[1:] and tuple(b[1:]) == want_b[1:]
-            and a[0] in (1, want_a[0]) and b[0] in (1, want_b[0]))
-
-
-def restore_adapter(adapter: LoRAAdapter, ckpt: LoadedCheckpoint) -> None:
-    """Copy checkpoint tensors (and optimizer moments, if loaded) into a fresh adapter."""
-    own = adapter.named_tensors()
-    missing = sorted(set(own) - set(ckpt.tensors))
-    extra = sorted(set(ckpt.tensors) - set(own))
-    if missing or extra:
-        raise CheckpointError(
-            f"checkpoint does not fit this model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
-    with torch.no_grad():
-        for name, t in own.items():
-            src = ckpt.tensors[name]
-            if src.shape != t.shape and not (src.dim() == 3 and src.shape[0] == 1 and src.shape[1:] == t.shape[1:]):
-                raise CheckpointError(f"{name}: shape {list(src.shape)} in checkpoint, model needs {list(t.shape)}")
-            t.copy_(src.to(t.device))
-    adapter.zero_grad()
-    adapter.optimizer.state.clear()
-    adapter.step = ckpt.step
-    if ckpt.optimizer is not None:
-        for name, p in zip(own, adapter.parameters()):
-            if f"{name}.exp_avg" not in ckpt.optimizer:
-                continue
-            adapter.optimizer.state[p] = _moments(ckpt.optimizer, name, p)
-
-
-def _checked_moments(optimizer: dict[str, torch.Tensor], name: str, shape: torch.Size):
-    """(exp_avg, exp_avg_sq, step) of one parameter, checked: the optimizer step is fused across
-    tenants, so a moment of another shape would fail every tenant's step in that cycle."""
-    exp_avg, exp_avg_sq, step = (optimizer.get(f"{name}.{k}") for k in ("exp_avg", "exp_avg_sq", "step"))
-    if exp_avg is None or exp_avg_sq is None or step is None:
-        raise CheckpointError(f"{OPTIMIZER_STATE}: the state of {name} is incomplete")
-    if exp_avg.shape != shape or exp_avg_sq.shape != shape or step.numel() != 1:
-        raise CheckpointError(f"{OPTIMIZER_STATE}: the state of {name} does not fit its weights")
-    if not (exp_avg.isfinite().all() and exp_avg_sq.isfinite().all()):
-        raise CheckpointError(f"{OPTIMIZER_STATE}: the moments of {name} hold values that are not finite")
-    steps = float(step.item())
-    if not (math.isfinite(steps) and 0 <= steps <= 1 << 53):
-        raise CheckpointError(f"{OPTIMIZER_STATE}: the step count of {name} is not a count")
-    return exp_avg, exp_avg_sq, steps
-
-
-def _moments(optimizer: dict[str, torch.Tensor], name: str, p: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One parameter's AdamW state on its device and in its dtype, as the fused step needs it."""
-    exp_avg, exp_avg_sq, steps = _checked_moments(optimizer, name, p.shape)
-    return {"step": torch.tensor(steps, device=p.device),
-            "exp_avg": exp_avg.to(device=p.device, dtype=p.dtype).clone(),
-            "exp_avg_sq": exp_avg_sq.to(device=p.device, dtype=p.dtype).clone()}

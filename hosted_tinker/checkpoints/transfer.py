@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Literal
 
 from ..runtime.multi_lora import MultiLoRALinear
+from .adapter_io import check_fits
 from .catalog import OpenFile
 from .format import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_FILES, MANIFEST, OPTIMIZER_STATE, CheckpointError, ImportedFrom,
-    LoadedCheckpoint, read_json_object, check_fits, describe, read_checkpoint, read_manifest, write_atomically,
+    LoadedCheckpoint, read_json_object, describe, read_checkpoint, read_manifest, write_atomically,
 )
 from .paths import TinkerPath
 

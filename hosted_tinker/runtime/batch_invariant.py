@@ -27,7 +27,7 @@ Tenants share micro-batches on a GPU only because of what this module sets. Meas
 
 RMSNorm, softmax and cross-entropy reduce each row on its own (measured invariant). What is
 left to construction in the runtime: one grouped LoRA call per projection, per-tenant loss and
-norm reductions, gradients accumulated per tenant in fp32 (trainer.py, multi_lora.py,
+norm reductions, gradients accumulated per tenant in fp32 (trainer.py, multi_lora.py, adamw.py,
 adapters.py). The `FusionPolicy` probes stay as a guard.
 """
 

@@ -44,7 +44,7 @@ from .losses import merge_metrics
 from .pool_launch import RankPool
 from .rank_group import PoolBroken, RankGroup
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
-from .sharding import root_unsharded, shard_base, transplant_lora_layers
+from .sharding import ShardedBase, root_unsharded, shard_base, transplant_lora_layers
 from .packing import bucket_width
 from ..request_types import FBOutcome, FBWork
 from .trainer import PassStats, TrainingRuntime
@@ -286,27 +286,6 @@ class FollowerRuntime(RankRuntime):
                             torch.zeros(targets_shape, device=self.device))
         else:
             raise RuntimeError(f"unknown mirror call from rank 0: {cmd.call!r}")
-
-
-class ShardedBase:
-    """Rank 0's base model under --shard-base, as the sampling engine and the runtime call it.
-
-    A stable reference to a module that a relaunch rebuilds (FSDP's shards live on the old
-    process group); a call from outside rank 0's own passes and probes (the sampling engine's)
-    is first mirrored by the other ranks."""
-
-    def __init__(self, module: nn.Module, before_call: Callable[[], None]):
-        self.module = module
-        self._before_call = before_call
-
-    def __call__(self, *args, **kwargs):
-        self._before_call()
-        return self.module(*args, **kwargs)
-
-    def __getattr__(self, name: str):  # only for names the handle lacks: config, parameters, ...
-        if name == "module":  # not set yet (never delegate it, or this recurses)
-            raise AttributeError(name)
-        return getattr(self.module, name)
 
 
 class PoolRuntime(RankRuntime):

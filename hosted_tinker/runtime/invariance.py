@@ -27,7 +27,7 @@ construction, slower). Each decision is proven lazily per shape and cached:
   shortest bucket and a full micro-batch; if it fails there, mixing is off for the whole run.
   Covered: the base model's projections, attention, norms, activations and the log-softmax.
 - `group_lora(tokens, in, out, rank, n, dtype)`: may n tenants' LoRA deltas share one batched
-  matmul (`multi_lora.lora_delta` / `GroupedLoRA`)? Probed on the kernel itself with random data:
+  matmul (`lora_ops.lora_delta` / `GroupedLoRA`)? Probed on the kernel itself with random data:
   entries 0 and n-1 of an n-entry batch must equal their canonical two-entry batch (output and
   all gradients), with the incoming gradient row-major and transposed.
 - `stacked_norms(rows, inner, dtype)`: may the optimizer take every tenant's gradient norms
@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from .multi_lora import lora_backward, lora_forward
+from .lora_ops import lora_backward, lora_forward
 
 log = logging.getLogger(__name__)
 

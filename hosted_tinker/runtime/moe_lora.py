@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .multi_lora import EXPERT_TARGETS, AdapterSlots, LoRARouting, LoRAWeights, SlotStack
+from .lora_plan import LoRARouting
+from .lora_slots import AdapterSlots, LoRAWeights, SlotStack
+from .multi_lora import EXPERT_TARGETS
 from .projections import ROLES, Projection
 
 # Tinker's names of the expert projections (cookbook `MergeProfile.expert_key_remaps`).

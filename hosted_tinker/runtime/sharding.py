@@ -14,7 +14,7 @@ backward is made to reach every layer (`_inputs_need_grad`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -73,3 +73,24 @@ def transplant_lora_layers(model: nn.Module, layers: dict[str, MultiLoRALinear])
     """Put the existing multi-LoRA layers (their adapters and sampler snapshots in their slots)
     into a freshly loaded copy of the base model, each around the copy's own projection."""
     attach_multi_lora(model, next(iter(layers.values())).routing, discover(model), moved=layers)
+
+
+class ShardedBase:
+    """Rank 0's base model under --shard-base, as the sampling engine and the runtime call it.
+
+    A stable reference to a module that a relaunch rebuilds (FSDP's shards live on the old
+    process group); a call from outside rank 0's own passes and probes (the sampling engine's)
+    is first mirrored by the other ranks."""
+
+    def __init__(self, module: nn.Module, before_call: Callable[[], None]):
+        self.module = module
+        self._before_call = before_call
+
+    def __call__(self, *args, **kwargs):
+        self._before_call()
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):  # only for names the handle lacks: config, parameters, ...
+        if name == "module":  # not set yet (never delegate it, or this recurses)
+            raise AttributeError(name)
+        return getattr(self.module, name)

@@ -72,7 +72,7 @@ def zero_(tensors: list[torch.Tensor]) -> None:
 def norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The L2 norm of each tensor (0-dim float32 tensors), in one multi-tensor op where torch has
     it. On CUDA each tensor is reduced in fixed 64 Ki-element chunks whose partial sums are added in
-    a fixed order, so a tensor's norm does not depend on the others in the list (adapters.py)."""
+    a fixed order, so a tensor's norm does not depend on the others in the list (adamw.py)."""
     if _FOREACH_NORM is not None:
         return list(_FOREACH_NORM(tensors))
     return [torch.linalg.vector_norm(t) for t in tensors]

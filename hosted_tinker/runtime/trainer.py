@@ -20,35 +20,31 @@ a pass waits for the device once, after launching all of its micro-batches (`_co
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import groupby
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .adapters import (
-    AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, adamw_step, snapshot_gradient_rows,
-)
-from ..checkpoints.format import CheckpointError, LoadedCheckpoint, read_checkpoint, restore_adapter, save_adapter
+from .adamw import adamw_step
+from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, snapshot_gradient_rows
 from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
 from .graphs import CudaGraphCapture, StepGraphs
-from .invariance import FusionPolicy, RowIndependenceProbe
+from .host_copies import Launched, to_host, wait_for_device
+from .kernel_choices import KernelChoices, default_micro_batch_tokens
 from .losses import LOSSES, merge_metrics, run_losses, topk_cross_entropy
-from .moe_lora import ExpertProjection, attach_moe_lora
-from .multi_lora import LoRARouting, MultiLoRALinear, attach_multi_lora, fp32_logits_refused
+from .moe_lora import attach_moe_lora
+from .lora_plan import LoRARouting
+from .multi_lora import MultiLoRALinear, attach_multi_lora
 from .projections import discover
-from .packing import MicroBatch, PackingPlan, Request, bucket_width, pack, segments_of, shared_shapes
+from .packing import MicroBatch, PackingPlan, Request, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from ..request_types import FBOutcome, FBWork
 
-log = logging.getLogger(__name__)
 
 @dataclass
 class PassStats:
@@ -82,23 +78,6 @@ def _one_target_losses(works: list[FBWork], runs, logprobs, inputs, mask, metric
     return tok_loss
 
 
-def default_micro_batch_tokens(model: torch.nn.Module, device: torch.device) -> int:
-    """Padded tokens per micro-batch when not configured.
-
-    On a GPU, bigger passes fill the device better (8192 keeps the fp32 logits of a 150k-token
-    vocabulary near 5 GB). On CPU, a pass whose MLP activations (tokens x intermediate size,
-    fp32) outgrow ~6 MiB of cache runs slower per token than several smaller ones: measured
-    with benchmarks/multi_tenant.py, the best sizes were 2048 tokens at hidden 256 / MLP 768 and
-    1024 at hidden 512 / MLP 1536, where one 4096-token pass was 1.8x slower per token.
-    """
-    if device.type != "cpu":
-        return 8192
-    cfg = getattr(model, "config", None)
-    mlp = int(getattr(cfg, "intermediate_size", 0) or 4 * int(getattr(cfg, "hidden_size", 1024)))
-    tokens = (6 << 20) // (4 * mlp)
-    return max(512, min(8192, 1 << max(0, tokens.bit_length() - 1)))  # a power of two, floor
-
-
 # Packing kinds (runtime/packing.py `Request.kind`) where steps run as CUDA graphs: micro-batches
 # of graphed and of eager requests are never shared, so a tenant's path never depends on others.
 GRAPHED, EAGER = "graph", "eager"
@@ -107,30 +86,7 @@ GRAPHED, EAGER = "graph", "eager"
 IMAGES = "images"
 
 
-def wait_for_device(device: torch.device) -> None:
-    """The pass's one wait for the device: allowed under `torch.cuda.set_sync_debug_mode("error")`
-    (the GPU tests run a step that way: any other sync raises)."""
-    if device.type != "cuda":
-        return
-    mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(0)
-    try:
-        torch.cuda.current_stream(device).synchronize()
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
-
-
-@dataclass
-class Launched:
-    """A micro-batch whose work is queued: its outputs arrive in host memory by `_collect`."""
-
-    mb: MicroBatch
-    logprobs: torch.Tensor  # [rows, width] float32, host (pinned on CUDA)
-    losses: torch.Tensor  # [rows, width] float32, host
-    topk: torch.Tensor | None = None  # [rows, width, K] float32, host: the logprobs of rows with (N, K) targets
-
-
-class TrainingRuntime:
+class TrainingRuntime(KernelChoices):
     def __init__(self, model: torch.nn.Module, base_model_name: str, *, device: torch.device,
                  max_tokens_per_micro_batch: int = 0, max_live_adapters: int = 64, check_fusion: bool = True,
                  recompute: RecomputeChoice = RECOMPUTE_OFF, cuda_graphs: bool = True, max_graphs: int = 64):
@@ -183,68 +139,6 @@ class TrainingRuntime:
     def _causal_kwargs(self) -> dict:
         """How the model is told "causal, right padding" (batch_invariant.no_mask_kwargs)."""
         return no_mask_kwargs(self.base_module)
-
-    def _logits_in_fp32(self) -> str:
-        """A 16-bit base on CUDA computes its logits with a float32 result (multi_lora.Fp32Linear)."""
-        head = next((layer for layer in self.layers.values() if layer.role == "unembed"), None)
-        dtype = next(self.base_module.parameters()).dtype
-        if head is None or dtype == torch.float32:
-            return f"{str(dtype).removeprefix('torch.')} (the model's dtype)"
-        if self.device.type != "cuda":
-            return f"{str(dtype).removeprefix('torch.')}, then float32 (16-bit fp32-output GEMMs are CUDA's)"
-        with training_kernels(self.device):
-            refused = fp32_logits_refused(head.base.weight)
-        if refused:
-            log.warning("logits stay %s (then float32): a float32-output unembedding GEMM %s", dtype, refused)
-            return f"{str(dtype).removeprefix('torch.')}, then float32 ({refused})"
-        head.fp32_output = True
-        return "float32 (a 16-bit GEMM with a float32 result)"
-
-    def _fusion_policy(self) -> FusionPolicy:
-        return FusionPolicy(self.device, mixing_probe=RowIndependenceProbe(self._probe_sample, self._probe_run))
-
-    def check_fusion(self) -> None:
-        """Whether tenants may share micro-batches, decided on this machine before any request, on
-        64 rows of the shortest bucket (0.1-0.4 s on the embedded model, 1 CPU thread); if that
-        fails, they never do; each other shape is probed when first used.
-
-        On CPU, where the plain model fails, the probe is tried once more with the input gradients
-        of the frozen projections taken from transposed copies of their weights
-        (`FrozenProjection`): on the 256x4 benchmark model that is what made the probe pass (its
-        `lm_head` gradient was the one call whose rows changed bits), at the cost of one more copy
-        of the projections' weights. If it fails that way too, the copies are dropped."""
-        width = bucket_width(1)
-        rows = max(2, min(64, self.max_tokens_per_micro_batch // width))
-        if (self.policy.check_at_startup(width, rows) or self.device.type != "cpu"
-                or not self.may_transpose_frozen_weights):
-            return
-        extra = self._keep_transposed_weights(True)
-        log.info("probing again with the input gradients of frozen projections from transposed weight copies "
-                 "(+%.1f MiB)", extra / 2**20)
-        retry = self._fusion_policy()
-        retry.input_grads = f"from transposed weight copies (+{extra / 2**20:.1f} MiB)"
-        if retry.check_at_startup(width, rows):
-            self.policy = self.routing.policy = retry
-        else:
-            self._keep_transposed_weights(False)
-            self.policy.mixing_refused += "; also with input gradients from transposed weight copies"
-
-    # A pool's ranks must all compute alike and rank 0 alone decides (runtime/distributed.py).
-    may_transpose_frozen_weights = True
-
-    def _keep_transposed_weights(self, keep: bool) -> int:
-        return sum(layer.keep_transposed_weight(keep) for layer in self.layers.values())
-
-    def describe_training(self) -> str:
-        """One line for the start-up summary: which path a training step takes on this machine."""
-        p = self.policy.describe()
-        share = ("tenants share micro-batches" if p["mix_tenants"]
-                 else f"each tenant its own micro-batches ({p['mix_tenants_refused_because']})")
-        parts = [share]
-        if self.invariant is not None:
-            parts.append(f"batch-invariant kernels: {self.invariant.describe()}")
-        parts += [f"CUDA graphs {self.graphs_how}", f"logits {self.logits_fp32}"]
-        return "; ".join(parts)
 
     def close(self) -> None:
         """Nothing to release: everything lives in this process."""
@@ -378,7 +272,7 @@ class TrainingRuntime:
         if not static:
             on_device = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
             outputs = self._step(mb, works, keys, on_device, metric_sums)
-        return Launched(mb, *(self._to_host(t, static) for t in outputs))
+        return Launched(mb, *(to_host(t, static) for t in outputs))
 
     def _host_inputs(self, mb: MicroBatch, works: list[FBWork]) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
         """The micro-batch's padded inputs as host tensors (pinned on CUDA): "tokens" [2, rows,
@@ -493,15 +387,6 @@ class TrainingRuntime:
             return lambda: None
         return snapshot_gradient_rows([self.adapters[mid] for mid, _, _ in mb.segments])
 
-    def _to_host(self, t: torch.Tensor, static: bool) -> torch.Tensor:
-        """`t` in host memory, its copy queued (pinned memory on CUDA: the copy does not wait). A
-        CPU tensor is its own host copy unless it is a graph's static output."""
-        if t.device.type == "cpu":
-            return t.clone() if static else t
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        return out
-
     def _collect(self, launched: list[Launched], works: list[FBWork], per_datum, metric_sums, stats: PassStats) -> None:
         """Wait for the device once, then hand every datum its outputs."""
         wait_for_device(self.device)
@@ -541,16 +426,7 @@ class TrainingRuntime:
                     parts.append(topk_cross_entropy(topk[rs], weights) * mask[rs:re])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    # -- the fusion probe (see invariance.py) -----------------------------------------------------
-    def _probe_sample(self, width: int, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
-        """Random probe rows: token embeddings of the model, target ids, loss weights."""
-        gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + width)
-        ids = torch.randint(0, self.vocab_size, (rows, width), generator=gen).to(self.device)
-        targets = torch.randint(0, self.vocab_size, (rows, width), generator=gen).to(self.device)
-        weights = torch.randn(rows, width, generator=gen).to(self.device)
-        with torch.no_grad():
-            return self.model.get_input_embeddings()(ids), targets, weights
-
+    # -- the fusion probe's run (kernel_choices.py) ------------------------------------------------
     def _probe_run(self, embeds: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
         """What a micro-batch computes from the embeddings on: logprobs and input gradients with
         grad enabled, and logprobs of a forward-only pass."""
@@ -564,16 +440,6 @@ class TrainingRuntime:
                     self.model(inputs_embeds=embeds, use_cache=False, **self.forward_kwargs).logits, targets)
         return lp.detach(), x.grad, lp_forward_only
 
-    def _probe_tenants(self, rows: int):
-        """Each probe row its own tenant, where the model has LoRA-adapted experts: their GEMMs run
-        per (tenant, expert) group (moe_lora.py), so a row's expert GEMMs see the same rows in a
-        batch as alone, as a tenant's do; run as one tenant, the probe would measure whether an
-        expert's rows keep their bits as its group grows, which no batch depends on (and which
-        fails, e.g. with 1024-wide experts on AVX-512)."""
-        if not any(isinstance(layer, ExpertProjection) for layer in self.layers.values()):
-            return contextlib.nullcontext()
-        return self.routing.batch([(f"probe row {i}", i, i + 1) for i in range(rows)])
-
     # -- optimizer -----------------------------------------------------------------------------
     def optim_step(self, model_id: str, params: AdamParams) -> dict[str, float]:
         return self.optim_steps([(model_id, params)])[0]
@@ -582,31 +448,3 @@ class TrainingRuntime:
         """Every ready model's AdamW step of a cycle, together (one fused kernel per distinct
         set of hyper-parameters; see `adamw_step`). Each model's result is as if stepped alone."""
         return adamw_step([(self.adapter(mid), params) for mid, params in steps], self.policy)
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def save(self, model_id: str, out_dir: Path, *, with_optimizer: bool, overwrite: bool = False) -> int:
-        return save_adapter(self.adapter(model_id), out_dir, self.base_model_name,
-                            with_optimizer=with_optimizer, overwrite=overwrite)
-
-    def read(self, ckpt_dir: Path, *, with_optimizer: bool) -> LoadedCheckpoint:
-        ckpt = read_checkpoint(ckpt_dir, with_optimizer=with_optimizer, layers=self.layers)
-        if ckpt.base_model and ckpt.base_model != self.base_model_name:
-            raise CheckpointError(
-                f"checkpoint was trained on base model {ckpt.base_model!r}; this server serves "
-                f"{self.base_model_name!r}")
-        return ckpt
-
-    def load(self, model_id: str, ckpt: LoadedCheckpoint) -> LoRAAdapter:
-        """(Re)build `model_id`'s adapter from a checkpoint: its LoRA config comes from the files."""
-        old = self.adapters.get(model_id)
-        self.remove_adapter(model_id)
-        try:
-            adapter = self.create_adapter(model_id, ckpt.config)
-            restore_adapter(adapter, ckpt)
-        except Exception:
-            self.remove_adapter(model_id)
-            if old is not None:  # leave the model as it was
-                self.adapters[model_id] = old
-                self.ensure_live([model_id])
-            raise
-        return adapter

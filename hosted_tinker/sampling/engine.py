@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from ..runtime.multi_lora import LoRARouting
+from ..runtime.lora_plan import LoRARouting
 from ..runtime.packing import segments_of
 from .image_positions import decode_positions, prefill_inputs
 from .jobs import SampleJob, SampleResult, SequenceResult

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.format import ADAPTER_WEIGHTS, MANIFEST, read_checkpoint
-from ..runtime.multi_lora import LoRAWeights, MultiLoRALinear, attach_adapter, detach_adapter
+from ..runtime.lora_slots import LoRAWeights
+from ..runtime.multi_lora import MultiLoRALinear, attach_adapter, detach_adapter
 
 
 def content_identity(checkpoint_dir: Path) -> str:

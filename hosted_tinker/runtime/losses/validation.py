@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 
-from ...request_types import targets_per_position
 from .builtin import KNOWN_UNSUPPORTED, LOSSES
 from .entry import CLIP_KEYS, DatumInputs, LossInputError
 

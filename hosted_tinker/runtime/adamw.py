@@ -1,0 +1,195 @@
+"""The many-adapter AdamW step: every ready tenant's step of a cycle, together, each as if alone.
+
+The adapters' moments live with them (`adapters.AdamWState`); this is the step that reads and
+updates them: the gradient norms of all stepping adapters, clipping, one fused AdamW kernel per
+distinct set of hyper-parameters, and a non-finite step skipped and put back (`SkippedStep`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .adapters import AdamParams, LoRAAdapter, SkippedStep, zero_grads
+from .invariance import row_norms
+from .lora_slots import SlotStack
+from .torch_compat import adamw_update_, norms, scale_
+
+if TYPE_CHECKING:
+    from .invariance import FusionPolicy
+
+
+def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[float]:
+    """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' squared norms.
+
+    A tensor's norm is `row_norms` of its canonical pair; where the policy has
+    proven it for the shape, every stepping tensor's comes from one reduction over the rows of its
+    layer's gradient stack that the stepping adapters span (a few ops per stack, not per tenant
+    and tensor; not the whole stack, whose other slots belong to tenants not stepping now: with
+    16 live tenants, one stepping alone summed 16 slots). All values reach the host in one sync,
+    and each adapter adds its own in its own order.
+    """
+    tensors = [list(adapter.grad_tensors()) for adapter in items]
+    if any(p.is_cuda for mine in tensors for p, _, _, _ in mine):
+        return _norms_per_tensor(tensors)
+    spans: dict[int, tuple[SlotStack, int, int]] = {}  # id(stack) -> (stack, first row, end row)
+    for mine in tensors:
+        for _, stack, _, slot in mine:
+            if stack is not None:
+                _, lo, hi = spans.get(id(stack), (stack, slot, slot + 1))
+                spans[id(stack)] = (stack, min(lo, slot), max(hi, slot + 1))
+    # id -> tensor whose rows' squared norms are computed below; (id(stack), 0 | 1) for a stack's
+    # gradient rows of A / B.
+    inputs: dict[object, torch.Tensor] = {}
+    first_row: dict[int, int] = {}
+    for key, (stack, lo, hi) in spans.items():
+        for which, rows in enumerate(stack.grad_span(lo, hi)):
+            if policy is not None and policy.stacked_norms(hi - lo, tuple(rows.shape[1:]), rows.dtype):
+                inputs[(key, which)] = rows
+                first_row[key] = lo
+    refs: list[list[tuple[object, int]]] = []  # per adapter: (input key, row)
+    for mine in tensors:
+        refs.append([])
+        for p, stack, which, slot in mine:
+            if (id(stack), which) in inputs:
+                refs[-1].append(((id(stack), which), slot - first_row[id(stack)]))
+            else:
+                inputs[id(p)] = torch.stack([p.grad, p.grad])
+                refs[-1].append((id(p), 0))
+    if not inputs:
+        return [0.0] * len(items)
+    keys = list(inputs)
+    flat = torch.cat([row_norms(inputs[k]) for k in keys]).tolist()  # the one host sync
+    offset, start = {}, 0
+    for k in keys:
+        offset[k] = start
+        start += inputs[k].shape[0]
+    return [math.sqrt(math.fsum(flat[offset[k] + row] ** 2 for k, row in mine)) for mine in refs]
+
+
+def _norms_per_tensor(tensors: list[list[tuple]]) -> list[float]:
+    """On CUDA: every gradient tensor's norm from its own values only (`torch_compat.norms`, one
+    multi-tensor op for all stepping tenants), so a tenant's norm never depends on who steps with
+    it. A reduction over a slot stack's rows did: on an H200 a tenant's grad_norm differed in its
+    last bits between stepping alone and with ten others, though the probe on random data had
+    passed (the sums of squares agreed after the square root more often than not)."""
+    flat = [p.grad for mine in tensors for p, _, _, _ in mine]
+    if not flat:
+        return [0.0] * len(tensors)
+    values = torch.stack(norms(flat)).tolist()  # the one host sync
+    out, i = [], 0
+    for mine in tensors:
+        out.append(math.sqrt(math.fsum(v * v for v in values[i:i + len(mine)])))
+        i += len(mine)
+    return out
+
+
+class _StateCopy:
+    """An adapter's weights and AdamW state before a step, in one flat copy, to put back a step
+    whose result is not finite."""
+
+    def __init__(self, adapter: LoRAAdapter, params: list[torch.Tensor]):
+        self.state = adapter.optimizer.state
+        self.params = params
+        self.fresh = [p for p in params if p not in self.state]  # their state is made by this step
+        self.tensors = params + [self.state[p][k] for p in params if p in self.state
+                                 for k in ("exp_avg", "exp_avg_sq", "step")]
+        self.flat = torch.cat([t.reshape(-1) for t in self.tensors])  # one copy (dtypes promote)
+
+    def restore(self) -> None:
+        for t, saved in zip(self.tensors, self.flat.split([t.numel() for t in self.tensors])):
+            t.copy_(saved.view_as(t))
+        for p in self.fresh:
+            del self.state[p]
+
+
+def _finite(copies: list[_StateCopy]) -> list[bool]:
+    """Whether each adapter's weights are finite after its step (and not so large that their norm
+    overflows, which makes the next forward non-finite all the same); one host sync for all."""
+    flat = [p for c in copies for p in c.params]
+    if not flat:
+        return []
+    values = torch.stack(norms(flat)).isfinite().tolist()
+    out, i = [], 0
+    for c in copies:
+        out.append(all(values[i:i + len(c.params)]))
+        i += len(c.params)
+    return out
+
+
+def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None
+               ) -> list[dict[str, float] | SkippedStep]:
+    """One AdamW step (decoupled weight decay) for each (adapter, its hyper-parameters).
+
+    The step of many adapters costs about what one costs: the gradient norms of all of them
+    (`grad_norms`), one multi-tensor scale for every clipped gradient, one fused AdamW kernel
+    per distinct set of hyper-parameters (torch's own `fused=True` kernel, CPU and CUDA; see
+    torch_compat) and one zeroing op per gradient stack. Every tensor's update depends only on
+    its own gradient, moments and step, so an adapter gets the same bits whether it steps alone
+    or with others.
+
+    Clipping (grad_clip_norm > 0) scales an adapter's gradients by min(1, max_norm / (norm +
+    1e-6)), as torch.nn.utils.clip_grad_norm_; the returned `grad_norm` is the norm before
+    clipping. Tensors without a gradient are left alone (as torch.optim does).
+
+    A step that is not finite is skipped (`SkippedStep`), for that adapter only: a gradient norm
+    that is inf or NaN (huge loss weights or advantages), or weights that the update would make
+    non-finite (a huge learning_rate). Either way its gradients are dropped and its weights and
+    AdamW state stay as they were, so one tenant's numbers never poison its adapter for good.
+    """
+    with torch.no_grad():
+        norms = grad_norms([adapter for adapter, _ in items], policy)
+        per_adapter = [[p for p in adapter.parameters() if p.grad is not None] if math.isfinite(norms[k]) else []
+                       for k, (adapter, _) in enumerate(items)]
+        copies = {k: _StateCopy(adapter, per_adapter[k]) for k, (adapter, _) in enumerate(items) if per_adapter[k]}
+        clipped: list[torch.Tensor] = []
+        factors: list[float] = []
+        groups: dict[tuple, list[int]] = {}
+        for k, ((adapter, hp), params) in enumerate(zip(items, per_adapter)):
+            if not params:
+                continue
+            if hp.grad_clip_norm > 0:
+                coef = min(1.0, hp.grad_clip_norm / (norms[k] + 1e-6))
+                if coef < 1.0:
+                    clipped += [p.grad for p in params]
+                    factors += [coef] * len(params)
+            key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, params[0].device)
+            groups.setdefault(key, []).append(k)
+        scale_(clipped, factors)
+        for (lr, beta1, beta2, eps, wd, device), members in groups.items():
+            ps, gs, m1, m2, steps = [], [], [], [], []
+            counters: dict[int, torch.Tensor] = {}  # each step counter once, however many tensors share it
+            for k in members:
+                adapter = items[k][0]
+                new_step = None if all(p in adapter.optimizer.state for p in per_adapter[k]) else \
+                    torch.zeros((), dtype=torch.float32, device=device)
+                for p in per_adapter[k]:
+                    st = adapter.optimizer.state_for(p, new_step)
+                    ps.append(p)
+                    gs.append(p.grad)
+                    m1.append(st["exp_avg"])
+                    m2.append(st["exp_avg_sq"])
+                    steps.append(st["step"])
+                    counters.setdefault(id(st["step"]), st["step"])
+            adamw_update_(ps, gs, m1, m2, steps, list(counters.values()), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                          weight_decay=wd)
+        undone = {k for k, finite in zip(copies, _finite(list(copies.values()))) if not finite}
+        for k in undone:
+            copies[k].restore()
+        zero_grads([adapter for adapter, _ in items])
+        results: list[dict[str, float] | SkippedStep] = []
+        for k, (adapter, hp) in enumerate(items):
+            if not math.isfinite(norms[k]):
+                results.append(SkippedStep(f"the gradient norm is {norms[k]} (not finite), so the step was skipped "
+                                           "and the weights are unchanged; look for huge loss weights or advantages "
+                                           "in the forward_backward calls since the last step"))
+            elif k in undone:
+                results.append(SkippedStep(f"learning_rate {hp.learning_rate:g} would make the weights non-finite "
+                                           f"(gradient norm {norms[k]:g}), so the step was skipped and the weights "
+                                           "are unchanged; lower learning_rate"))
+            else:
+                adapter.step += 1
+                results.append({"grad_norm": norms[k], "learning_rate": hp.learning_rate})
+        return results

@@ -1,0 +1,45 @@
+"""A micro-batch's outputs on their way to host memory without waiting for the device: copies
+queued into pinned memory on CUDA, and the pass's one wait for the device, after all of its
+micro-batches are launched (`TrainingRuntime._collect`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .packing import MicroBatch
+
+
+@dataclass
+class Launched:
+    """A micro-batch whose work is queued: its outputs arrive in host memory by `_collect`."""
+
+    mb: MicroBatch
+    logprobs: torch.Tensor  # [rows, width] float32, host (pinned on CUDA)
+    losses: torch.Tensor  # [rows, width] float32, host
+    topk: torch.Tensor | None = None  # [rows, width, K] float32, host: the logprobs of rows with (N, K) targets
+
+
+def to_host(t: torch.Tensor, static: bool) -> torch.Tensor:
+    """`t` in host memory, its copy queued (pinned memory on CUDA: the copy does not wait). A
+    CPU tensor is its own host copy unless it is a graph's static output."""
+    if t.device.type == "cpu":
+        return t.clone() if static else t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def wait_for_device(device: torch.device) -> None:
+    """The pass's one wait for the device: allowed under `torch.cuda.set_sync_debug_mode("error")`
+    (the GPU tests run a step that way: any other sync raises)."""
+    if device.type != "cuda":
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        torch.cuda.current_stream(device).synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
