@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 from functools import cache
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hosted_tinker"
@@ -207,3 +209,11 @@ def test_tinker_paths_are_built_in_one_module():
                     and node.value.startswith("tinker://")):
                 found.add(short(name))
     assert found - {"checkpoints.paths"} == KNOWN_SCHEME_LITERALS
+
+
+def test_ruff_finds_nothing():
+    """The linter, with pyproject.toml's [tool.ruff] settings, over the package and its tests."""
+    root = PACKAGE.parent
+    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "hosted_tinker", "tests"],
+                         cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -30,7 +30,6 @@ import shutil
 
 import numpy as np
 import pytest
-import tinker
 import torch
 import transformers as T
 from safetensors.torch import load_file

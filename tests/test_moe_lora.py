@@ -23,7 +23,7 @@ from hosted_tinker.checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Ch
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import same_bits
 from hosted_tinker.runtime.trainer import TrainingRuntime
-from helpers import assert_each_tenant_matches_solo, random_work, train_tenants
+from helpers import assert_each_tenant_matches_solo, train_tenants
 from tiny_model import ce_work, one_torch_thread  # noqa: F401  (autouse: one CPU thread)
 
 EXPERTS, LAYERS, RANK, VOCAB = 4, 2, 4, 1024

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 from hosted_tinker.embedded_model import SPEC_PRESETS, ensure_embedded_model
 from hosted_tinker.request_types import FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
-from hosted_tinker.runtime.losses import resolve_loss_config
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from helpers import TENANTS, TOPK_TENANTS, assert_each_tenant_matches_solo, random_work, train_tenants
 

@@ -255,7 +255,7 @@ def test_save_state_overwrite_semantics(server, world):
 
 
 def test_external_weights_and_signed_urls(server, world):
-    alice, bob, tc, ext = world["alice"], world["bob"], world["tc"], world["ext"]
+    alice, tc, ext = world["alice"], world["tc"], world["ext"]
     asked = datetime.now(timezone.utc)
     got = alice.get_external_weights_urls(ext).result()
     assert set(got.urls) == {"adapter_config.json", "adapter_model.safetensors", "manifest.json"}

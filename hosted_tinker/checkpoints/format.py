@@ -325,7 +325,7 @@ def from_peft(tensors: dict[str, torch.Tensor], layers: dict[str, MultiLoRALinea
         out[f"{path}.lora_B.weight"] = B[rows, cols].clone()
         out.pop(f"{part.path}.lora_A.weight", None)
         out.pop(f"{part.path}.lora_B.weight", None)
-    for path, layer in layers.items():  # every component read: what is left of B must be zero
+    for layer in layers.values():  # every component read: what is left of B must be zero
         part = layer.part
         if part is None or part.index or f"{part.path}.lora_B.weight" not in tensors:
             continue

@@ -147,7 +147,7 @@ def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolic
         clipped: list[torch.Tensor] = []
         factors: list[float] = []
         groups: dict[tuple, list[int]] = {}
-        for k, ((adapter, hp), params) in enumerate(zip(items, per_adapter)):
+        for k, ((_, hp), params) in enumerate(zip(items, per_adapter)):
             if not params:
                 continue
             if hp.grad_clip_norm > 0:

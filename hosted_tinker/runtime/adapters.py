@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..request_types import AdamParams, LoRAConfig
+from ..request_types import AdamParams, LoRAConfig  # noqa: F401 (AdamParams: the runtime's importers take it from here)
 from .lora_slots import LoRAWeights, SlotStack
 from .multi_lora import FusedPart, MultiLoRALinear, attach_adapter, detach_adapter
 from .torch_compat import zero_

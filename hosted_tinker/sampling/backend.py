@@ -85,7 +85,7 @@ class SamplingBackend(ABC):
         from now on a job naming that directory must get these weights, not what was there before.
         Must not raise: a backend that cannot take the new version fails the jobs that need it."""
 
-    def adapter_removed(self, model_id: str) -> None:
+    def adapter_removed(self, model_id: str) -> None:  # noqa: B027 (a no-op unless the backend keeps adapters)
         """`model_id` was unloaded (device loop thread): what the backend holds of it can go."""
 
     def current_weights_ref(self, model_id: str) -> str | None:
@@ -95,7 +95,7 @@ class SamplingBackend(ABC):
         checkpoint). Ask once per request: its jobs sample one version, even across a step."""
         return None
 
-    def session_opened(self, adapter_dir: str) -> None:
+    def session_opened(self, adapter_dir: str) -> None:  # noqa: B027 (a no-op unless the backend preloads)
         """A sampling session now samples the checkpoint in `adapter_dir` (any thread; must be quick)."""
 
     @abstractmethod
@@ -168,7 +168,7 @@ class EngineBackend(SamplingBackend):
         self._versions[model_id] = self._versions.get(model_id, 0) + 1
         self.snapshots.supersede(current_source(model_id), keep=self._in_use())
 
-    def adapter_removed(self, model_id: str) -> None:
+    def adapter_removed(self, model_id: str) -> None:  # noqa: B027 (a no-op unless the backend keeps adapters)
         self._versions.pop(model_id, None)
         self.snapshots.supersede(current_source(model_id), keep=self._in_use())
 
