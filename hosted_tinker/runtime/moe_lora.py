@@ -74,7 +74,9 @@ class TenantGroups:
     sees exactly the rows its tenant alone would give it."""
 
     def __init__(self, key: torch.Tensor, num_experts: int, tenants: int):
-        counts = torch.bincount(key, minlength=tenants * num_experts).view(tenants, num_experts)
+        counts = torch.bincount(key, minlength=tenants * num_experts)
+        self.offs = counts.cumsum(0).to(torch.int32)  # of all (tenant, expert) groups: an `ExpertLoRA` call's
+        counts = counts.view(tenants, num_experts)
         offs = counts.cumsum(1).to(torch.int32)
         self.parts: list[tuple[int, int, torch.Tensor]] = []  # (start, end, offs) of each tenant with rows
         start = 0
@@ -152,12 +154,20 @@ class ExpertProjection(AdapterSlots):
         return self.owner.keep_transposed_weight(keep) if self.name == GATE else 0
 
     def delta(self, x: torch.Tensor, token_of_row: torch.Tensor, expert_of_row: torch.Tensor,
-              tokens_per_row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(rows, their deltas) of this projection for x [N, in] (rows in expert order): one
-        `ExpertLoRA` call per rank among the batch's adapters."""
+              tokens_per_row: int, tenants: list[str | None], groups: TenantGroups
+              ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """(rows, their deltas) of this projection for x [N, in] (rows sorted by the base's
+        `groups`, of `tenants`): one `ExpertLoRA` call per rank among the batch's adapters; rows
+        None where the call's rows are all of x's, in x's order."""
         segments = self.routing.segments
         if not segments or not self.adapters:
             return []
+        same = self._base_grouping(tenants)
+        if same is not None:
+            rank, scaling, slots = same
+            slot_t = torch.tensor(slots, dtype=torch.long, device=x.device)
+            return [(None, ExpertLoRA.apply(x, self.routing.grad_anchor(x.device), self.stacks[rank], slot_t,
+                                            groups.offs, scaling))]
         out = []
         kinds = {(w.rank, w.scaling) for w in self.adapters.values()}
         for rank, scaling in sorted(kinds):  # one call per rank and scaling, as `LoRACall`
@@ -185,11 +195,20 @@ class ExpertProjection(AdapterSlots):
             out.append((rows, d))
         return out
 
+    def _base_grouping(self, tenants: list[str | None]) -> tuple[int, float, list[int]] | None:
+        """(rank, scaling, slot of each tenant) where every tenant of the batch has an adapter here,
+        all of one rank and scaling: then the LoRA's (tenant, expert) groups are the base GEMMs'
+        own, the same rows in the same order, and x needs no gather nor the deltas a scatter."""
+        ws = [self.adapters.get(t) if t is not None else None for t in tenants]
+        if None in ws or len({(w.rank, w.scaling) for w in ws}) != 1 or len({w.slot for w in ws}) != len(ws):
+            return None
+        return ws[0].rank, ws[0].scaling, [w.slot for w in ws]
+
 
 def _with_deltas(y: torch.Tensor, deltas: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """y with each (rows, delta) added to its rows; other rows keep their bits (no +0)."""
     for rows, d in deltas:
-        y = y.index_add(0, rows, d)
+        y = y + d if rows is None else y.index_add(0, rows, d)
     return y
 
 
@@ -241,7 +260,8 @@ class MultiLoRAExperts(nn.Module):
         E = self.num_experts
         rows_total = self.routing.segments[-1][2] if self.routing.segments else 0
         per_row = T // rows_total if rows_total and T % rows_total == 0 else 0
-        tenant, tenants = self._tenant_of_tokens(per_row, hidden.device)
+        ids = list(dict.fromkeys(adapter_id for adapter_id, _, _ in self.routing.segments))
+        tenant, tenants = self._tenant_of_tokens(ids, per_row, hidden.device)
         flat = top_k_index.reshape(-1)
         key = flat if tenant is None else tenant.repeat_interleave(K) * E + flat
         key, order = torch.sort(key, stable=True)  # (token, k) pairs by (tenant, expert), each in token order
@@ -251,12 +271,14 @@ class MultiLoRAExperts(nn.Module):
         p = self.projections
 
         def deltas(name: str, x: torch.Tensor):
-            return p[name].delta(x, token, experts, per_row) if per_row else []
+            return p[name].delta(x, token, experts, per_row, ids, groups) if per_row else []
 
         x = hidden.index_select(0, token)
         gate_up = self._linear(x, "gate_up_proj", groups, experts)
         gate_d, up_d = deltas(GATE, x), deltas(UP, x)
-        if gate_d or up_d:
+        if len(gate_d) == len(up_d) == 1 and gate_d[0][0] is None is up_d[0][0] and not self.interleaved:
+            gate_up = gate_up + torch.cat([gate_d[0][1], up_d[0][1]], 1)  # the same adds, in one
+        elif gate_d or up_d:
             half = gate_up.shape[1] // 2
             gate_cols = slice(0, None, 2) if self.interleaved else slice(0, half)
             up_cols = slice(1, None, 2) if self.interleaved else slice(half, None)
@@ -272,12 +294,12 @@ class MultiLoRAExperts(nn.Module):
             out = out + per_pair[:, k]
         return out.to(hidden.dtype)
 
-    def _tenant_of_tokens(self, per_row: int, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    def _tenant_of_tokens(self, ids: list[str | None], per_row: int, device: torch.device
+                          ) -> tuple[torch.Tensor | None, int]:
         """(the tenant index of each token, the number of tenants) of the current batch: a tenant is
-        an adapter of the routing's segments (rows without one are one more); (None, 1) where the
-        batch has a single tenant or no row layout."""
+        one of `ids`, the routing segments' adapters in order (rows without one are one more);
+        (None, 1) where the batch has a single tenant or no row layout."""
         segments = self.routing.segments
-        ids = list(dict.fromkeys(adapter_id for adapter_id, _, _ in segments))
         if not per_row or len(ids) < 2:
             return None, 1
         tenant = torch.empty(segments[-1][2] * per_row, dtype=torch.long)
