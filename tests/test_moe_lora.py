@@ -175,11 +175,14 @@ def test_an_expert_factor_shared_by_every_expert_is_broadcast_on_load(moe, tmp_p
     rt.remove_adapter("s")
 
 
-def test_cobatched_equals_solo_on_an_moe_model(moe, monkeypatch):
-    """Four tenants (other losses, ranks and train flags, two of them without expert LoRA) sharing
-    micro-batches, two steps fused vs each alone: logprobs, losses, grad norms, weights and moments
-    bit for bit. (Until the base expert GEMMs ran per (tenant, expert) group, the second step lost
-    bits: a tenant's expert group grew with the other tenants' tokens and took other kernels.)"""
+@pytest.mark.parametrize("tenants", [[0, 1, 3, 5], [0, 4]], ids=["mixed", "one-rank"])
+def test_cobatched_equals_solo_on_an_moe_model(moe, monkeypatch, tenants):
+    """Tenants sharing micro-batches, two steps fused vs each alone: logprobs, losses, grad norms,
+    weights and moments bit for bit. Mixed: four tenants of other losses, ranks and train flags, two
+    of them without expert LoRA (the LoRA gathers its rows); one-rank: two tenants whose expert LoRA
+    runs on the base GEMMs' own groups. (Until the base expert GEMMs ran per (tenant, expert)
+    group, the second step lost bits: a tenant's expert group grew with the other tenants' tokens
+    and took other kernels.)"""
     kind, _, rt = moe
     if kind != "qwen3_moe":
         pytest.skip("one MoE family is enough for the co-batching check")
@@ -191,7 +194,6 @@ def test_cobatched_equals_solo_on_an_moe_model(moe, monkeypatch):
     batch = rt.routing.batch
     monkeypatch.setattr(rt.routing, "batch", lambda segments, **kw: (shared.append({s[0] for s in segments}),
                                                                       batch(segments, **kw))[1])
-    tenants = [0, 1, 3, 5]
     fused_hist, fused_state = train_tenants(rt, tenants, steps=2)
     assert refused is not None or max(map(len, shared)) > 1, shared  # they did share micro-batches
     assert_each_tenant_matches_solo(rt, tenants, fused_hist, fused_state, steps=2)
