@@ -112,7 +112,7 @@ def training(args, tmp: Path) -> None:
                     for w in adapter.weights.values():
                         w.B.normal_(0, 1e-3)
             runtimes[tag], adams[tag] = runtime, adapters.AdamParams(learning_rate=mt.LR)
-        peft_model, opt = mt.make_peft(models[2])
+        peft_model, opt = mt.make_peft(models[2], moe=False)  # SIZES: dense bodies only
         vocab = min(runtimes["new"].vocab_size, 1000)
         rounds = max(3, int(mt.CPU_REPEATS[size] * args.rounds_scale))
         rows = tenant_rows(max(tenants), 2, 128, vocab)

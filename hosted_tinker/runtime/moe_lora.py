@@ -76,9 +76,6 @@ class TenantGroups:
     def __init__(self, key: torch.Tensor, num_experts: int, tenants: int):
         counts = torch.bincount(key, minlength=tenants * num_experts)
         self.offs = counts.cumsum(0).to(torch.int32)  # of all (tenant, expert) groups: an `ExpertLoRA` call's
-        ends = self.offs.tolist()
-        # (start, end, expert) of each group with rows: the GEMMs `map` runs itself on CPU.
-        self.groups = [(end - n, end, g % num_experts) for g, (n, end) in enumerate(zip(counts.tolist(), ends)) if n]
         counts = counts.view(tenants, num_experts)
         offs = counts.cumsum(1).to(torch.int32)
         self.parts: list[tuple[int, int, torch.Tensor]] = []  # (start, end, offs) of each tenant with rows
@@ -90,14 +87,6 @@ class TenantGroups:
 
     def map(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Each tenant's rows of x [N, in] times their experts' w [E, in, out] -> [N, out]."""
-        if len(self.parts) > 1 and x.device.type == "cpu":
-            # CPU's `_grouped_mm` is this loop of one `mm` per group (the same bits): run over all
-            # tenants' groups into one output, it spares the copy of every row that concatenating
-            # the tenants' outputs costs (measured: 10-20% of these GEMMs' time at 4-8 tenants).
-            y = x.new_empty(x.shape[0], w.shape[2])
-            for start, end, expert in self.groups:
-                torch.mm(x[start:end], w[expert], out=y[start:end])
-            return y
         outs = [grouped_mm(x[start:end], w, offs) for start, end, offs in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
