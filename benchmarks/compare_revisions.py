@@ -72,6 +72,8 @@ def checkout(rev: str, tmp: Path) -> Path:
     shutil.copytree(src / PACKAGE, renamed)
     word = re.compile(rf"\b{PACKAGE}\b")
     for py in renamed.rglob("*.py"):
+        if py.name.endswith("_pb2.py"):  # protoc's serialized descriptor: renaming inside it breaks its lengths,
+            continue                     # and the same .proto registered twice is the same file to protobuf
         py.write_text(word.sub(OLD_PACKAGE, py.read_text()))
     sys.path.insert(0, str(tmp / "renamed"))
     return src
