@@ -236,7 +236,7 @@ class VLLMBackend(SamplingBackend):
         if saved_to is not None:  # a save: the weights are those already published
             return
         adapter = self.runtime.adapter(model_id)
-        self.adapters.publish(model_id, adapter.step, adapter.named_tensors(), adapter.config)
+        self.adapters.publish(model_id, adapter.step, adapter.named_tensors(), adapter.config, adapter.parts)
 
     def adapter_removed(self, model_id: str) -> None:
         self.builtin.adapter_removed(model_id)
