@@ -57,7 +57,8 @@ def make_backend(name: str, config: ServerConfig, runtime: ModelRuntime, tokeniz
         SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake, runtime)
     if not config.samples_on_vllm:
         return builtin
-    unlaunchable = cpu_launch_refusal(runtime.projections) if device.type == "cpu" and not config.vllm_url else None
+    unlaunchable = None if device.type != "cpu" or config.vllm_url else cpu_launch_refusal(
+        runtime.projections, takes_images=runtime.image_token_id is not None)
     if unlaunchable is not None:
         log.warning("not starting vLLM for %s, the built-in engine samples it: %s", name, unlaunchable)
         return builtin

