@@ -35,7 +35,7 @@ from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.engine import SamplingEngine
 from hosted_tinker.sampling.jobs import SampleJob, SampleResult
-from hosted_tinker.sampling.vllm_adapters import AdapterVersions
+from hosted_tinker.sampling.vllm_adapters import AdapterVersions, fused_layout, layout_refusal
 from hosted_tinker.sampling.vllm_backend import VLLMSamplingBackend
 from hosted_tinker.sampling.vllm_sidecar import VLLMLaunch, VLLMSidecar
 
@@ -81,6 +81,7 @@ class StackConfig:
     """What a test module needs of its vLLM stack; modules declare it as `VLLM_STACK`."""
 
     lora_lm_head: bool
+    arch: str = "qwen3"  # "phi3": the same sizes as a Phi3 (fused qkv_proj and gate_up_proj)
     max_cpu_loras: int = 2  # vLLM's --max-cpu-loras
     max_snapshots: int = 64  # AdapterVersions' limit of registered snapshots
 
@@ -108,7 +109,7 @@ class Stack:
         self.runtime.forward_backward([work])
         self.runtime.optim_step(model_id, AdamParams(learning_rate=lr))
         adapter = self.runtime.adapter(model_id)
-        self.adapters.publish(model_id, adapter.step, adapter.named_tensors(), adapter.config)
+        self.adapters.publish(model_id, adapter.step, adapter.named_tensors(), adapter.config, adapter.parts)
         return adapter.step
 
     def forward_logprobs(self, model_id: str | None, tokens: list[int]) -> np.ndarray:
@@ -153,19 +154,39 @@ def begin_stack(tmp: Path, config: StackConfig) -> Stack:
     """Build the model and everything around it, and start vLLM without waiting for it."""
     python = vllm_python()
     model_dir = build_tiny_model(tmp / "model", SPEC)
+    if config.arch == "phi3":
+        as_phi3(model_dir)
     model, tokenizer = load_base_model(str(model_dir), tmp, torch.device("cpu"), torch.float32)
     runtime = TrainingRuntime(model, SERVED_NAME, device=torch.device("cpu"))
     engine = SamplingEngine(model, runtime.routing, tokenizer, torch.device("cpu"))
+    fused_modules, fused_components = fused_layout(runtime.projections)
     launch = VLLMLaunch(python=python, model=str(model_dir), served_model_name=SERVED_NAME, max_lora_rank=8,
+                        fused_lora_modules=fused_modules, fused_components=fused_components,
                         max_loras=2, max_cpu_loras=config.max_cpu_loras, max_model_len=MAX_CONTEXT,
                         lora_lm_head=config.lora_lm_head, dtype="float32",
                         compile_cache_dir=VLLM_VENV / "inductor-cache")
     sidecar = VLLMSidecar(launch=launch, log_file=tmp / "vllm.log", health_interval_s=0.5)
     adapters = AdapterVersions(sidecar, SERVED_NAME, lora_lm_head=config.lora_lm_head, root=tmp / "adapters",
-                               max_snapshots=config.max_snapshots)
+                               max_snapshots=config.max_snapshots, refused_layout=layout_refusal(runtime.projections))
     backend = VLLMSamplingBackend(sidecar, adapters, outage_wait_s=WAIT)
     sidecar.start()
     return Stack(model_dir, runtime, tokenizer, engine, sidecar, adapters, backend)
+
+
+def as_phi3(model_dir: Path) -> None:
+    """Replace the model in `model_dir` (its tokenizer stays) by a random Phi3 of SPEC's sizes."""
+    from transformers import AutoConfig, Phi3Config, Phi3ForCausalLM
+
+    qwen = AutoConfig.from_pretrained(model_dir)
+    config = Phi3Config(vocab_size=qwen.vocab_size, hidden_size=SPEC.hidden_size, intermediate_size=SPEC.intermediate_size,
+                        num_hidden_layers=SPEC.num_layers, num_attention_heads=SPEC.num_heads,
+                        num_key_value_heads=SPEC.num_kv_heads, max_position_embeddings=MAX_CONTEXT,
+                        bos_token_id=qwen.bos_token_id, eos_token_id=qwen.eos_token_id, pad_token_id=qwen.pad_token_id,
+                        tie_word_embeddings=False, dtype="float32")
+    torch.manual_seed(0)
+    for f in model_dir.glob("*.safetensors"):
+        f.unlink()
+    Phi3ForCausalLM(config).save_pretrained(model_dir)
 
 
 def wait_ready(stack: Stack) -> Stack:

@@ -28,7 +28,7 @@ from .engine import SamplingEngine
 from .jobs import SampleJob, SampleResult
 from .kv_budget import KVBudget
 from .snapshots import SnapshotCache
-from .vllm_adapters import AdapterVersions, layout_refusal
+from .vllm_adapters import AdapterVersions, cpu_launch_refusal, fused_layout, layout_refusal
 from .vllm_backend import VLLMSamplingBackend
 from .vllm_server_backend import VLLMBackend
 from .vllm_sidecar import VLLMLaunch, VLLMSidecar, vllm_child_devices, vllm_python
@@ -57,6 +57,11 @@ def make_backend(name: str, config: ServerConfig, runtime: ModelRuntime, tokeniz
         SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake, runtime)
     if not config.samples_on_vllm:
         return builtin
+    unlaunchable = None if device.type != "cpu" or config.vllm_url else cpu_launch_refusal(
+        runtime.projections, takes_images=runtime.image_token_id is not None)
+    if unlaunchable is not None:
+        log.warning("not starting vLLM for %s, the built-in engine samples it: %s", name, unlaunchable)
+        return builtin
     return _vllm_backend(name, config, runtime, builtin, device, data_dir, observer)  # one served model (preflight)
 
 
@@ -69,11 +74,13 @@ def _vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builti
         sidecar = VLLMSidecar(url=config.vllm_url, served_model_name=name)
     else:
         dtype = str(pick_dtype(config.dtype, device)).removeprefix("torch.")  # vLLM runs the training dtype
+        fused_modules, fused_components = fused_layout(runtime.projections)
         launch = VLLMLaunch(
             python=str(vllm_python(config)), model=str(model_directory(name, data_dir).resolve()), served_model_name=name,
             max_lora_rank=config.max_lora_rank, max_loras=config.max_live_adapters,
             max_cpu_loras=config.max_live_adapters + config.max_sampler_snapshots, max_model_len=runtime.max_context,
             lora_lm_head=config.vllm_lora_lm_head, dtype=dtype, kv_cache_bytes=config.vllm_kv_cache_bytes,
+            fused_lora_modules=fused_modules, fused_components=fused_components,
             devices=vllm_child_devices(config.vllm_devices, os.environ.get("CUDA_VISIBLE_DEVICES")))
         sidecar = VLLMSidecar(launch=launch, log_file=data_dir / "vllm.log")
     adapters = AdapterVersions(sidecar, name, lora_lm_head=config.vllm_lora_lm_head,

@@ -39,8 +39,9 @@ import torch
 from safetensors.torch import save_file
 
 from ..runtime.adapters import LoRAConfig
+from ..runtime.multi_lora import FusedPart
 from ..runtime.projections import Projection
-from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, peft_adapter_config
+from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, peft_adapter_config, to_peft
 from .vllm_sidecar import DECODER_LORA_MODULES, VLLMSidecar, VLLMUnavailable
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class _Publish:
     step: int
     tensors: dict[str, torch.Tensor]
     config: LoRAConfig
+    parts: dict[str, FusedPart]
     published_at: float
 
 
@@ -112,17 +114,59 @@ def _trains_lm_head(module_paths) -> bool:
     return any(p.rsplit(".", 1)[-1] == "lm_head" for p in module_paths)
 
 
+# Fused projections vLLM takes as one LoRA on the whole fused output, i.e. our PEFT export of
+# them (`checkpoints.format.to_peft`: rank components x rank, B block-diagonal). vLLM 0.32's Phi3
+# (model_executor/models/phi3.py) packs qkv_proj and gate_up_proj as one-entry lists, and a
+# one-entry packed list gets the single-LoRA layers (QKVParallelLinearWithLoRA,
+# ColumnParallelLinearWithLoRA in lora/layers/column_parallel_linear.py); rank_pattern /
+# alpha_pattern are honoured (lora/peft_helper.py). Proved in tests/test_vllm_fused.py.
+VLLM_FUSED_MODULES = ("qkv_proj", "gate_up_proj")
+
+
+def cpu_launch_refusal(projections: list[Projection], *, takes_images: bool) -> str | None:
+    """Why vLLM is not launched for this model on a CPU, or None. Both measured (tests/test_vllm_moe.py,
+    tests/test_vllm_images.py), every restart alike:
+    - MoE: vllm-cpu 0.32 with --enable-lora runs an MoE layer through its Triton experts kernel
+      (fused_moe/experts/triton_moe.py), whose first forward fails on CPU (`triton.language` has
+      no float32): the engine dies at its warm-up request.
+    - images: vLLM imports torchvision to load any vision-language model, and the vLLM venv has
+      none (tools/install_vllm_cpu.sh removes the CUDA build pip pulls in: it breaks transformers)."""
+    if any(p.kind == "experts" for p in projections):
+        return ("vllm-cpu 0.32 cannot run an MoE model with LoRA enabled (its fused-MoE layer takes the Triton "
+                "experts kernel, which fails on CPU), and has no LoRA path for MoE experts on CPU either")
+    if takes_images:
+        return ("vllm-cpu cannot load a vision-language model here: it needs torchvision, which the vLLM venv "
+                "has not (its CUDA build breaks transformers on a CPU)")
+    return None
+
+
+def fused_layout(projections: list[Projection]) -> tuple[tuple[str, ...], int]:
+    """The fused projections vLLM adapts (as `VLLMLaunch.fused_lora_modules`) and the most components one has."""
+    fused = [p for p in projections if p.kind == "fused" and p.path.rsplit(".", 1)[-1] in VLLM_FUSED_MODULES]
+    return (tuple(sorted({p.path.rsplit(".", 1)[-1] for p in fused})),
+            max((len(p.components) for p in fused), default=1))
+
+
 def layout_refusal(projections: list[Projection]) -> str | None:
     """Why no adapter of this model goes to vLLM, or None. vLLM is launched with LoRA on the
-    modules in `DECODER_LORA_MODULES` (and lm_head) and would drop a LoRA on any other; the PEFT
-    form of a LoRA on a fused projection (one LoRA of rank components x rank,
-    `checkpoints.format.to_peft`) or on a Conv1D has not been checked against vLLM's own packing
-    of those modules. Either way it must not sample them."""
-    known = set(DECODER_LORA_MODULES) | {"lm_head"}
+    modules in `DECODER_LORA_MODULES`, the fused ones of `fused_layout` (and lm_head) and would
+    drop a LoRA on any other. vLLM 0.32 serves no LoRA on GPT-2 (its gpt2.py model is not
+    SupportsLoRA), the one model with Conv1D projections; GPT-NeoX's query_key_value runs on
+    vLLM's generic Transformers backend, not checked."""
+    known = set(DECODER_LORA_MODULES) | set(VLLM_FUSED_MODULES) | {"lm_head"}
     for p in projections:
         leaf = p.path.rsplit(".", 1)[-1]
-        if p.kind in ("fused", "conv1d"):
-            what = "a fused projection" if p.kind == "fused" else "a transformers Conv1D"
+        if p.kind == "experts" and p.role == "mlp":
+            # vLLM 0.32's CPU LoRA kernels (lora/punica_wrapper/punica_cpu.py) define no
+            # `add_lora_fused_moe`: PunicaWrapperBase raises NotImplementedError, so
+            # FusedMoEWithLoRA (lora/layers/fused_moe.py) cannot run on this build.
+            return (f"this model's {leaf} are MoE experts, and vllm-cpu 0.32 has no LoRA path for them on CPU "
+                    "(PunicaWrapperCPU lacks add_lora_fused_moe), so its LoRAs do not go to vLLM; their sampling "
+                    "goes to the built-in engine")
+        if p.kind == "fused" and leaf not in VLLM_FUSED_MODULES:
+            what = "a fused projection vLLM does not take our LoRA of"
+        elif p.kind == "conv1d":
+            what = "a transformers Conv1D (vLLM 0.32's GPT-2 takes no LoRA)"
         elif p.role in ("attn", "mlp", "unembed") and leaf not in known:
             what = "not among the modules vLLM is launched to adapt"
         else:
@@ -138,6 +182,8 @@ class AdapterVersions:
         self.base_model = base_model
         self.lora_lm_head = lora_lm_head
         self.refused_layout = refused_layout  # `layout_refusal` of the served model
+        if refused_layout is not None:
+            log.warning("no adapter of %s is sampled on vLLM: %s", base_model, refused_layout)
         self.root = root or default_adapter_root()
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_snapshots = max_snapshots
@@ -157,8 +203,10 @@ class AdapterVersions:
         self._thread.start()
 
     # -- training side (cycle thread): never waits for vLLM ---------------------------------------
-    def publish(self, model_id: str, step: int, tensors: dict[str, torch.Tensor], config: LoRAConfig) -> None:
-        """Queue `model_id`'s adapter after `step` for vLLM. `tensors` as `LoRAAdapter.named_tensors()`."""
+    def publish(self, model_id: str, step: int, tensors: dict[str, torch.Tensor], config: LoRAConfig,
+                parts: dict[str, FusedPart] | None = None) -> None:
+        """Queue `model_id`'s adapter after `step` for vLLM. `tensors` as `LoRAAdapter.named_tensors()`,
+        `parts` as `LoRAAdapter.parts` (the LoRAs that are components of a fused projection)."""
         if self.refused_layout is not None:
             with self._lock:
                 self._refused[model_id] = self.refused_layout
@@ -169,17 +217,11 @@ class AdapterVersions:
                     f"model {model_id!r} trains lm_head, and this vLLM runs without lm_head LoRA (it would drop "
                     "that part of the adapter); its sampling goes to the built-in engine")
             return
-        if any(".experts." in k for k in tensors):
-            with self._lock:
-                self._refused[model_id] = (
-                    f"model {model_id!r} trains MoE experts, whose LoRA this vLLM sidecar does not take (it would "
-                    "drop that part of the adapter); its sampling goes to the built-in engine")
-            return
         snapshot = {k: t.detach().clone() for k, t in tensors.items()}  # the next step may start at once
         with self._lock:
             self._refused.pop(model_id, None)
             first = model_id not in self._pending
-            self._pending[model_id] = _Publish(model_id, step, snapshot, config, time.time())
+            self._pending[model_id] = _Publish(model_id, step, snapshot, config, dict(parts or {}), time.time())
             self.stats.published_step[model_id] = step
         if first:
             self._queue.put(model_id)
@@ -371,10 +413,12 @@ class AdapterVersions:
         name, folder = self._new_name(f"{model_id}@{pub.step}")
         try:
             folder.mkdir()
-            tensors = {PEFT_PREFIX + k: v.to("cpu", torch.float32).contiguous() for k, v in pub.tensors.items()}
+            peft, fused = to_peft(pub.tensors, pub.parts)  # what a sampler checkpoint holds
+            tensors = {PEFT_PREFIX + k: v.to("cpu", torch.float32).contiguous() for k, v in peft.items()}
             save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            paths = sorted({k.rsplit(".lora_", 1)[0] for k in pub.tensors})
-            (folder / ADAPTER_CONFIG).write_text(json.dumps(peft_adapter_config(pub.config, self.base_model, paths)))
+            paths = sorted({k.rsplit(".lora_", 1)[0] for k in peft})
+            config = peft_adapter_config(pub.config, self.base_model, paths, fused)
+            (folder / ADAPTER_CONFIG).write_text(json.dumps(config))
         except Exception as e:  # a full tmpfs, say: the previous version stays the latest
             log.error("writing %s step %d for vLLM failed: %s", model_id, pub.step, e)
             shutil.rmtree(folder, ignore_errors=True)

@@ -171,16 +171,21 @@ class VLLMLaunch:
     prefix_caching: bool = True
     max_logprobs: int = 100  # the API's limit for top-k logprobs
     compile_cache_dir: Path | None = None  # TORCHINDUCTOR_CACHE_DIR: restarts skip recompiling
+    # Fused projections adapted as one LoRA each (`vllm_adapters.fused_layout`: Phi3's qkv_proj,
+    # gate_up_proj), and the most components one has: its LoRA's rank is that times a client's.
+    fused_lora_modules: tuple[str, ...] = ()
+    fused_components: int = 1
     extra_args: tuple[str, ...] = ()
 
     def command(self, port: int) -> list[str]:
-        modules = DECODER_LORA_MODULES + (("lm_head",) if self.lora_lm_head else ())
+        modules = DECODER_LORA_MODULES + self.fused_lora_modules + (("lm_head",) if self.lora_lm_head else ())
+        max_rank = lora_rank_for_vllm(self.max_lora_rank * self.fused_components)
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model, "--served-model-name", self.served_model_name,
                "--host", self.host, "--port", str(port), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len),
                "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-               "--enable-lora", "--max-lora-rank", str(lora_rank_for_vllm(self.max_lora_rank)),
+               "--enable-lora", "--max-lora-rank", str(max_rank),
                "--max-loras", str(self.max_loras), "--max-cpu-loras", str(max(self.max_cpu_loras, self.max_loras)),
                "--lora-target-modules", *modules,
                "--generation-config", "vllm", "--max-logprobs", str(self.max_logprobs),
