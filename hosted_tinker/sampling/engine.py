@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -46,7 +46,7 @@ from transformers import DynamicCache
 from ..runtime.lora_plan import LoRARouting
 from ..runtime.packing import segments_of
 from .image_positions import decode_positions, prefill_inputs
-from .jobs import SampleJob, SampleResult, SequenceResult
+from .jobs import SampleJob, SampleResult, SequenceResult, SequenceSoFar
 from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
 from .pick import BatchPicker, Picked, RowSampling, row_seed
 from .prompt_logits import needs_prompt_logits, prompt_logprobs, prompt_scores
@@ -54,17 +54,12 @@ from .prompt_logits import needs_prompt_logits, prompt_logprobs, prompt_scores
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Row:
+@dataclass(kw_only=True)
+class _Row(SequenceSoFar):
     job: "_JobState"
     index: int
     sampling: RowSampling
     adapter_id: str | None = None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk_ids: list[list[int]] = field(default_factory=list)
-    topk_lps: list[list[float]] = field(default_factory=list)
-    stop_reason: str | None = None
 
 
 @dataclass
@@ -392,7 +387,7 @@ class SamplingEngine:
         row.logprobs.append(picked.logprob)
         if job.topk_sample_logprobs:
             row.topk_ids.append(picked.topk_ids)
-            row.topk_lps.append(picked.topk_logprobs)
+            row.topk_logprobs.append(picked.topk_logprobs)
         self.tokens_generated += 1
         if token in job.stop_token_ids or (job.stop_strings and self._hit_stop_string(row, job)):
             row.stop_reason = "stop"
@@ -432,10 +427,7 @@ class SamplingEngine:
     def _finish_row(self, row: _Row) -> None:
         st = row.job
         job = st.job
-        st.results[row.index] = SequenceResult(
-            tokens=row.tokens, logprobs=row.logprobs, stop_reason=row.stop_reason or "length",
-            topk_ids=row.topk_ids if job.topk_sample_logprobs else None,
-            topk_logprobs=row.topk_lps if job.topk_sample_logprobs else None)
+        st.results[row.index] = row.result(with_topk=job.topk_sample_logprobs > 0)
         st.rows_left -= 1
         if st.rows_left == 0 and not st.failed:
             lp, ids, lps = st.prompt_info
@@ -467,7 +459,7 @@ def _report_token(job: SampleJob, row: _Row) -> None:
     top = bool(job.topk_sample_logprobs)
     try:
         job.on_token(row.index, row.tokens[-1], row.logprobs[-1], row.topk_ids[-1] if top else None,
-                     row.topk_lps[-1] if top else None, row.stop_reason)
+                     row.topk_logprobs[-1] if top else None, row.stop_reason)
     except Exception:
         log.exception("a streaming on_token callback failed")
 

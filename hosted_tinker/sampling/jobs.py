@@ -62,6 +62,23 @@ class SequenceResult:
 
 
 @dataclass
+class SequenceSoFar:
+    """A sequence while it is generated (the engine) or arrives (vLLM, whole or streamed): its
+    tokens with their logprobs and top-k, and why it stopped (None while it goes on)."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[list[int]] = field(default_factory=list)
+    topk_logprobs: list[list[float]] = field(default_factory=list)
+    stop_reason: str | None = None
+
+    def result(self, with_topk: bool) -> SequenceResult:
+        return SequenceResult(tokens=self.tokens, logprobs=self.logprobs, stop_reason=self.stop_reason or "length",
+                              topk_ids=self.topk_ids if with_topk else None,
+                              topk_logprobs=self.topk_logprobs if with_topk else None)
+
+
+@dataclass
 class SampleResult:
     sequences: list[SequenceResult]
     prompt_logprobs: np.ndarray | None  # float32 [len(prompt)], NaN at 0 and at unscored positions

@@ -46,12 +46,12 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
 
-from .jobs import SampleJob, SampleResult, SequenceResult
+from .jobs import SampleJob, SampleResult, SequenceResult, SequenceSoFar
 from .prompt_scoring import MAX_PROMPT_K, PromptAlternatives, ScoredTargets, alternatives_seed
 from .vllm_adapters import AdapterUnavailable, AdapterVersion, AdapterVersions
 from .vllm_sidecar import VLLMSidecar, VLLMUnavailable
@@ -60,17 +60,6 @@ log = logging.getLogger(__name__)
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: lower temperatures sample greedily
 PROMPT_ROW_REQUESTS = 8  # a job's per-row requests (target logprobs, alternative draws) in flight at once
-
-
-@dataclass
-class _Choice:
-    """One sequence as it arrives (whole, or in streamed pieces)."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk_ids: list[list[int]] = field(default_factory=list)
-    topk_logprobs: list[list[float]] = field(default_factory=list)
-    finish: str | None = None
 
 
 @dataclass
@@ -320,12 +309,9 @@ class VLLMSamplingBackend:
                 await self._loop.run_in_executor(self._pool, self.adapters.load, version)
         sequences = []
         for c in choices:
-            if c.finish not in ("stop", "length"):
-                raise VLLMUnavailable(f"vLLM ended a sequence with finish_reason {c.finish!r}")
-            top = job.topk_sample_logprobs > 0
-            sequences.append(SequenceResult(tokens=c.tokens, logprobs=c.logprobs, stop_reason=c.finish,
-                                            topk_ids=c.topk_ids if top else None,
-                                            topk_logprobs=c.topk_logprobs if top else None))
+            if c.stop_reason not in ("stop", "length"):
+                raise VLLMUnavailable(f"vLLM ended a sequence with finish_reason {c.stop_reason!r}")
+            sequences.append(c.result(with_topk=job.topk_sample_logprobs > 0))
         if len(sequences) < job.num_samples:  # greedy: one sequence asked for, all samples are it
             sequences = [sequences[0]] + [SequenceResult(**vars(sequences[0])) for _ in range(job.num_samples - 1)]
         lp = ids = vals = None
@@ -364,7 +350,7 @@ class VLLMSamplingBackend:
     async def _draw_alternatives(self, job: SampleJob, body: dict) -> PromptAlternatives:
         k, rows = job.prompt_alt_tokens_k, list(range(len(job.prompt) - 1))
 
-        async def row_draws(row: int) -> list[_Choice]:
+        async def row_draws(row: int) -> list[SequenceSoFar]:
             return (await self._complete(alternatives_row_body(job, body, row)))[0]
 
         tokens = np.zeros((len(rows), k), dtype=np.int64)
@@ -383,18 +369,18 @@ class VLLMSamplingBackend:
         self._check(r.status_code, r.text)
         return r.json()
 
-    async def _complete(self, body: dict) -> tuple[list[_Choice], list | None]:
+    async def _complete(self, body: dict) -> tuple[list[SequenceSoFar], list | None]:
         data = await self._post(body)
-        choices = [_Choice() for _ in range(body["n"])]
+        choices = [SequenceSoFar() for _ in range(body["n"])]
         prompt_entries = None
         for ch in data["choices"]:
             _add(choices[ch["index"]], ch, body["logprobs"])
             prompt_entries = prompt_entries or ch.get("prompt_logprobs")
         return choices, prompt_entries
 
-    async def _stream(self, job: SampleJob, body: dict) -> tuple[list[_Choice], list | None]:
+    async def _stream(self, job: SampleJob, body: dict) -> tuple[list[SequenceSoFar], list | None]:
         """Stream tokens to job.on_token; each is held back until the next, so the last carries its stop reason."""
-        choices = [_Choice() for _ in range(body["n"])]
+        choices = [SequenceSoFar() for _ in range(body["n"])]
         repeat = job.num_samples if body["n"] == 1 else 1
         reported = [0] * body["n"]
         prompt_entries = None
@@ -413,9 +399,9 @@ class VLLMSamplingBackend:
                         c = choices[i]
                         _add(c, ch, body["logprobs"])
                         prompt_entries = prompt_entries or ch.get("prompt_logprobs")
-                        done = len(c.tokens) if c.finish is not None else len(c.tokens) - 1
+                        done = len(c.tokens) if c.stop_reason is not None else len(c.tokens) - 1
                         for pos in range(reported[i], done):
-                            reason = c.finish if c.finish is not None and pos == len(c.tokens) - 1 else None
+                            reason = c.stop_reason if c.stop_reason is not None and pos == len(c.tokens) - 1 else None
                             top = (c.topk_ids[pos], c.topk_logprobs[pos]) if body["logprobs"] else (None, None)
                             for copy in range(repeat):
                                 _report(job, i + copy, c.tokens[pos], c.logprobs[pos], *top, reason)
@@ -445,7 +431,7 @@ class _UnknownAdapter(Exception):
     pass
 
 
-def _add(c: _Choice, ch: dict, k: int) -> None:
+def _add(c: SequenceSoFar, ch: dict, k: int) -> None:
     """Append a (whole or streamed) choice's tokens to `c`."""
     ids = ch.get("token_ids") or []
     lps = ch["logprobs"]
@@ -458,7 +444,7 @@ def _add(c: _Choice, ch: dict, k: int) -> None:
             c.topk_ids.append(top_ids)
             c.topk_logprobs.append(top_lps)
     if ch.get("finish_reason") is not None:
-        c.finish = ch["finish_reason"]
+        c.stop_reason = ch["finish_reason"]
 
 
 def _report(job: SampleJob, index: int, token: int, lp: float, top_ids, top_lps, reason: str | None) -> None:
