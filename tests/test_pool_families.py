@@ -11,8 +11,6 @@ import json
 
 import numpy as np
 import pytest
-import tinker
-import torch
 import transformers as T
 from tinker import types
 
