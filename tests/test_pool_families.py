@@ -11,8 +11,10 @@ import json
 
 import numpy as np
 import pytest
+import tinker
 import transformers as T
 from tinker import types
+from tinker.types.request_error_category import RequestErrorCategory
 
 from helpers import logprobs_of, read_adapter
 from hosted_tinker.embedded_model import ensure_embedded_model
@@ -71,6 +73,7 @@ def workload(server: ServerProcess, model: str, data: list[types.Datum], *, relo
             state = tc.save_state("s").result(timeout=WAIT).path
             back = sc.create_training_client_from_state_with_optimizer(state).result(timeout=WAIT)
             got["reloaded"] = logprobs_of(back.forward(data, "cross_entropy").result(timeout=WAIT))
+            got["state"] = state
     return got
 
 
@@ -108,12 +111,35 @@ def one_rank(models, tmp_path_factory) -> dict:
         srv.stop()
 
 
-@pytest.mark.parametrize("family", ["vl", "moe"])
-def test_a_pool_trains_what_one_rank_trains(tmp_path, models, one_rank, family):
-    srv = ServerProcess(tmp_path / "pool", args=("--workers", "2", "--base-model", models[family])).start(timeout=START)
+def killed_and_relaunched(server: ServerProcess, state: str, want: list[np.ndarray]) -> None:
+    """Rank 1 is killed in the pool's fifth pass (`pool.rank_mid_pass@5`, after `workload`'s
+    four): that request fails with category `server`; the relaunch re-shards a freshly loaded base
+    with the served LoRA layers moved into it (experts too), so the trained adapter's forward
+    gives what it gave before."""
+    with server.client(KEY) as sc:
+        tc = sc.create_training_client_from_state(state).result(timeout=WAIT)
+        with pytest.raises(tinker.RequestFailedError) as failed:
+            tc.forward(moe_batch(), "cross_entropy").result(timeout=WAIT)
+        assert failed.value.category is RequestErrorCategory.Server
+        again = logprobs_of(tc.forward(moe_batch(), "cross_entropy").result(timeout=WAIT))
+    for a, b in zip(again, want, strict=True):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize("family, sharded", [("vl", False), ("vl", True), ("moe", False), ("moe", True)],
+                         ids=["vl", "vl_fsdp2_sharded", "moe", "moe_fsdp2_sharded_relaunched"])
+def test_a_pool_trains_what_one_rank_trains(tmp_path, models, one_rank, family, sharded):
+    relaunch = family == "moe" and sharded
+    srv = ServerProcess(tmp_path / "pool", args=("--workers", "2", "--base-model", models[family],
+                                                 *(["--shard-base"] if sharded else [])),
+                        env={"HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@5"} if relaunch else None).start(timeout=START)
     try:
         got = workload(srv, models[family], vl_batch() if family == "vl" else moe_batch(), reload=family == "moe")
+        if relaunch:
+            killed_and_relaunched(srv, got["state"], got["reloaded"])
     finally:
         srv.stop()
     assert_same(got, one_rank[family])
-    assert "rank 1 stopped" in srv.log_path.read_text()
+    log = srv.log_path.read_text()
+    assert "rank 1 stopped" in log
+    assert ("worker pool: back (epoch 2, relaunch 1)" in log) == relaunch

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from .moe_lora import ExpertProjection
 from .multi_lora import MultiLoRALinear, attach_multi_lora
 from .projections import discover
 
@@ -69,10 +70,23 @@ def root_unsharded(model: nn.Module) -> Iterator[None]:
         model.reshard()
 
 
-def transplant_lora_layers(model: nn.Module, layers: dict[str, MultiLoRALinear]) -> None:
+def transplant_lora_layers(model: nn.Module, layers: dict[str, MultiLoRALinear | ExpertProjection]) -> None:
     """Put the existing multi-LoRA layers (their adapters and sampler snapshots in their slots)
-    into a freshly loaded copy of the base model, each around the copy's own projection."""
-    attach_multi_lora(model, next(iter(layers.values())).routing, discover(model), moved=layers)
+    into a freshly loaded copy of the base model, each around the copy's own projection; an MoE
+    block's `MultiLoRAExperts` (its w1, w2, w3 layers) around the copy's experts module."""
+    dense = {path: layer for path, layer in layers.items() if not isinstance(layer, ExpertProjection)}
+    experts = {path.rpartition(".")[0]: layer.owner for path, layer in layers.items()
+               if isinstance(layer, ExpertProjection)}
+    attach_multi_lora(model, next(iter(dense.values())).routing, [p for p in discover(model) if p.kind != "experts"],
+                      moved=dense)
+    for path, owner in experts.items():
+        fresh = model.get_submodule(path)
+        if fresh.gate_up_proj.shape != owner.base.gate_up_proj.shape:
+            raise ValueError(f"{path} is {tuple(fresh.gate_up_proj.shape)} in the reloaded model, "
+                             f"not {tuple(owner.base.gate_up_proj.shape)}")
+        owner.base = fresh
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, owner)
 
 
 class ShardedBase:
