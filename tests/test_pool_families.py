@@ -3,7 +3,10 @@ rank, gloo on CPU), driven through the real SDK: a tiny random Qwen3-VL given im
 tiny random Qwen3-MoE whose experts take LoRA, each in its own pool. Every rank gets its datums'
 pixels and runs the same packing plan, so forward / forward_backward losses and logprobs, the
 trained adapter's weights and (MoE) a checkpoint loaded back are what one rank gives (the
-reference: one server process serving both models, fp32, <= 1e-5 as tests/test_worker_pool.py)."""
+reference: one server process serving both models, fp32, <= 1e-5 as tests/test_worker_pool.py).
+With the base sharded (FSDP2, --shard-base) a rank whose share holds no image pairs up with one
+whose share does, the sampler takes an image, and (MoE) a rank killed mid-pass is relaunched with
+the expert LoRA moved into the reloaded base."""
 
 from __future__ import annotations
 
@@ -53,6 +56,15 @@ def vl_batch() -> list[types.Datum]:
             image_datum(png(64, 64, seed=2), 4, [7, 11], [13, 19, 23, 29])]
 
 
+def one_image_batch() -> list[types.Datum]:
+    """An image datum and a longer text-only one: over 2 ranks, one holds the image, one does not."""
+    return [image_datum(png(64, 32, seed=3), 2, [5, 6], [7]), text_datum(list(range(100, 112)))]
+
+
+def model_input_of_images(data: list[types.Datum]) -> bool:
+    return any(isinstance(c, types.ImageChunk) for d in data for c in d.model_input.chunks)
+
+
 def moe_batch() -> list[types.Datum]:
     return [text_datum(list(range(s, s + n))) for s, n in ((5, 9), (40, 14), (300, 6), (77, 11))]
 
@@ -69,6 +81,11 @@ def workload(server: ServerProcess, model: str, data: list[types.Datum], *, relo
             tc.optim_step(ADAM).result(timeout=WAIT)
         got["logprobs"] += logprobs_of(tc.forward(data, "cross_entropy").result(timeout=WAIT))
         got["weights"] = read_adapter(server, tc.save_weights_for_sampler("w").result(timeout=WAIT).path)
+        if model_input_of_images(data):  # one rank's share with an image, the other's without; a sample
+            got["logprobs"] += logprobs_of(tc.forward(one_image_batch(), "cross_entropy").result(timeout=WAIT))
+            sampler = tc.save_weights_and_get_sampling_client().result(timeout=WAIT)
+            got["prompt_logprobs"] = np.array(sampler.compute_logprobs(one_image_batch()[0].model_input)
+                                              .result(timeout=WAIT)[1:], dtype=np.float32)
         if reload:
             state = tc.save_state("s").result(timeout=WAIT).path
             back = sc.create_training_client_from_state_with_optimizer(state).result(timeout=WAIT)
@@ -85,6 +102,8 @@ def assert_same(got: dict, want: dict) -> None:
     assert got["weights"].keys() == want["weights"].keys()
     for key, w in want["weights"].items():
         np.testing.assert_allclose(got["weights"][key].numpy(), w.numpy(), **TOL, err_msg=key)
+    if "prompt_logprobs" in want:
+        np.testing.assert_allclose(got["prompt_logprobs"], want["prompt_logprobs"], **TOL)
     for a, b in zip(got.get("reloaded", []), want.get("reloaded", []), strict=True):
         np.testing.assert_allclose(a, b, **TOL)
 

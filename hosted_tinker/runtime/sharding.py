@@ -27,8 +27,11 @@ from .projections import discover
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The stack of decoder layers (`model.model.layers` in Qwen, Llama, Mistral ...)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """The stack of decoder layers (`model.model.layers` in Qwen, Llama, Mistral ...; the text
+    decoder's in a vision-language model, whose vision tower stays in the root unit: a forward
+    with images then all-gathers what one without does, so ranks with and without images pair up)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
         return layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
