@@ -21,13 +21,17 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from .moe_lora import ExpertProjection
 from .multi_lora import MultiLoRALinear, attach_multi_lora
 from .projections import discover
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The stack of decoder layers (`model.model.layers` in Qwen, Llama, Mistral ...)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """The stack of decoder layers (`model.model.layers` in Qwen, Llama, Mistral ...; the text
+    decoder's in a vision-language model, whose vision tower stays in the root unit: a forward
+    with images then all-gathers what one without does, so ranks with and without images pair up)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
         return layers
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
@@ -69,10 +73,23 @@ def root_unsharded(model: nn.Module) -> Iterator[None]:
         model.reshard()
 
 
-def transplant_lora_layers(model: nn.Module, layers: dict[str, MultiLoRALinear]) -> None:
+def transplant_lora_layers(model: nn.Module, layers: dict[str, MultiLoRALinear | ExpertProjection]) -> None:
     """Put the existing multi-LoRA layers (their adapters and sampler snapshots in their slots)
-    into a freshly loaded copy of the base model, each around the copy's own projection."""
-    attach_multi_lora(model, next(iter(layers.values())).routing, discover(model), moved=layers)
+    into a freshly loaded copy of the base model, each around the copy's own projection; an MoE
+    block's `MultiLoRAExperts` (its w1, w2, w3 layers) around the copy's experts module."""
+    dense = {path: layer for path, layer in layers.items() if not isinstance(layer, ExpertProjection)}
+    experts = {path.rpartition(".")[0]: layer.owner for path, layer in layers.items()
+               if isinstance(layer, ExpertProjection)}
+    attach_multi_lora(model, next(iter(dense.values())).routing, [p for p in discover(model) if p.kind != "experts"],
+                      moved=dense)
+    for path, owner in experts.items():
+        fresh = model.get_submodule(path)
+        if fresh.gate_up_proj.shape != owner.base.gate_up_proj.shape:
+            raise ValueError(f"{path} is {tuple(fresh.gate_up_proj.shape)} in the reloaded model, "
+                             f"not {tuple(owner.base.gate_up_proj.shape)}")
+        owner.base = fresh
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, owner)
 
 
 class ShardedBase:
