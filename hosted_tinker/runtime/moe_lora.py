@@ -222,7 +222,6 @@ class MultiLoRAExperts(nn.Module):
         self.base = base
         self.routing = routing
         self.num_experts = base.num_experts
-        self.device = base.gate_up_proj.device
         self.transposed = bool(base.is_transposed)  # weights stored [E, in, out] (GPT-OSS)
         self.interleaved = not base.is_concatenated  # gate/up columns g0, u0, g1, u1, ...
         E, a, b = base.gate_up_proj.shape
@@ -231,6 +230,12 @@ class MultiLoRAExperts(nn.Module):
                             UP: ExpertProjection(self, UP, hidden, inter2 // 2),
                             DOWN: ExpertProjection(self, DOWN, inter2 // 2, hidden)}
         self._copies: dict[str, torch.Tensor] | None = None  # see keep_transposed_weight
+
+    @property
+    def device(self) -> torch.device:
+        """Where the base's experts are now: a sharded pool loads the model on the CPU and moves
+        it after the LoRA is attached, so this is read when slots are made, not at build time."""
+        return self.base.gate_up_proj.device
 
     def keep_transposed_weight(self, keep: bool) -> int:
         """Take the input gradients of the base GEMMs from contiguous copies of the weights in the

@@ -219,8 +219,6 @@ def attach_multi_lora(model: nn.Module, routing: LoRARouting, projections: list[
         old.base = base
         return old
 
-    if moved is not None and any(p.kind == "experts" and p.role in ROLES for p in projections):
-        raise ValueError("LoRA on MoE experts does not run in a worker pool yet (its base reload)")
     for proj in projections:
         if proj.role not in ROLES or proj.kind == "experts":
             continue  # experts: moe_lora.py's; unknown projections: `projections.refusal` speaks for them
