@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from hosted_tinker.checkpoints.adapter_io import save_checkpoint
 from hosted_tinker.sampling.vllm_adapters import latest_ref
 
 from vllm_support import WAIT, StackConfig, job, stop_stack
@@ -56,5 +57,5 @@ def test_phi3_fused_adapters_sample_on_vllm_with_trainer_logprobs(stack, tmp_pat
     assert shapes["mlp.gate_up_proj.lora_A.weight"][0] == 16
     # A sampler checkpoint (saved in the same PEFT form) samples on vLLM as well.
     snap = tmp_path / "sampler"
-    stack.runtime.save("m-phi3", snap, with_optimizer=False)
+    save_checkpoint(stack.runtime, "m-phi3", snap, with_optimizer=False)
     _assert_trainer_logprobs(stack, "m-phi3", str(snap), seed=7)
