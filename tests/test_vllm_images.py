@@ -10,17 +10,14 @@ chunk, samples with the trainer's logprobs on the same tokens and image, and no 
 from __future__ import annotations
 
 import json
-import os
 
-import httpx
 import numpy as np
 import pytest
 from tinker import types
 
 from helpers import logprobs_of
-from server_process import ServerProcess
 from tiny_vl_model import build_tiny_vl_model, png
-from vllm_support import vllm_python
+from vllm_support import assert_vllm_not_started, server_refusing_vllm
 
 pytestmark = pytest.mark.e2e
 
@@ -31,13 +28,8 @@ API_KEY = "tml-vllm-images"
 def srv(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-images")
     base = build_tiny_vl_model(root / "tiny-qwen3-vl")
-    server = ServerProcess(root / "data", base_model=str(base), env={**os.environ, "TINKER_API_KEY": API_KEY},
-                           args=("--vllm", "--vllm-python", vllm_python(), "--max-lora-rank", "8"))
-    server.start()
-    try:
+    with server_refusing_vllm(root, str(base), API_KEY) as server:
         yield server, base
-    finally:
-        server.stop()
 
 
 def image_prompt(image: bytes, before: list[int], after: list[int]) -> types.ModelInput:
@@ -65,6 +57,4 @@ def test_a_sample_with_an_image_is_answered_with_trainer_logprobs_and_the_log_sa
         trained = logprobs_of(tc.forward([scored], "cross_entropy").result())[0]
     n = len(full) - len(sampled.tokens)
     np.testing.assert_allclose(sampled.logprobs, trained[n - 1:-1], atol=1e-5)
-    log = server.log(tail=None)
-    assert "not starting vLLM" in log and "cannot load a vision-language model" in log
-    assert "hosted_tinker_vllm_ready" not in httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    assert_vllm_not_started(server, "cannot load a vision-language model")

@@ -10,9 +10,7 @@ samples with the trainer's logprobs, and no vLLM runs.
 
 from __future__ import annotations
 
-import os
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -21,8 +19,7 @@ from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from helpers import logprobs_of, sft_datum
 from hosted_tinker.embedded_model import build_tiny_model
-from server_process import ServerProcess
-from vllm_support import SPEC, vllm_python
+from vllm_support import SPEC, assert_vllm_not_started, server_refusing_vllm
 
 pytestmark = pytest.mark.e2e
 
@@ -56,13 +53,8 @@ def build_moe(out) -> str:
 def srv(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-moe")
     base = build_moe(root / "model")
-    server = ServerProcess(root / "data", base_model=base, env={**os.environ, "TINKER_API_KEY": API_KEY},
-                           args=("--vllm", "--vllm-python", vllm_python(), "--max-lora-rank", "8"))
-    server.start()
-    try:
+    with server_refusing_vllm(root, base, API_KEY) as server:
         yield server, base
-    finally:
-        server.stop()
 
 
 def test_moe_model_samples_on_builtin_engine_and_the_log_says_why(srv):
@@ -77,6 +69,4 @@ def test_moe_model_samples_on_builtin_engine_and_the_log_says_why(srv):
         full = TOKENS[:4] + seq.tokens
         trained = logprobs_of(tc.forward([sft_datum(full)], "cross_entropy").result())[0]
     np.testing.assert_allclose(seq.logprobs, trained[3:], atol=1e-5)
-    log = server.log(tail=None)
-    assert "not starting vLLM" in log and "cannot run an MoE model with LoRA enabled" in log
-    assert "hosted_tinker_vllm_ready" not in httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    assert_vllm_not_started(server, "cannot run an MoE model with LoRA enabled")

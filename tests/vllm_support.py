@@ -20,10 +20,12 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -38,6 +40,7 @@ from hosted_tinker.sampling.jobs import SampleJob, SampleResult
 from hosted_tinker.sampling.vllm_adapters import AdapterVersions, fused_layout, layout_refusal
 from hosted_tinker.sampling.vllm_backend import VLLMSamplingBackend
 from hosted_tinker.sampling.vllm_sidecar import VLLMLaunch, VLLMSidecar
+from server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_VENV = REPO / ".venv-vllm"
@@ -74,6 +77,26 @@ def vllm_python() -> str:
     if proc.returncode != 0:
         pytest.skip(f"cannot create the vLLM venv (tools/install_vllm_cpu.sh failed): {proc.stderr[-500:]}")
     return str(VLLM_VENV / "bin" / "python")
+
+
+@contextmanager
+def server_refusing_vllm(root: Path, base_model: str, api_key: str) -> Iterator[ServerProcess]:
+    """A server started with `--vllm` on a model vllm-cpu cannot run (MoE, vision-language), which
+    must not start vLLM for it (sampling/vllm_adapters.py `cpu_launch_refusal`); stopped on exit."""
+    server = ServerProcess(root / "data", base_model=base_model, env={**os.environ, "TINKER_API_KEY": api_key},
+                           args=("--vllm", "--vllm-python", vllm_python(), "--max-lora-rank", "8"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def assert_vllm_not_started(server: ServerProcess, reason: str) -> None:
+    """The server's log says it did not start vLLM and `reason`, and /metrics has no vLLM series."""
+    log = server.log(tail=None)
+    assert "not starting vLLM" in log and reason in log
+    assert "hosted_tinker_vllm_ready" not in httpx.get(f"{server.base_url}/metrics", timeout=30).text
 
 
 @dataclass(frozen=True)
