@@ -152,7 +152,7 @@ class SaveSpec:
     def __post_init__(self) -> None:
         if self.ttl_seconds is not None and not 1 <= self.ttl_seconds <= MAX_TTL_S:
             raise UserError(f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or unset to never expire; "
-                             f"got {self.ttl_seconds}")
+                            f"got {self.ttl_seconds}")
 
 
 @dataclass
@@ -179,6 +179,11 @@ class FBOutcome:
         return encode_forward_backward_output(self.outputs, self.metrics)
 
 
+def set_fields(result) -> dict:
+    """A dataclass's fields as JSON for the SDK, leaving out the unset (None) ones."""
+    return {k: v for k, v in asdict(result).items() if v is not None}
+
+
 @dataclass(frozen=True)
 class _JSONResult:
     """A result the SDK reads as JSON: {"type": <its kind>, <its fields but the unset ones>}."""
@@ -186,7 +191,7 @@ class _JSONResult:
     kind: ClassVar[RequestKind]
 
     def to_wire(self) -> dict:
-        return {"type": self.kind.value, **{k: v for k, v in asdict(self).items() if v is not None}}
+        return {"type": self.kind.value, **set_fields(self)}
 
 
 @dataclass(frozen=True)
@@ -248,7 +253,7 @@ class FutureRef:
     model_id: str | None = None
 
     def to_wire(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return set_fields(self)
 
 
 @dataclass(frozen=True)
