@@ -70,171 +70,173 @@ ModelEntries = TypeAliasType("MODEL[@DEVICE]", list[Annotated[str, AfterValidato
 
 
 class ServerConfig(BaseSettings):
-    """Settings of `hosted-tinker serve`."""
+    """Settings of `hosted-tinker serve`. The docstring under a setting is its description (`--help`)."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
                                       cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True,
-                                      cli_shortcuts={"base-model": "model"})  # vLLM's --model
+                                      cli_shortcuts={"base-model": "model"},  # vLLM's --model
+                                      use_attribute_docstrings=True)  # a setting's description: its docstring
 
-    config: Path | None = Field(
-        None, description="YAML (.yaml/.yml) or TOML (.toml) file of settings, keyed by setting name "
-                          "(base_model or base-model); flags and HOSTED_TINKER_* variables override it")
-    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
-    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    config: Path | None = None
+    """YAML (.yaml/.yml) or TOML (.toml) file of settings, keyed by setting name (base_model or base-model);
+    flags and HOSTED_TINKER_* variables override it"""
+    host: str = "127.0.0.1"
+    """address to listen on (0.0.0.0: every interface)"""
+    port: int = Field(8000, ge=0, le=65535)
+    """port to listen on"""
     # NoDecode: a variable holds names, not JSON (`_model_list` splits them).
-    base_model: Annotated[ModelEntries, NoDecode] = Field(
-        [EMBEDDED_MODEL_NAME], min_length=1,
-        description="Hugging Face causal LM id or local directory (e.g. Qwen/Qwen3-8B), optionally with its own "
-                    "device after an '@' (Qwen/Qwen3-8B@cuda:1; else --device). Give it once per model to serve "
-                    "several (or a comma-separated list; a list in the config file); requests pick one by "
-                    "base_model. The default is a tiny model built locally, deterministically, with no download")
-    data_dir: Path = Field(Path("./data"), description="where the SQLite database, checkpoints and built models live")
-    device: str = Field("auto", description="torch device of every base model given without '@DEVICE': auto (cuda "
-                                            "if available, else cpu), cpu, cuda, cuda:1 ...")
-    dtype: Literal[DTYPES] = Field(  # type: ignore[valid-type]
-        "auto", description="base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (= float), "
-                            "bfloat16, float16 (= half)")
-    workers: int = Field(
-        1, ge=1, description="ranks of the worker pool on this machine, one per device: 1 = the model runs in this "
-                             "process; N > 1 = this process is rank 0 and starts N-1 more with torchrun (gloo on CPU, "
-                             "NCCL on GPU: cuda:0..N-1), and each pass's datums are split across the ranks "
-                             "(docs/scale.md)")
-    shard_base: bool = Field(False, description="shard the base model's weights across the pool's ranks with FSDP2, "
-                                                "for a model that does not fit one device (needs more than one rank)")
-    nnodes: int = Field(1, ge=1, description="machines in the worker pool (as torchrun's --nnodes); machines "
-                                             "1.. run `launch.sh pool-node` (docs/scale.md)")
-    master_addr: str = Field("127.0.0.1", description="as torchrun's --master-addr: this machine's address, where the "
-                                                      "pool's other machines reach its rendezvous store")
-    master_port: int = Field(0, ge=0, le=65535, description="as torchrun's --master-port: the port of the pool's "
-                                                            "rendezvous store; 0 = any free port (one machine only)")
-    pool_timeout_s: float = Field(
-        300.0, gt=0, description="how long a rank of the pool waits for the others (to join, in a collective) "
-                                 "before the pool counts as broken and is relaunched")
-    max_tokens_per_micro_batch: int = Field(
-        0, ge=0, description="padded tokens per fused forward/backward micro-batch (bounds activation memory); "
-                             "0 = auto: 8192 on GPU; on CPU 512-8192 by the model's MLP width, since passes whose "
-                             "activations outgrow the caches run slower per token")
-    activation_checkpointing: Literal["auto", "on", "off"] = Field(
-        "auto", description="decoder layers recompute their activations in the backward instead of keeping them "
-                            "(about a third more compute for a fraction of the activation memory); auto = on "
-                            "where a full micro-batch's activations would outgrow half the GPU's free memory, "
-                            "off on CPU")
-    cuda_graphs: Literal["on", "off"] = Field(
-        "on", description="on CUDA, run each training micro-batch layout seen before as one CUDA graph replay "
-                          "(its forward and backward; the first step of a layout also captures it); off = "
-                          "every step eager, thousands of kernel launches. No effect on CPU or in a worker pool")
-    max_tokens_per_cycle: int = Field(
-        65536, ge=1, description="tokens of forward/backward work packed into one clock cycle, shared fairly "
-                                 "across models; a larger request runs in parts of whole datums, one per cycle, "
-                                 "with other models' work and sampling between them")
-    max_live_adapters: int = Field(
-        64, ge=1, description="adapters kept on the device; idle ones beyond this are paged out to CPU memory "
-                              "(with their optimizer state) and back on their next request")
-    max_sampler_snapshots: int = Field(
-        64, ge=1, description="sampler adapter snapshots kept loaded; others are reloaded from disk when "
-                              "sampled again")
-    max_num_samples: int = Field(128, ge=1, description="largest num_samples per sample request (n for the OpenAI "
-                                                        "API)")
-    max_prompts_per_request: int = Field(64, ge=1, description="prompts in one OpenAI /v1/completions request")
-    max_sampled_tokens_per_request: int = Field(
-        1 << 20, ge=1, description="tokens one sample request may ask for: prompts x samples x max_tokens")
-    max_sampling_requests_per_key: int = Field(
-        1024, ge=1, description="sample requests (Tinker and OpenAI) one API key may have waiting or running; "
-                                "beyond it, 429")
-    max_sampled_tokens_per_key: int = Field(
-        1 << 23, ge=1, description="tokens (samples x max_tokens) one API key's waiting and running sample "
-                                   "requests may ask for; beyond it, 429")
+    base_model: Annotated[ModelEntries, NoDecode] = Field([EMBEDDED_MODEL_NAME], min_length=1)
+    """Hugging Face causal LM id or local directory (e.g. Qwen/Qwen3-8B), optionally with its own device after
+    an '@' (Qwen/Qwen3-8B@cuda:1; else --device). Give it once per model to serve several (or a
+    comma-separated list; a list in the config file); requests pick one by base_model. The default is a tiny
+    model built locally, deterministically, with no download"""
+    data_dir: Path = Field(Path("./data"))
+    """where the SQLite database, checkpoints and built models live"""
+    device: str = "auto"
+    """torch device of every base model given without '@DEVICE': auto (cuda if available, else cpu), cpu, cuda,
+    cuda:1 ..."""
+    dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
+    """base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (= float), bfloat16, float16 (= half)"""
+    workers: int = Field(1, ge=1)
+    """ranks of the worker pool on this machine, one per device: 1 = the model runs in this process; N > 1 =
+    this process is rank 0 and starts N-1 more with torchrun (gloo on CPU, NCCL on GPU: cuda:0..N-1), and
+    each pass's datums are split across the ranks (docs/scale.md)"""
+    shard_base: bool = False
+    """shard the base model's weights across the pool's ranks with FSDP2, for a model that does not fit one
+    device (needs more than one rank)"""
+    nnodes: int = Field(1, ge=1)
+    """machines in the worker pool (as torchrun's --nnodes); machines 1.. run `launch.sh pool-node`
+    (docs/scale.md)"""
+    master_addr: str = "127.0.0.1"
+    """as torchrun's --master-addr: this machine's address, where the pool's other machines reach its rendezvous
+    store"""
+    master_port: int = Field(0, ge=0, le=65535)
+    """as torchrun's --master-port: the port of the pool's rendezvous store; 0 = any free port (one machine only)"""
+    pool_timeout_s: float = Field(300.0, gt=0)
+    """how long a rank of the pool waits for the others (to join, in a collective) before the pool counts as
+    broken and is relaunched"""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """padded tokens per fused forward/backward micro-batch (bounds activation memory); 0 = auto: 8192 on GPU;
+    on CPU 512-8192 by the model's MLP width, since passes whose activations outgrow the caches run slower
+    per token"""
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    """decoder layers recompute their activations in the backward instead of keeping them (about a third more
+    compute for a fraction of the activation memory); auto = on where a full micro-batch's activations would
+    outgrow half the GPU's free memory, off on CPU"""
+    cuda_graphs: Literal["on", "off"] = "on"
+    """on CUDA, run each training micro-batch layout seen before as one CUDA graph replay (its forward and
+    backward; the first step of a layout also captures it); off = every step eager, thousands of kernel
+    launches. No effect on CPU or in a worker pool"""
+    max_tokens_per_cycle: int = Field(65536, ge=1)
+    """tokens of forward/backward work packed into one clock cycle, shared fairly across models; a larger
+    request runs in parts of whole datums, one per cycle, with other models' work and sampling between them"""
+    max_live_adapters: int = Field(64, ge=1)
+    """adapters kept on the device; idle ones beyond this are paged out to CPU memory (with their optimizer
+    state) and back on their next request"""
+    max_sampler_snapshots: int = Field(64, ge=1)
+    """sampler adapter snapshots kept loaded; others are reloaded from disk when sampled again"""
+    max_num_samples: int = Field(128, ge=1)
+    """largest num_samples per sample request (n for the OpenAI API)"""
+    max_prompts_per_request: int = Field(64, ge=1)
+    """prompts in one OpenAI /v1/completions request"""
+    max_sampled_tokens_per_request: int = Field(1 << 20, ge=1)
+    """tokens one sample request may ask for: prompts x samples x max_tokens"""
+    max_sampling_requests_per_key: int = Field(1024, ge=1)
+    """sample requests (Tinker and OpenAI) one API key may have waiting or running; beyond it, 429"""
+    max_sampled_tokens_per_key: int = Field(1 << 23, ge=1)
+    """tokens (samples x max_tokens) one API key's waiting and running sample requests may ask for; beyond it,
+    429"""
+    # Its description is given here, not as a docstring: it prints DEFAULT_KV_TOKENS' value.
     max_sampling_kv_tokens: int = Field(
         0, ge=0, description="KV-cache tokens the built-in sampler's running requests may hold together, each "
                              "reserving num_samples x (prompt + max_tokens) while it runs; others wait their turn "
                              "(FIFO) and one larger than all of it is refused with a 400. 0 = auto: on CUDA half "
                              "the device's free memory at start-up over the model's KV bytes per token; on CPU "
                              f"{DEFAULT_KV_TOKENS} (set it to bound a large model's KV cache there)")
-    max_sampling_kv_share_per_key: float = Field(
-        0.5, gt=0, le=1, description="the part of the built-in sampler's KV-cache budget one API key's running "
-                                     "requests may hold together: its other jobs wait without holding back other "
-                                     "keys' jobs that fit, and one job larger than this share is refused with a "
-                                     "400. 1 = no per-key share (one key may hold the whole cache)")
-    max_stop_strings: int = Field(64, ge=1, description="stop strings in one sample request; beyond it, 400")
-    max_stop_strings_bytes: int = Field(
-        4096, ge=1, description="total UTF-8 bytes of one sample request's stop strings (each generated token is "
-                                "checked against them); beyond it, 400")
-    trust_request_chat_template: bool = Field(
-        False, description="render a chat template sent with a /v1/chat/completions request (chat_template, or "
-                           "chat_template_kwargs.chat_template): server-side code from any API key, as vLLM's "
-                           "--trust-request-chat-template; off = refused with a 400")
-    max_chat_template_kwargs_bytes: int = Field(
-        16 << 10, ge=1, description="bytes (as JSON) of one chat request's chat_template_kwargs; beyond it, 400")
-    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a sample request leaves it unset")
-    ephemeral_sampler_ttl_s: int = Field(
-        7 * 24 * 3600, ge=1, description="how long snapshots made by save_weights_and_get_sampling_client are "
-                                         "kept on disk")
-    sample_record_ttl_s: float = Field(
-        24 * 3600.0, ge=0, description="how long a sample recorded with record_stability_info stays trainable "
-                                       "after its last use (stable_reinforce)")
-    max_lora_rank: int = Field(128, ge=1, description="largest LoRA rank a client may ask for")
-    long_poll_s: float = Field(30.0, gt=0, description="how long retrieve_future holds a pending request before "
-                                                       "try_again")
-    gap_timeout_s: float = Field(
-        120.0, gt=0, description="how long a model's later seq_ids wait for a missing earlier one before it is "
-                                 "skipped")
-    gather_window_s: float = Field(
-        0.05, ge=0, description="how long a pipelining client's forward_backward waits for its optim_step, to "
-                                "share a cycle (only clients seen posting optim_step before their "
-                                "forward_backward finished wait)")
-    max_datums_per_request: int = Field(1024, ge=1, description="datums per forward_backward request (the SDK "
-                                                                "chunks to this)")
-    max_targets_per_position: int = Field(
-        100, ge=1, description="largest K of cross_entropy's (N, K) target_tokens and weights (top-K distillation); "
-                               "100 is the most topk_prompt_logprobs a sample request returns")
-    max_image_bytes: int = Field(10 << 20, ge=1, description="largest image chunk (encoded png or jpeg) a "
-                                                            "vision-language model takes")
-    max_image_pixels: int = Field(4096 * 4096, ge=1, description="most pixels (width x height) of one decoded image")
-    max_images_per_request: int = Field(64, ge=1, description="image chunks in one forward_backward, forward "
-                                                              "or sample request")
-    max_image_pixels_per_key: int = Field(
-        1 << 28, ge=1, description="pixels (width x height) of the images in one API key's waiting and running "
-                                   "sample requests together; beyond it, 429 (one request over it alone, 400)")
-    max_pending_per_key: int = Field(
-        4096, ge=1, description="unfinished requests one API key may have queued; beyond it submissions get 429 "
-                                "(back-pressure)")
-    max_models_per_key: int = Field(64, ge=1, description="live training models one API key may hold (unload "
-                                                          "one to make room)")
-    max_request_bytes: int = Field(512 << 20, ge=1, description="largest forward_backward or checkpoint import "
-                                                                "body accepted (after decompression)")
-    max_json_request_bytes: int = Field(16 << 20, ge=1, description="largest body of every other request (JSON)")
-    api_keys_file: Path | None = Field(
-        None, description="file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also "
-                          "read: $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode "
-                          "accepts any tml- key")
-    telemetry_max_bytes: int = Field(
-        64 << 20, ge=1 << 20, description="size at which the data dir's telemetry.jsonl (the SDK's telemetry "
-                                          "batches) is rotated; one previous file is kept")
-    compress_fwdbwd: bool = Field(False, description="ask the SDK to zstd-compress forward_backward bodies (saves "
-                                                     "bandwidth to remote clients)")
-    vllm: bool = Field(
-        False, description="sample on vLLM: launch its OpenAI server as a supervised child process (in its own "
-                           "Python environment, --vllm-python) with LoRA on; every adapter version is synced to it "
-                           "after each optim_step (docs/vllm.md)")
-    vllm_python: Path | None = Field(
-        None, description="with --vllm: the interpreter of vLLM's virtualenv (default: .venv-vllm/bin/python if it "
-                          "exists; tools/install_vllm_cpu.sh makes one on machines without a GPU)")
-    vllm_url: str | None = Field(
-        None, description="sample on a vLLM OpenAI server that is already running at this URL instead of launching "
-                          "one (start it as docs/vllm.md says: --enable-lora, runtime LoRA updating on)")
-    vllm_devices: str | None = Field(
-        None, description="with --vllm: the CUDA devices vLLM runs on, numbered as --device numbers them (e.g. 1 or "
-                          "1,2); they must not include training's --device")
-    vllm_kv_cache_bytes: int = Field(
-        256 << 20, ge=1 << 20, description="with --vllm: vLLM's KV-cache memory in bytes (the default suits CPU "
-                                           "tests; on a GPU give it most of its devices' free memory)")
-    vllm_lora_lm_head: bool = Field(
-        True, description="with --vllm: serve adapters that train lm_head (Tinker's default, train_unembed) on vLLM; "
-                          "prompt logprobs then run on the built-in engine. Off: vLLM computes prompt logprobs and "
-                          "adapters with an lm_head part are sampled by the built-in engine")
-    log_level: Literal[LOG_LEVELS] = Field("info", description="least severe log records shown")  # type: ignore[valid-type]
-    log_format: Literal["text", "json"] = Field(
-        "text", description="text: one line per record; json: one JSON object per record (uvicorn's too)")
+    max_sampling_kv_share_per_key: float = Field(0.5, gt=0, le=1)
+    """the part of the built-in sampler's KV-cache budget one API key's running requests may hold together: its
+    other jobs wait without holding back other keys' jobs that fit, and one job larger than this share is
+    refused with a 400. 1 = no per-key share (one key may hold the whole cache)"""
+    max_stop_strings: int = Field(64, ge=1)
+    """stop strings in one sample request; beyond it, 400"""
+    max_stop_strings_bytes: int = Field(4096, ge=1)
+    """total UTF-8 bytes of one sample request's stop strings (each generated token is checked against them);
+    beyond it, 400"""
+    trust_request_chat_template: bool = False
+    """render a chat template sent with a /v1/chat/completions request (chat_template, or
+    chat_template_kwargs.chat_template): server-side code from any API key, as vLLM's
+    --trust-request-chat-template; off = refused with a 400"""
+    max_chat_template_kwargs_bytes: int = Field(16 << 10, ge=1)
+    """bytes (as JSON) of one chat request's chat_template_kwargs; beyond it, 400"""
+    default_max_tokens: int = Field(512, ge=1)
+    """max_tokens when a sample request leaves it unset"""
+    ephemeral_sampler_ttl_s: int = Field(7 * 24 * 3600, ge=1)
+    """how long snapshots made by save_weights_and_get_sampling_client are kept on disk"""
+    sample_record_ttl_s: float = Field(24 * 3600.0, ge=0)
+    """how long a sample recorded with record_stability_info stays trainable after its last use
+    (stable_reinforce)"""
+    max_lora_rank: int = Field(128, ge=1)
+    """largest LoRA rank a client may ask for"""
+    long_poll_s: float = Field(30.0, gt=0)
+    """how long retrieve_future holds a pending request before try_again"""
+    gap_timeout_s: float = Field(120.0, gt=0)
+    """how long a model's later seq_ids wait for a missing earlier one before it is skipped"""
+    gather_window_s: float = Field(0.05, ge=0)
+    """how long a pipelining client's forward_backward waits for its optim_step, to share a cycle (only clients
+    seen posting optim_step before their forward_backward finished wait)"""
+    max_datums_per_request: int = Field(1024, ge=1)
+    """datums per forward_backward request (the SDK chunks to this)"""
+    max_targets_per_position: int = Field(100, ge=1)
+    """largest K of cross_entropy's (N, K) target_tokens and weights (top-K distillation); 100 is the most
+    topk_prompt_logprobs a sample request returns"""
+    max_image_bytes: int = Field(10 << 20, ge=1)
+    """largest image chunk (encoded png or jpeg) a vision-language model takes"""
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
+    """most pixels (width x height) of one decoded image"""
+    max_images_per_request: int = Field(64, ge=1)
+    """image chunks in one forward_backward, forward or sample request"""
+    max_image_pixels_per_key: int = Field(1 << 28, ge=1)
+    """pixels (width x height) of the images in one API key's waiting and running sample requests together;
+    beyond it, 429 (one request over it alone, 400)"""
+    max_pending_per_key: int = Field(4096, ge=1)
+    """unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)"""
+    max_models_per_key: int = Field(64, ge=1)
+    """live training models one API key may hold (unload one to make room)"""
+    max_request_bytes: int = Field(512 << 20, ge=1)
+    """largest forward_backward or checkpoint import body accepted (after decompression)"""
+    max_json_request_bytes: int = Field(16 << 20, ge=1)
+    """largest body of every other request (JSON)"""
+    api_keys_file: Path | None = None
+    """file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also read:
+    $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode accepts any tml- key"""
+    telemetry_max_bytes: int = Field(64 << 20, ge=1 << 20)
+    """size at which the data dir's telemetry.jsonl (the SDK's telemetry batches) is rotated; one previous file
+    is kept"""
+    compress_fwdbwd: bool = False
+    """ask the SDK to zstd-compress forward_backward bodies (saves bandwidth to remote clients)"""
+    vllm: bool = False
+    """sample on vLLM: launch its OpenAI server as a supervised child process (in its own Python environment,
+    --vllm-python) with LoRA on; every adapter version is synced to it after each optim_step (docs/vllm.md)"""
+    vllm_python: Path | None = None
+    """with --vllm: the interpreter of vLLM's virtualenv (default: .venv-vllm/bin/python if it exists;
+    tools/install_vllm_cpu.sh makes one on machines without a GPU)"""
+    vllm_url: str | None = None
+    """sample on a vLLM OpenAI server that is already running at this URL instead of launching one (start it as
+    docs/vllm.md says: --enable-lora, runtime LoRA updating on)"""
+    vllm_devices: str | None = None
+    """with --vllm: the CUDA devices vLLM runs on, numbered as --device numbers them (e.g. 1 or 1,2); they must
+    not include training's --device"""
+    vllm_kv_cache_bytes: int = Field(256 << 20, ge=1 << 20)
+    """with --vllm: vLLM's KV-cache memory in bytes (the default suits CPU tests; on a GPU give it most of its
+    devices' free memory)"""
+    vllm_lora_lm_head: bool = True
+    """with --vllm: serve adapters that train lm_head (Tinker's default, train_unembed) on vLLM; prompt logprobs
+    then run on the built-in engine. Off: vLLM computes prompt logprobs and adapters with an lm_head part are
+    sampled by the built-in engine"""
+    log_level: Literal[LOG_LEVELS] = "info"  # type: ignore[valid-type]
+    """least severe log records shown"""
+    log_format: Literal["text", "json"] = "text"
+    """text: one line per record; json: one JSON object per record (uvicorn's too)"""
 
     @property
     def served_models(self) -> list[ModelEntry]:
