@@ -186,58 +186,56 @@ def set_fields(result) -> dict:
 
 @dataclass(frozen=True)
 class _JSONResult:
-    """A result the SDK reads as JSON: {"type": <its kind>, <its fields but the unset ones>}."""
+    """A result the SDK reads as JSON: {"type": <its kind>, <its fields but the unset ones>}.
+    Each subclass names its request kind in its class line: ``class X(_JSONResult, kind=...)``."""
 
     kind: ClassVar[RequestKind]
+
+    def __init_subclass__(cls, kind: RequestKind, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind = kind
 
     def to_wire(self) -> dict:
         return {"type": self.kind.value, **set_fields(self)}
 
 
 @dataclass(frozen=True)
-class CreateModelResult(_JSONResult):
-    kind = RequestKind.CREATE_MODEL
+class CreateModelResult(_JSONResult, kind=RequestKind.CREATE_MODEL):
     model_id: str
 
 
 @dataclass(frozen=True)
-class OptimStepResult(_JSONResult):
-    kind = RequestKind.OPTIM_STEP
+class OptimStepResult(_JSONResult, kind=RequestKind.OPTIM_STEP):
     metrics: dict[str, float]
 
 
 @dataclass(frozen=True)
-class SaveWeightsResult(_JSONResult):
-    kind = RequestKind.SAVE_WEIGHTS
+class SaveWeightsResult(_JSONResult, kind=RequestKind.SAVE_WEIGHTS):
     path: str
 
 
 @dataclass(frozen=True)
-class SamplerWeightsResult(_JSONResult):
+class SamplerWeightsResult(_JSONResult, kind=RequestKind.SAVE_WEIGHTS_FOR_SAMPLER):
     """The saved weights' path, or for the ephemeral form the sampling session that serves them."""
 
-    kind = RequestKind.SAVE_WEIGHTS_FOR_SAMPLER
     path: str | None = None
     sampling_session_id: str | None = None
 
 
 @dataclass(frozen=True)
-class ExternalWeightsResult(_JSONResult):
-    kind = RequestKind.SAVE_WEIGHTS_EXTERNAL
+class ExternalWeightsResult(_JSONResult, kind=RequestKind.SAVE_WEIGHTS_EXTERNAL):
     size_bytes: int
     path: str
 
 
 @dataclass(frozen=True)
-class LoadWeightsResult(_JSONResult):
-    kind = RequestKind.LOAD_WEIGHTS
+class LoadWeightsResult(_JSONResult, kind=RequestKind.LOAD_WEIGHTS):
     path: str
     model_id: str
 
 
 @dataclass(frozen=True)
-class UnloadModelResult(_JSONResult):
-    kind = RequestKind.UNLOAD_MODEL
+class UnloadModelResult(_JSONResult, kind=RequestKind.UNLOAD_MODEL):
     model_id: str
 
 
