@@ -48,9 +48,10 @@ from ..request_types import FBOutcome, FBWork
 
 @dataclass
 class PassStats:
-    """What one fused pass did, for metrics and benchmarks."""
+    """What one fused pass did, for metrics and benchmarks. `models` is known when the pass starts,
+    the rest is counted as it runs."""
 
-    models: int = 0
+    models: int
     datums: int = 0
     tokens: int = 0
     padded_tokens: int = 0
@@ -122,7 +123,7 @@ class TrainingRuntime(KernelChoices):
         self.max_context = int(getattr(cfg, "max_position_embeddings", None)
                                or getattr(getattr(cfg, "text_config", None), "max_position_embeddings", 1 << 20))
         self.image_token_id = getattr(cfg, "image_token_id", None)  # a vision-language model's
-        self.last_pass = PassStats()
+        self.last_pass = PassStats(models=0)  # no pass yet
         self.graphs: StepGraphs | None = None
         self.graphs_how = "off on CPU" if device.type != "cuda" else "off (--cuda-graphs off)"
         if cuda_graphs and device.type == "cuda":

@@ -46,7 +46,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import httpx
 import numpy as np
@@ -64,10 +64,12 @@ PROMPT_ROW_REQUESTS = 8  # a job's per-row requests (target logprobs, alternativ
 
 @dataclass
 class BackendStats:
-    requests: int = 0
-    failures: int = 0
-    seconds_total: float = 0.0
-    tokens_generated: int = 0
+    """Counters since start, named as the keys `metrics()` reports them under."""
+
+    requests_total: int = 0  # jobs ended, answered or failed
+    request_failures_total: int = 0
+    request_seconds_total: float = 0.0
+    tokens_generated_total: int = 0
 
 
 def _topk(entries: dict[str, float], actual: int, k: int, key) -> tuple[list[int], list[float]]:
@@ -190,12 +192,9 @@ class VLLMSamplingBackend:
         return self._in_flight > 0
 
     def metrics(self) -> dict[str, float]:
-        s = self.stats
-        return {"requests_total": s.requests, "request_failures_total": s.failures,
-                "request_seconds_total": s.seconds_total, "tokens_generated_total": s.tokens_generated,
-                "requests_in_flight": self._in_flight, "restarts_total": self.sidecar.stats.restarts,
-                "last_start_seconds": self.sidecar.stats.last_start_seconds,
-                "ready": float(self.sidecar.is_ready())}
+        return {**asdict(self.stats), "requests_in_flight": self._in_flight,
+                "restarts_total": self.sidecar.stats.restarts,
+                "last_start_seconds": self.sidecar.stats.last_start_seconds, "ready": float(self.sidecar.is_ready())}
 
     def close(self) -> None:
         """Fail what is still running, then stop the loop."""
@@ -254,7 +253,7 @@ class VLLMSamplingBackend:
                     self.adapters.release(version)
             self._tasks.pop(id(job), None)  # answered: a cancel from now on changes nothing
             failed = False
-            self.stats.tokens_generated += sum(len(s.tokens) for s in result.sequences)
+            self.stats.tokens_generated_total += sum(len(s.tokens) for s in result.sequences)
             try:
                 job.on_done(result)
             except Exception as e:  # encoding the answer failed: this request fails, others go on
@@ -269,9 +268,9 @@ class VLLMSamplingBackend:
             job.on_error(f"sampling failed on the vLLM sidecar: {type(e).__name__}: {e}")
         finally:
             self._tasks.pop(id(job), None)
-            self.stats.requests += 1
-            self.stats.failures += failed
-            self.stats.seconds_total += time.perf_counter() - start
+            self.stats.requests_total += 1
+            self.stats.request_failures_total += failed
+            self.stats.request_seconds_total += time.perf_counter() - start
             with self._count_lock:
                 self._in_flight -= 1
 
