@@ -194,7 +194,8 @@ class ServerConfig(BaseSettings):
                                                               "or sample request")
     max_image_pixels_per_key: int = Field(
         1 << 28, ge=1, description="pixels (width x height) of the images in one API key's waiting and running "
-                                   "sample requests together; beyond it, 429 (one request over it alone, 400)")
+                                   "requests together, training (forward_backward, forward) and sampling in one "
+                                   "budget; beyond it, 429 (one request over it alone, 400)")
     max_pending_per_key: int = Field(
         4096, ge=1, description="unfinished requests one API key may have queued; beyond it submissions get 429 "
                                 "(back-pressure)")
