@@ -41,20 +41,24 @@ class FutureStore:
         # Unfinished requests per owner, for per-key back-pressure.
         self._pending_owner: dict[str, str] = {}
         self.pending_by_owner: dict[str, int] = {}
+        self._on_finish: dict[str, Callable[[], None]] = {}  # what an unfinished request gives back when it ends
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
     # -- creation / resolution (any thread) ----------------------------------------------------
-    def create(self, owner: str, kind: str, model_id: str | None = None, seq_id: int | None = None
-               ) -> tuple[str, bool]:
-        """Return (request_id, is_new). A repeated (model_id, seq_id) returns the first id."""
+    def create(self, owner: str, kind: str, model_id: str | None = None, seq_id: int | None = None,
+               on_finish: Callable[[], None] | None = None) -> tuple[str, bool]:
+        """Return (request_id, is_new). A repeated (model_id, seq_id) returns the first id. A new
+        request calls `on_finish` once, when it is resolved or failed; a repeated one never does."""
         request_id = f"req-{uuid.uuid4().hex}"
         got = self.store.insert_future(request_id, owner, kind, model_id, seq_id)
         if got == request_id:
             with self._lock:
                 self._pending_owner[request_id] = owner
                 self.pending_by_owner[owner] = self.pending_by_owner.get(owner, 0) + 1
+                if on_finish is not None:
+                    self._on_finish[request_id] = on_finish
         return got, got == request_id
 
     def pending(self, owner: str) -> int:
@@ -93,6 +97,9 @@ class FutureStore:
                 self.pending_by_owner[owner] -= 1
                 if not self.pending_by_owner[owner]:  # one entry per key with work, not per key ever seen
                     del self.pending_by_owner[owner]
+            on_finish = self._on_finish.pop(request_id, None)
+        if on_finish is not None:
+            on_finish()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._wake, request_id)
 

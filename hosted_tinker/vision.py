@@ -8,8 +8,8 @@ Qwen-VL), which the model's forward replaces with the vision tower's embeddings.
 
 Bounds: every image is at most `max_image_bytes` encoded and `max_image_pixels` decoded, and a
 request holds at most `max_images_per_request` of them (config.py); a refusal names the setting.
-An API key's sample requests in flight hold at most `max_image_pixels_per_key` pixels of images
-together (services/sampling.py).
+An API key's waiting and running requests, training and sampling alike, hold at most
+`max_image_pixels_per_key` pixels of images together (services/images.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Pixels:
 
     pixel_values: torch.Tensor  # [patches, patch_dim] float32
     grid_thw: torch.Tensor  # [images, 3] int64
-    image_pixels: int  # width x height of the images as sent, summed: what a key's sampling bound counts
+    image_pixels: int  # width x height of the images as sent, summed: what a key's image bound counts
 
 
 class ImageEncoder:

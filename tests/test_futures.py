@@ -213,3 +213,18 @@ def test_fail_unanswered_fails_only_what_is_still_pending(store):
     assert r.failed and json.loads(r.payload) == {"error": "the cycle failed", "category": "server"}
     assert futures.fail_unanswered([done, pending], "again") == []
     assert futures.pending("alice") == 0 and futures.pending_by_owner == {}
+
+
+def test_on_finish_runs_once_when_a_new_request_ends(store):
+    """What a request holds (its images' pixels, services/images.py) is given back when it is resolved
+    or failed, once; a repeated (model_id, seq_id) registers nothing, its caller gives back itself."""
+    futures = FutureStore(store)
+    ended = []
+    done, _ = futures.create("alice", "forward", "m1", 1, on_finish=lambda: ended.append("done"))
+    failed, _ = futures.create("alice", "forward", "m1", 2, on_finish=lambda: ended.append("failed"))
+    _, is_new = futures.create("alice", "forward", "m1", 1, on_finish=lambda: ended.append("repeated"))
+    assert not is_new and ended == []
+    futures.resolve(done, {"ok": True})
+    futures.fail(failed, "bad input")
+    futures.fail_unanswered([done, failed], "the cycle ended")  # both answered already: nothing more
+    assert ended == ["done", "failed"]

@@ -1,4 +1,5 @@
-"""`SamplingAllowance`: a key's sampling work in flight, taken per request and given back exactly once."""
+"""`SamplingAllowance`: a key's sampling work in flight, taken per request and given back exactly once; its
+image pixels in the key's budget shared with training requests (`ImagePixelBudget`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from hosted_tinker.api.app import http_error_of
 from hosted_tinker.errors import Busy
 from hosted_tinker.sampling.jobs import SampleJob
+from hosted_tinker.services.images import ImagePixelBudget
 from hosted_tinker.services.sampling import SamplingAllowance
 from hosted_tinker.vision import Pixels
 
@@ -17,7 +19,7 @@ def job(num_samples: int = 2, max_tokens: int = 10) -> SampleJob:
 
 
 def test_limits_name_their_setting_and_other_keys_are_unaffected():
-    allowance = SamplingAllowance(max_requests=2, max_tokens=100, max_image_pixels=1000)
+    allowance = SamplingAllowance(max_requests=2, max_tokens=100, images=ImagePixelBudget(1000))
     allowance.take("alice", [job()])
     allowance.take("alice", [job()])
     with pytest.raises(Busy, match="max_sampling_requests_per_key = 2") as e:
@@ -30,7 +32,7 @@ def test_limits_name_their_setting_and_other_keys_are_unaffected():
 
 
 def test_a_multi_job_request_is_given_back_once_when_its_last_job_ends():
-    allowance = SamplingAllowance(max_requests=1, max_tokens=1000, max_image_pixels=1000)
+    allowance = SamplingAllowance(max_requests=1, max_tokens=1000, images=ImagePixelBudget(1000))
     jobs = [job(), job(), job()]
     seen = []
     for j in jobs:
@@ -45,13 +47,14 @@ def test_a_multi_job_request_is_given_back_once_when_its_last_job_ends():
     allowance.take("alice", [job()])  # the allowance came back
 
 
-def test_image_pixels_in_flight_are_bounded_per_key():
-    def image_job(pixels: int) -> SampleJob:
-        j = job()
-        j.pixels = Pixels(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), pixels)
-        return j
+def image_job(pixels: int) -> SampleJob:
+    j = job()
+    j.pixels = Pixels(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), pixels)
+    return j
 
-    allowance = SamplingAllowance(max_requests=10, max_tokens=1000, max_image_pixels=1000)
+
+def test_image_pixels_in_flight_are_bounded_per_key():
+    allowance = SamplingAllowance(max_requests=10, max_tokens=1000, images=ImagePixelBudget(1000))
     lease = allowance.take("alice", [image_job(600)])
     with pytest.raises(Busy, match="600 image pixels in flight and this one has 500 more "
                                             r"\(max_image_pixels_per_key = 1000\)") as e:
@@ -60,4 +63,18 @@ def test_image_pixels_in_flight_are_bounded_per_key():
     allowance.take("bob", [image_job(1000)])  # another key's images are its own
     allowance.take("alice", [job()])  # text-only requests are not held back
     lease.release()
+    allowance.take("alice", [image_job(1000)])
+
+
+def test_sample_requests_share_the_keys_image_budget_with_its_training_requests():
+    images = ImagePixelBudget(1000)
+    allowance = SamplingAllowance(max_requests=10, max_tokens=1000, images=images)
+    images.take("alice", 600)  # a waiting training request's images (services/training.py)
+    with pytest.raises(Busy, match="600 image pixels in flight"):
+        allowance.take("alice", [image_job(500)])
+    assert allowance.requests["alice"] == 0 and images.held == {"alice": 600}  # the refused one holds nothing
+    allowance.take("alice", [image_job(400)]).release()
+    assert images.held == {"alice": 600}
+    images.give_back("alice", 600)  # the training request was answered
+    assert images.held == {}
     allowance.take("alice", [image_job(1000)])

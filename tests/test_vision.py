@@ -2,15 +2,21 @@
 tiny random Qwen3-VL (built in the test) next to the embedded text-only model: image chunks in
 forward and forward_backward give the logprobs of a plain forward of the same model in this
 process; `expected_tokens` that the processor disagrees with, an image over a bound, and an
-image sent to the text-only model are each a 400 naming what was wrong."""
+image sent to the text-only model are each a 400 naming what was wrong. A key's waiting and running
+training and sample requests share one bound on their images' pixels (a 429 beyond it), given back
+as they are answered."""
 
 from __future__ import annotations
 
+import base64
+
+import httpx
 import numpy as np
 import pytest
 import tinker
 import torch
 from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from helpers import logprobs_of
 from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME
@@ -136,6 +142,60 @@ def test_a_sample_request_over_the_keys_image_bound_is_a_400(sc, vl_dir):
     prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]), image, image])
     with pytest.raises(tinker.BadRequestError, match=r"8192 pixels together.*6000 \(max_image_pixels_per_key\)"):
         client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+
+
+def forward_backward_body(model_id: str, seq_id: int, datum: types.Datum) -> bytes:
+    """The protobuf body the SDK posts (sent here by hand: its seq_ids and retries are the test's)."""
+    request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
+        types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def answered(http: httpx.Client, request_id: str) -> httpx.Response:
+    """retrieve_future until the request is answered (a long poll says try_again while it waits)."""
+    while True:
+        r = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        if not r.headers["content-type"].startswith("application/json") or r.json().get("type") != "try_again":
+            return r
+
+
+def test_training_images_share_the_keys_image_bound_until_answered(srv, vl_dir):
+    """The key's 6000 pixels (the module's server) hold its training requests' images from submission
+    until they are answered, in one budget with its sample requests. Seq_id 2 is left unsent, so a
+    forward_backward at seq_id 3 waits behind it holding a 64x64 image (4096 pixels): seq_id 4's image,
+    or a sample request's, is then a 429 with Retry-After. Once seq_id 2 arrives (text-only, never held
+    back) and seq_id 3 is answered, its pixels are back: seq_id 4, sent again as the SDK retries a 429,
+    is taken and answered. One request over the whole bound alone is a 400."""
+    key, image = "tml-vision-bound", png(64, 64)  # a key of its own: the bound is per key
+    with srv.client(key) as sc, httpx.Client(base_url=srv.base_url, headers={"X-API-Key": key}, timeout=60) as http:
+        tc = sc.create_lora_training_client(base_model=str(vl_dir), rank=4).result()
+        with pytest.raises(tinker.BadRequestError, match=r"8192 pixels together.*6000 \(max_image_pixels_per_key\)"):
+            tc.forward([image_datum(image, 4, [5], [6], n_image=4)] * 2, "cross_entropy").result()  # seq_id 1
+
+        def post(seq_id: int, datum: types.Datum) -> httpx.Response:
+            return http.post("/api/v1/forward_backward", content=forward_backward_body(tc.model_id, seq_id, datum),
+                             headers={"Content-Type": "application/x-protobuf"})
+
+        held = post(3, image_datum(image, 4, [5], [6], n_image=4))
+        assert held.status_code == 200, held.text
+        busy = "4096 image pixels in flight and this one has 4096 more (max_image_pixels_per_key = 6000)"
+        over = post(4, image_datum(image, 4, [7], [8], n_image=4))
+        assert over.status_code == 429 and over.headers["Retry-After"] == "1" and busy in over.json()["detail"]
+        session = http.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        sampler = http.post("/api/v1/create_sampling_session", json={
+            "session_id": session, "sampling_session_seq_id": 0, "base_model": str(vl_dir)}).json()["sampling_session_id"]
+        sample = http.post("/api/v1/asample", json={
+            "sampling_session_id": sampler, "seq_id": 0, "num_samples": 1, "sampling_params": {"max_tokens": 1},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5]}, {
+                "type": "image", "data": base64.b64encode(image).decode(), "format": "png", "expected_tokens": 4}]}})
+        assert sample.status_code == 429 and busy in sample.json()["detail"], sample.text
+        text = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                           loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0] * 3})
+        assert post(2, text).status_code == 200
+        assert answered(http, held.json()["request_id"]).status_code == 200
+        again = post(4, image_datum(image, 4, [7], [8], n_image=4))
+        assert again.status_code == 200, again.text
+        assert answered(http, again.json()["request_id"]).status_code == 200
 
 
 def test_a_text_only_sampler_refuses_images_by_name(sc):

@@ -17,6 +17,7 @@ from ..checkpoints.paths import InvalidPath
 from ..config import ServerConfig
 from ..errors import Busy, NotFound, UserError
 from ..server import Server
+from ..services.images import ImagePixelBudget
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
 from ..startup import base_url, summary_lines
@@ -60,8 +61,9 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         srv.start()
         app.state.server = srv
         app.state.access = Access(srv.store, srv.models.has_training_model)
-        app.state.training = TrainingRequests(srv, app.state.access)
-        app.state.sampling = SamplingRequests(srv, app.state.access)
+        images = ImagePixelBudget(srv.config.max_image_pixels_per_key)  # one per key, training and sampling
+        app.state.training = TrainingRequests(srv, app.state.access, images)
+        app.state.sampling = SamplingRequests(srv, app.state.access, images)
         pruner = asyncio.create_task(_prune_forever(srv))
         for line in summary_lines(srv, config, base_url(config.host, config.port)):
             log.info("%s", line)

@@ -2,9 +2,9 @@
 
 Each request is bounded on its own (prompts, `n`, requested tokens, stop strings, image pixels, and each job's KV
 cache against the sampler's whole KV-cache budget: a `UserError`, a 400, naming the setting) and each API key's
-sampling work in flight (requests, requested tokens and image pixels, waiting or running) is bounded too: beyond it
-the key gets `Busy`, a 429 naming the limit, which the SDK treats as back-pressure
-and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
+sampling work in flight (requests, requested tokens, waiting or running, and image pixels, in the key's budget shared
+with its training requests: images.py) is bounded too: beyond it the key gets `Busy`, a 429 naming the limit, which
+the SDK treats as back-pressure and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
 A key's allowance is given back when its job ends: done, failed, or cancelled because its client
 went away.
 """
@@ -22,6 +22,7 @@ from ..sampling.jobs import SampleJob, SampleResult
 from ..server import Server
 from ..served_models import ServedModel
 from . import checkpoint_base_model, served_model
+from .images import ImagePixelBudget
 
 
 def sample_job(served: ServedModel, prompt: list[int], *, max_tokens: int | None, default_max_tokens: int, top_k: int,
@@ -62,16 +63,16 @@ def image_pixels(jobs: list[SampleJob]) -> int:
 
 
 class SamplingAllowance:
-    """Sampling requests, requested tokens and image pixels in flight, per API key."""
+    """Sampling requests and requested tokens in flight per API key, and their image pixels in the key's
+    `images` budget (shared with its training requests)."""
 
-    def __init__(self, max_requests: int, max_tokens: int, max_image_pixels: int):
+    def __init__(self, max_requests: int, max_tokens: int, images: ImagePixelBudget):
         self.max_requests = max_requests
         self.max_tokens = max_tokens
-        self.max_image_pixels = max_image_pixels
+        self.images = images
         self._lock = threading.Lock()
         self.requests: dict[str, int] = defaultdict(int)
         self.tokens: dict[str, int] = defaultdict(int)
-        self.pixels: dict[str, int] = defaultdict(int)
 
     def take(self, owner: str, jobs: list[SampleJob]) -> "Lease":
         """A lease on `jobs`' share of `owner`'s allowance, or `Busy` naming the limit it would pass."""
@@ -84,22 +85,18 @@ class SamplingAllowance:
                 raise Busy(f"this API key has sampling requests for {self.tokens[owner]} tokens in flight "
                            f"and this one asks for {tokens} more (max_sampled_tokens_per_key = "
                            f"{self.max_tokens}); wait for some to finish")
-            if self.pixels[owner] + pixels > self.max_image_pixels:
-                raise Busy(f"this API key has sampling requests with {self.pixels[owner]} image pixels "
-                           f"in flight and this one has {pixels} more (max_image_pixels_per_key = "
-                           f"{self.max_image_pixels}); wait for some to finish")
+            self.images.take(owner, pixels)  # last: nothing is held when a check above refuses
             self.requests[owner] += 1
             self.tokens[owner] += tokens
-            self.pixels[owner] += pixels
         return Lease(self, owner, tokens, pixels)
 
     def _give_back(self, owner: str, tokens: int, pixels: int) -> None:
         with self._lock:
             self.requests[owner] -= 1
             self.tokens[owner] -= tokens
-            self.pixels[owner] -= pixels
             if not self.requests[owner]:
-                del self.requests[owner], self.tokens[owner], self.pixels[owner]
+                del self.requests[owner], self.tokens[owner]
+        self.images.give_back(owner, pixels)
 
 
 class Lease:
@@ -142,12 +139,13 @@ def _mark_ended_then(ended, i: int, callback):
 
 
 class SamplingRequests:
-    def __init__(self, server: Server, access: Access):
+    def __init__(self, server: Server, access: Access, images: ImagePixelBudget):
+        """`images`: the per-key image pixel budget this service shares with `TrainingRequests`."""
         self.server = server
         self.config = server.config
         self.access = access
         self.allowance = SamplingAllowance(self.config.max_sampling_requests_per_key,
-                                           self.config.max_sampled_tokens_per_key, self.config.max_image_pixels_per_key)
+                                           self.config.max_sampled_tokens_per_key, images)
 
     def check_size(self, served: ServedModel, jobs: list[SampleJob]) -> None:
         """One request's own bounds (the prompt count and `n` are checked where they are parsed), and that
@@ -159,11 +157,7 @@ class SamplingRequests:
                             f"max_tokens, plus prompt positions x prompt_alt_tokens_k); the limit is {limit} "
                             "(max_sampled_tokens_per_request): ask for fewer samples or fewer max_tokens "
                             "per request")
-        pixels, limit = image_pixels(jobs), self.config.max_image_pixels_per_key
-        if pixels > limit:  # it could never be let in: a 400, not a 429 (Busy) to retry forever
-            raise UserError(f"this request's images have {pixels} pixels together; one API key's sample "
-                            f"requests in flight may hold {limit} (max_image_pixels_per_key): send fewer or "
-                            "smaller images")
+        self.allowance.images.check_size(image_pixels(jobs))
         for job in jobs:
             self._check_stops(job.stop_strings)
             reason = served.sampler.refusal(job)

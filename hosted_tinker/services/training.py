@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +28,7 @@ from ..served_models import ServedModel
 from ..vision import Pixels, no_images
 from ..wire.codec import ForwardBackwardCall, WireDatum
 from . import checkpoint_base_model, served_model
+from .images import ImagePixelBudget
 from .provenance import RecordNotFound, loss_inputs, named_sequences
 
 
@@ -36,12 +38,14 @@ def future_ref(request_id: str, model_id: str | None = None) -> dict:
 
 
 class TrainingRequests:
-    def __init__(self, server: Server, access: Access):
+    def __init__(self, server: Server, access: Access, images: ImagePixelBudget):
+        """`images`: the per-key image pixel budget this service shares with `SamplingRequests`."""
         self.server = server
         self.config = server.config
         self.store = server.store
         self.futures = server.futures
         self.access = access
+        self.images = images
 
     # -- models ---------------------------------------------------------------------------------
     def create_model(self, owner: str, session_id: str, model_seq_id: int, base_model: str, rank: int,
@@ -137,6 +141,7 @@ class TrainingRequests:
                                      "(the SDK splits larger batches itself)")
             config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
             pixels = expand_images(served, call.data)
+            self.images.check_size(sum(p.image_pixels for p in pixels if p is not None))
             for i, d in enumerate(call.data):
                 validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context,
                                self.config.max_targets_per_position)
@@ -238,14 +243,21 @@ class TrainingRequests:
         if expected is not None and seq_id < expected:
             raise UserError(f"seq_id {seq_id} of model {model_id!r} is below the next expected seq_id "
                             f"{expected}; each request needs a new seq_id")
-        request_id, is_new = self.futures.create(owner, kind, model_id, seq_id)
-        if is_new:  # else a concurrent retry of the same seq_id got there first
-            if isinstance(payload, FBWork):  # in parts of at most one cycle's budget (scheduler.py)
-                (payload, tokens), *more = in_parts(payload, scheduler.max_tokens_per_cycle)
-                scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens, more=more))
-            else:
-                scheduler.submit(Request(request_id, kind, model_id, seq_id, payload))
-            self.store.touch_model(model_id)
+        # The images are held until the request is answered. Unlike a refusal above, Busy here leaves the
+        # seq_id open: the SDK retries this very seq_id, and the model's later requests wait for it.
+        pixels = image_pixels(payload)
+        self.images.take(owner, pixels)
+        request_id, is_new = self.futures.create(
+            owner, kind, model_id, seq_id, on_finish=partial(self.images.give_back, owner, pixels) if pixels else None)
+        if not is_new:  # a concurrent retry of the same seq_id got there first
+            self.images.give_back(owner, pixels)
+            return future_ref(request_id, model_id)
+        if isinstance(payload, FBWork):  # in parts of at most one cycle's budget (scheduler.py)
+            (payload, tokens), *more = in_parts(payload, scheduler.max_tokens_per_cycle)
+            scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens, more=more))
+        else:
+            scheduler.submit(Request(request_id, kind, model_id, seq_id, payload))
+        self.store.touch_model(model_id)
         return future_ref(request_id, model_id)
 
 
@@ -263,6 +275,13 @@ def in_parts(work: FBWork, max_tokens: int) -> list[tuple[FBWork, int]]:
         tokens += len(d.tokens)
     parts.append((replace(work, data=data), tokens))
     return parts
+
+
+def image_pixels(payload: Payload) -> int:
+    """Pixels of the images a request's datums hold (width x height, as sent); 0 for every other request."""
+    if not isinstance(payload, FBWork):
+        return 0
+    return sum(d.pixels.image_pixels for d in payload.data if d.pixels is not None)
 
 
 def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | None]:

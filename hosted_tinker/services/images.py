@@ -1,0 +1,51 @@
+"""`ImagePixelBudget`: the image pixels each API key's waiting and running requests hold, bounded by
+`max_image_pixels_per_key`.
+
+One budget per key, shared by its training requests (`forward_backward`, `forward`) and its sample
+requests (`asample`, so `compute_logprobs`, and the OpenAI routes), not one budget for each: what it
+bounds is the memory a key's decoded images take on the server while its requests wait and run,
+and a training request's images take that memory as a sample request's do. A key with the bound
+reached gets `Busy` (a 429 with Retry-After, which the SDK retries) until some of its requests end;
+one request over the whole bound alone could never get in, so it is a `UserError` (a 400) instead.
+The pixels are given back when the request ends (done, failed, cancelled or skipped); nothing is
+persisted, so a restart starts every key at zero (its unfinished requests were failed then).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..errors import Busy, UserError
+
+
+class ImagePixelBudget:
+    def __init__(self, max_pixels_per_key: int):
+        self.max_pixels_per_key = max_pixels_per_key
+        self._lock = threading.Lock()
+        self.held: dict[str, int] = {}  # one entry per key with images in flight, not per key ever seen
+
+    def check_size(self, pixels: int) -> None:
+        """A `UserError` if one request's `pixels` are more than any key may hold at once."""
+        if pixels > self.max_pixels_per_key:
+            raise UserError(f"this request's images have {pixels} pixels together; one API key's requests in "
+                            f"flight may hold {self.max_pixels_per_key} (max_image_pixels_per_key): send fewer "
+                            "or smaller images")
+
+    def take(self, owner: str, pixels: int) -> None:
+        """Hold `pixels` for `owner` (give them back with `give_back`), or `Busy` naming the bound."""
+        with self._lock:
+            held = self.held.get(owner, 0)
+            if held + pixels > self.max_pixels_per_key:
+                raise Busy(f"this API key has requests with {held} image pixels in flight and this one has "
+                           f"{pixels} more (max_image_pixels_per_key = {self.max_pixels_per_key}); wait for "
+                           "some to finish")
+            if pixels:
+                self.held[owner] = held + pixels
+
+    def give_back(self, owner: str, pixels: int) -> None:
+        if not pixels:
+            return
+        with self._lock:
+            self.held[owner] -= pixels
+            if not self.held[owner]:
+                del self.held[owner]
