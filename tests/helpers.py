@@ -125,6 +125,25 @@ def assert_each_tenant_matches_solo(runtime: TrainingRuntime, tenants: list[int]
             assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
 
 
+def forward_backward_body(model_id: str, seq_id: int, datum) -> bytes:
+    """The protobuf body the SDK posts, for tests that send it by hand: their seq_ids and retries are the
+    test's, not the SDK's."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
+        types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def answered(http: httpx.Client, request_id: str) -> httpx.Response:
+    """retrieve_future until the request is answered (a long poll says try_again while it waits)."""
+    while True:
+        r = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+        if not r.headers["content-type"].startswith("application/json") or r.json().get("type") != "try_again":
+            return r
+
+
 def sft_datum(tokens: list[int], weights: list[float] | None = None):
     """A cross_entropy datum predicting tokens[1:] from tokens[:-1]."""
     from tinker import types

@@ -17,7 +17,9 @@ import httpx
 import openai
 import pytest
 
-from helpers import BASE_MODEL, WAIT, open_completion, sampling_metrics, wait_until
+from helpers import (
+    BASE_MODEL, WAIT, answered, forward_backward_body, open_completion, sampling_metrics, sft_datum, wait_until,
+)
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +27,8 @@ A, B = "tml-edge-alice", "tml-edge-bob"
 JSON_LIMIT = 4 << 20
 # Small enough to reach in a test, large enough for the long requests below (4 x 8 x 3000 tokens).
 LIMITS = ("--max-json-request-bytes", str(JSON_LIMIT), "--max-sampling-requests-per-key", "2",
-          "--max-prompts-per-request", "4", "--max-sampled-tokens-per-request", "100000")
+          "--max-prompts-per-request", "4", "--max-sampled-tokens-per-request", "100000",
+          "--max-pending-per-key", "2")
 # Long enough that it is still decoding when its client leaves: no EOS stop, 3000 tokens per row.
 LONG = {"model": BASE_MODEL, "prompt": [[1, 2, 3]] * 4, "n": 8, "max_tokens": 3000, "ignore_eos": True}
 
@@ -188,3 +191,30 @@ def test_sampling_in_flight_is_bounded_per_key(srv):
             sock.close()
     wait_until(lambda: sampling_metrics(srv)["hosted_tinker_sampling_active_sequences"] == 0, "A's requests cancelled")
     assert asample(srv, A, sampling_session(srv, A), 0).status_code == 200  # the allowance came back
+
+
+def test_a_key_over_its_pending_bound_gets_a_429_it_can_retry(srv):
+    """Two unfinished requests are a key's bound here. Seq_id 1 is held back, so seq_ids 2 and 3 wait
+    behind it: seq_id 4 is then a 429 that leaves it open. Seq_id 1 arrives as a refusal (which closes
+    it), 2 and 3 are answered, and seq_id 4 sent again, as the SDK retries a 429, is taken and answered
+    (had the 429 closed it, the retry would be "below the next expected seq_id")."""
+    key = "tml-edge-pending"  # a key of its own: the bound is per key
+    with srv.client(key) as sc, httpx.Client(base_url=srv.base_url, headers={"X-API-Key": key}, timeout=60) as http:
+        model_id = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result().model_id
+
+        def post(seq_id: int, body: bytes) -> httpx.Response:
+            return http.post("/api/v1/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"})
+
+        def fb(seq_id: int) -> httpx.Response:
+            return post(seq_id, forward_backward_body(model_id, seq_id, sft_datum([5, 6, 7, 8])))
+
+        waiting = [fb(2), fb(3)]
+        assert all(r.status_code == 200 for r in waiting), [r.text for r in waiting]
+        over = fb(4)
+        assert over.status_code == 429 and "2 unfinished requests (max_pending_per_key)" in over.json()["detail"], over.text
+        refused = post(1, forward_backward_body(model_id, 1, sft_datum([5, 6, 7, 8])).replace(b"cross_entropy", b"cross_entropz"))
+        assert refused.status_code == 400, refused.text
+        assert all(answered(http, r.json()["request_id"]).status_code == 200 for r in waiting)
+        again = fb(4)
+        assert again.status_code == 200, again.text
+        assert answered(http, again.json()["request_id"]).status_code == 200

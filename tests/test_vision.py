@@ -16,9 +16,8 @@ import pytest
 import tinker
 import torch
 from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from helpers import logprobs_of
+from helpers import answered, forward_backward_body, logprobs_of
 from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME
 from server_process import ServerProcess
 from tiny_vl_model import build_tiny_vl_model, png
@@ -142,21 +141,6 @@ def test_a_sample_request_over_the_keys_image_bound_is_a_400(sc, vl_dir):
     prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]), image, image])
     with pytest.raises(tinker.BadRequestError, match=r"8192 pixels together.*6000 \(max_image_pixels_per_key\)"):
         client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
-
-
-def forward_backward_body(model_id: str, seq_id: int, datum: types.Datum) -> bytes:
-    """The protobuf body the SDK posts (sent here by hand: its seq_ids and retries are the test's)."""
-    request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
-        types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
-    return forward_backward_request_to_proto(request).SerializeToString()
-
-
-def answered(http: httpx.Client, request_id: str) -> httpx.Response:
-    """retrieve_future until the request is answered (a long poll says try_again while it waits)."""
-    while True:
-        r = http.post("/api/v1/retrieve_future", json={"request_id": request_id})
-        if not r.headers["content-type"].startswith("application/json") or r.json().get("type") != "try_again":
-            return r
 
 
 def test_training_images_share_the_keys_image_bound_until_answered(srv, vl_dir):

@@ -232,10 +232,6 @@ class TrainingRequests:
             return future_ref(existing, model_id)
         try:
             payload = make_payload()
-            limit = self.config.max_pending_per_key
-            if self.futures.pending(owner) >= limit:
-                raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); "
-                           "wait for some to finish")
         except Exception:  # a refusal (a UserError) or a bug: either way this seq_id is never queued
             scheduler.skip(model_id, seq_id)
             raise
@@ -243,9 +239,12 @@ class TrainingRequests:
         if expected is not None and seq_id < expected:
             raise UserError(f"seq_id {seq_id} of model {model_id!r} is below the next expected seq_id "
                             f"{expected}; each request needs a new seq_id")
-        # The images are held until the request is answered. Unlike a refusal above, Busy here leaves the
-        # seq_id open: the SDK retries this very seq_id, and the model's later requests wait for it.
-        pixels = image_pixels(payload)
+        # Unlike a refusal above, Busy leaves the seq_id open: the SDK retries this very seq_id after a 429,
+        # and the model's later requests wait for it (a retry of a closed seq_id would be "below the next").
+        limit = self.config.max_pending_per_key
+        if self.futures.pending(owner) >= limit:
+            raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); wait for some to finish")
+        pixels = image_pixels(payload)  # held until the request is answered
         self.images.take(owner, pixels)
         request_id, is_new = self.futures.create(
             owner, kind, model_id, seq_id, on_finish=partial(self.images.give_back, owner, pixels) if pixels else None)
