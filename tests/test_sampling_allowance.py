@@ -72,7 +72,7 @@ def test_sample_requests_share_the_keys_image_budget_with_its_training_requests(
     images.take("alice", 600)  # a waiting training request's images (services/training.py)
     with pytest.raises(Busy, match="600 image pixels in flight"):
         allowance.take("alice", [image_job(500)])
-    assert allowance.requests["alice"] == 0 and images.held == {"alice": 600}  # the refused one holds nothing
+    assert "alice" not in allowance.requests and images.held == {"alice": 600}  # the refused one holds nothing
     allowance.take("alice", [image_job(400)]).release()
     assert images.held == {"alice": 600}
     images.give_back("alice", 600)  # the training request was answered

@@ -12,7 +12,6 @@ went away.
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -71,23 +70,25 @@ class SamplingAllowance:
         self.max_tokens = max_tokens
         self.images = images
         self._lock = threading.Lock()
-        self.requests: dict[str, int] = defaultdict(int)
-        self.tokens: dict[str, int] = defaultdict(int)
+        # One entry per key with requests in flight (a refusal adds none), not per key ever seen.
+        self.requests: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
 
     def take(self, owner: str, jobs: list[SampleJob]) -> "Lease":
         """A lease on `jobs`' share of `owner`'s allowance, or `Busy` naming the limit it would pass."""
         tokens, pixels = sum(requested_tokens(j) for j in jobs), image_pixels(jobs)
         with self._lock:
-            if self.requests[owner] + 1 > self.max_requests:
-                raise Busy(f"this API key has {self.requests[owner]} sampling requests in flight "
+            requests, held_tokens = self.requests.get(owner, 0), self.tokens.get(owner, 0)
+            if requests + 1 > self.max_requests:
+                raise Busy(f"this API key has {requests} sampling requests in flight "
                            f"(max_sampling_requests_per_key = {self.max_requests}); wait for some to finish")
-            if self.tokens[owner] + tokens > self.max_tokens:
-                raise Busy(f"this API key has sampling requests for {self.tokens[owner]} tokens in flight "
+            if held_tokens + tokens > self.max_tokens:
+                raise Busy(f"this API key has sampling requests for {held_tokens} tokens in flight "
                            f"and this one asks for {tokens} more (max_sampled_tokens_per_key = "
                            f"{self.max_tokens}); wait for some to finish")
             self.images.take(owner, pixels)  # last: nothing is held when a check above refuses
-            self.requests[owner] += 1
-            self.tokens[owner] += tokens
+            self.requests[owner] = requests + 1
+            self.tokens[owner] = held_tokens + tokens
         return Lease(self, owner, tokens, pixels)
 
     def _give_back(self, owner: str, tokens: int, pixels: int) -> None:
