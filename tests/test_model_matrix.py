@@ -21,6 +21,8 @@ And Qwen3.5 as released, a vision-language model (text decoder under model.langu
 first layer has linear attention (Gated DeltaNet: fused in_proj_qkv trained as in_proj_q/k/v,
 in_proj_z/b/a, out_proj; the sampler keeps its recurrent state): its checkpoint names the LoRAs as
 Tinker does (model.layers...), which the cookbook's Qwen3.5 profile maps back to the model's keys.
+And Qwen3.5-MoE as released (Qwen3.5-35B-A3B, -397B-A17B): the same layers with routed experts beside
+a gated shared expert, its experts' LoRA in Tinker's layout, merged by the same profile.
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def configs(vocab: int) -> dict[str, T.PretrainedConfig]:
     }
 
 
-MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
-VL = ("qwen3_5_vl",)  # Qwen3.5 as released: its text decoder under model.language_model, a vision tower
+# Qwen3.5 and Qwen3.5-MoE as released: their text decoder under model.language_model, a vision tower
+VL = ("qwen3_5_vl", "qwen3_5_moe_vl")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl")
 
 
 def build(root, name: str, config, tokenizer_dir) -> str:
@@ -99,7 +102,8 @@ def models(tmp_path_factory):
     tok_dir = ensure_embedded_model(root / "embedded")
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
     built = {name: build(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
-    return {**built, "qwen3_5_vl": str(build_tiny_vl_model(root / "qwen3_5_vl", family="qwen3_5"))}
+    return {**built, **{arch: str(build_tiny_vl_model(root / arch, family=arch.removesuffix("_vl")))
+                        for arch in VL}}
 
 
 @pytest.fixture(scope="module")
@@ -135,19 +139,21 @@ def check_peft_adapter(base: str, arch: str, ckpt, tensors: dict, peft_out) -> N
 
     build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
     built = set(load_file(str(peft_out / "adapter_model.safetensors")))
+    layers = "base_model.model.model.layers."
+    if arch in VL:  # the cookbook names a vision-language model's PEFT LoRAs as vLLM serves them
+        layers = "base_model.model.model.language_model.layers."
+        tensors = {k.replace(".model.model.", ".model.model.language_model.", 1): v for k, v in tensors.items()}
     if arch in MOE:  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
         per_expert = {k for k in built if ".experts." in k}
         moe_layers = {int(k.split(".layers.")[1].split(".")[0]) for k in tensors if ".experts." in k}
-        assert per_expert == {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
+        assert per_expert == {f"{layers}{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
                               for i in moe_layers for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
                               for ab in "AB"}
         built = (built - per_expert) | {k for k in tensors if ".experts." in k}
-    if arch in VL:  # the cookbook names a vision-language model's PEFT LoRAs as vLLM serves them
-        tensors = {k.replace(".model.model.", ".model.model.language_model.", 1): v for k, v in tensors.items()}
     assert built == set(tensors)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", *MOE, *VL])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", *MOE, "qwen3_5_vl"])
 def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     from tinker import types
     from tinker_cookbook.exceptions import WeightsAdapterError
@@ -211,3 +217,5 @@ def test_the_startup_summary_says_what_a_lora_covers(srv, models):
             "experts (w1, w3, w2 per expert); unembed lm_head") in log  # DeepSeek-V3: shared experts are the MLP's
     assert ("covers: attention out_proj in_proj_qkv (as in_proj_q, in_proj_k, in_proj_v) in_proj_z in_proj_b in_proj_a "
             "q_proj k_proj v_proj o_proj; MLP gate_proj up_proj down_proj; unembed lm_head") in log  # Qwen3.5
+    assert ("in_proj_a q_proj k_proj v_proj o_proj; MLP experts (w1, w3, w2 per expert) gate_proj up_proj down_proj "
+            "shared_expert_gate; unembed lm_head") in log  # Qwen3.5-MoE: the shared expert and its gate are the MLP's
