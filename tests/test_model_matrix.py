@@ -30,16 +30,18 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import numpy as np
 import pytest
 import torch
 import transformers as T
 from safetensors.torch import load_file
 
-from helpers import checkpoint_dir, logprobs_of, sft_datum
+from helpers import checkpoint_dir, logprobs_of, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.projections import discover, tinker_name
 from server_process import ServerProcess
+from tinker_layout import rewrite_in_tinker_layout, split_fused, tinker_adapter_config
 from tiny_vl_model import build_tiny_vl_model
 
 pytestmark = pytest.mark.e2e
@@ -219,3 +221,96 @@ def test_the_startup_summary_says_what_a_lora_covers(srv, models):
             "q_proj k_proj v_proj o_proj; MLP gate_proj up_proj down_proj; unembed lm_head") in log  # Qwen3.5
     assert ("in_proj_a q_proj k_proj v_proj o_proj; MLP experts (w1, w3, w2 per expert) gate_proj up_proj down_proj "
             "shared_expert_gate; unembed lm_head") in log  # Qwen3.5-MoE: the shared expert and its gate are the MLP's
+
+
+FUSED = ("phi3", "gpt_neox", "gpt2", "qwen3_5_vl")  # qkv_proj + gate_up_proj; heads interleaved; Conv1D; in_proj_qkv
+
+
+@pytest.mark.parametrize("arch", FUSED)
+def test_a_checkpoint_in_tinkers_layout_for_fused_projections_loads(srv, models, arch, tmp_path):
+    """Tinker keeps a fused projection's LoRA as one per component beside the fused module (Qwen3.5's
+    linear_attn.in_proj_q/k/v; Phi3's self_attn.q_proj/k_proj/v_proj): such a checkpoint (ours,
+    rewritten: tinker_layout.py) loads through load_state_with_optimizer,
+    create_training_client_from_state, the sampler and an import, and reproduces ours exactly."""
+    from tinker import types
+
+    base = models[arch]
+    fused = [p for p in discover(load_model(base, arch)) if p.kind == "fused"]
+    adam = types.AdamParams(learning_rate=3e-3)
+    batch = [sft_datum(TOKENS)]
+    with srv.client(KEY) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=2, train_unembed=False).result()
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(adam).result()
+        path = tc.save_state("tinker-layout").result().path
+        want = logprobs_of(tc.forward(batch, "cross_entropy").result())[0]
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(adam).result()
+        want_next = logprobs_of(tc.forward(batch, "cross_entropy").result())[0]
+        ckpt = checkpoint_dir(srv, path)
+        rewrite_in_tinker_layout(ckpt, fused)
+
+        tc.load_state_with_optimizer(path).result()  # the moments too: the next step is the same step
+        np.testing.assert_allclose(logprobs_of(tc.forward(batch, "cross_entropy").result())[0], want, atol=PARITY)
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(adam).result()
+        np.testing.assert_allclose(logprobs_of(tc.forward(batch, "cross_entropy").result())[0], want_next,
+                                   atol=PARITY)
+        restored = sc.create_training_client_from_state(path).result()
+        np.testing.assert_allclose(logprobs_of(restored.forward(batch, "cross_entropy").result())[0], want,
+                                   atol=PARITY)
+        sampled = sc.create_sampling_client(model_path=path).result().compute_logprobs(
+            types.ModelInput.from_ints(TOKENS)).result()
+        np.testing.assert_allclose(np.asarray(sampled[1:], dtype=np.float32), want, atol=PARITY)
+        # as downloaded from Tinker: the adapter files alone
+        files = {n: (ckpt / n).read_bytes() for n in ("adapter_model.safetensors", "adapter_config.json")}
+        config = {**json.loads(files["adapter_config.json"]), "base_model_name_or_path": base}
+        imported = import_tar(srv, f"tinker-{arch}", {**files, "adapter_config.json": json.dumps(config).encode()})
+        assert imported.status_code == 200, imported.text
+        from_import = sc.create_training_client_from_state(imported.json()["tinker_path"]).result()
+        np.testing.assert_allclose(logprobs_of(from_import.forward(batch, "cross_entropy").result())[0], want,
+                                   atol=PARITY)
+    if arch == "qwen3_5_vl":  # the layout is the cookbook's: its Qwen3.5 merge of it is the server's model
+        from tinker_cookbook.weights import build_hf_model
+
+        build_hf_model(base_model=base, adapter_path=str(ckpt), output_path=str(tmp_path / "merged"), dtype="float32")
+        np.testing.assert_allclose(logprobs_of_model(load_model(str(tmp_path / "merged"), arch), TOKENS), want,
+                                   atol=PARITY)
+
+
+def test_a_malformed_tinker_layout_is_refused_naming_the_key(srv, models):
+    """A fused projection's components in Tinker's layout must all be there, each of the adapter's rank,
+    and not beside a LoRA on the fused module itself: else a 400 names the key."""
+    base = models["phi3"]
+    fused = [p for p in discover(load_model(base, "phi3")) if p.kind == "fused"]
+    with srv.client(KEY) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3, train_unembed=False).result()
+        ckpt = checkpoint_dir(srv, tc.save_weights_for_sampler("malformed").result().path)
+    ours = load_file(str(ckpt / "adapter_model.safetensors"))
+    split = split_fused(ours, fused, rank=4)
+    config = tinker_adapter_config({**json.loads((ckpt / "adapter_config.json").read_text()),
+                                    "base_model_name_or_path": base}, split)
+    q = "base_model.model.model.layers.1.self_attn.q_proj"
+    v_b = "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+    cases = {
+        f"{q}.lora_A.weight is missing": {k: t for k, t in split.items() if k != f"{q}.lora_A.weight"},
+        f"{v_b}: shape [48, 2]": {**split, v_b: split[v_b][:, :2].contiguous()},
+        f"{q}.lora_A.weight and base_model.model.model.layers.1.self_attn.qkv_proj.lora_A.weight": {
+            **split, **{k: t for k, t in ours.items() if ".layers.1.self_attn.qkv_proj." in k}},
+    }
+    for i, (needle, tensors) in enumerate(cases.items()):
+        weights = safetensors_bytes(tensors)
+        r = import_tar(srv, f"malformed-{i}", {"adapter_model.safetensors": weights,
+                                               "adapter_config.json": json.dumps(config).encode()})
+        assert r.status_code == 400 and needle in r.json()["detail"], (needle, r.status_code, r.text)
+
+
+def import_tar(srv, name: str, files: dict[str, bytes]):
+    with httpx.Client(timeout=120, headers={"X-API-Key": KEY}) as http:
+        return http.post(f"{srv.base_url}/api/v1/checkpoints/import", params={"name": name}, content=tar_bytes(files))
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: t.contiguous() for k, t in tensors.items()})
