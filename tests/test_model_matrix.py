@@ -37,7 +37,7 @@ import torch
 import transformers as T
 from safetensors.torch import load_file
 
-from helpers import checkpoint_dir, logprobs_of, sft_datum, tar_bytes
+from helpers import checkpoint_dir, logprobs_of, read_adapter, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.projections import discover, tinker_name
 from server_process import ServerProcess
@@ -231,7 +231,8 @@ def test_a_checkpoint_in_tinkers_layout_for_fused_projections_loads(srv, models,
     """Tinker keeps a fused projection's LoRA as one per component beside the fused module (Qwen3.5's
     linear_attn.in_proj_q/k/v; Phi3's self_attn.q_proj/k_proj/v_proj): such a checkpoint (ours,
     rewritten: tinker_layout.py) loads through load_state_with_optimizer,
-    create_training_client_from_state, the sampler and an import, and reproduces ours exactly."""
+    create_training_client_from_state, the sampler and an import (which stores it in our layout), and
+    reproduces ours exactly."""
     from tinker import types
 
     base = models[arch]
@@ -248,6 +249,7 @@ def test_a_checkpoint_in_tinkers_layout_for_fused_projections_loads(srv, models,
         tc.optim_step(adam).result()
         want_next = logprobs_of(tc.forward(batch, "cross_entropy").result())[0]
         ckpt = checkpoint_dir(srv, path)
+        ours = set(load_file(str(ckpt / "adapter_model.safetensors")))
         rewrite_in_tinker_layout(ckpt, fused)
 
         tc.load_state_with_optimizer(path).result()  # the moments too: the next step is the same step
@@ -267,6 +269,8 @@ def test_a_checkpoint_in_tinkers_layout_for_fused_projections_loads(srv, models,
         config = {**json.loads(files["adapter_config.json"]), "base_model_name_or_path": base}
         imported = import_tar(srv, f"tinker-{arch}", {**files, "adapter_config.json": json.dumps(config).encode()})
         assert imported.status_code == 200, imported.text
+        # kept in our layout (which vLLM and the merged export read)
+        assert set(read_adapter(srv, imported.json()["tinker_path"])) == ours
         from_import = sc.create_training_client_from_state(imported.json()["tinker_path"]).result()
         np.testing.assert_allclose(logprobs_of(from_import.forward(batch, "cross_entropy").result())[0], want,
                                    atol=PARITY)

@@ -404,6 +404,7 @@ class LoadedCheckpoint:
     step: int
     tensors: dict[str, torch.Tensor]  # '<path>.lora_A.weight' -> tensor (no PEFT prefix)
     optimizer: dict[str, torch.Tensor] | None
+    tinker_layout: bool = False  # its fused projections' LoRAs were in Tinker's layout (`from_tinker_layout`)
 
 
 def _verify(folder: Path, manifest: Manifest) -> None:
@@ -458,9 +459,12 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
     rank = manifest.lora_config.rank if manifest is not None else peft_cfg.get("r")
     if layers is not None:
         tensors = served_names(tensors, layers)
+    tinker_layout = False
     if layers is not None and type(rank) is int:  # a bad r is named below
         # A fused projection's LoRA as Tinker keeps it (one per component), or as PEFT does (one on the module)
-        tensors = from_peft(from_tinker_layout(tensors, layers, rank), layers, rank)
+        split = from_tinker_layout(tensors, layers, rank)
+        tinker_layout = split.keys() != tensors.keys()
+        tensors = from_peft(split, layers, rank)
     if manifest is not None:
         config, base_model, step = manifest.lora_config.config(), manifest.base_model, manifest.step
     else:  # an adapter made elsewhere (PEFT): derive the config from its files
@@ -474,4 +478,4 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
                                   "save_state); load it without the optimizer")
         optimizer = _load_tensors(ckpt_dir, OPTIMIZER_STATE)
     return LoadedCheckpoint(config=config, base_model=base_model, step=step, tensors=tensors,
-                            optimizer=optimizer)
+                            optimizer=optimizer, tinker_layout=tinker_layout)
