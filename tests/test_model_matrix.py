@@ -23,6 +23,8 @@ in_proj_z/b/a, out_proj; the sampler keeps its recurrent state): its checkpoint 
 Tinker does (model.layers...), which the cookbook's Qwen3.5 profile maps back to the model's keys.
 And Qwen3.5-MoE as released (Qwen3.5-35B-A3B, -397B-A17B): the same layers with routed experts beside
 a gated shared expert, its experts' LoRA in Tinker's layout, merged by the same profile.
+A checkpoint in Tinker's own layout of the fused projections (one LoRA per component beside the fused
+module: tinker_layout.py) loads, samples and imports as ours does; a malformed one is a 400 naming the key.
 """
 
 from __future__ import annotations
