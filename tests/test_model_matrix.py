@@ -21,6 +21,10 @@ And Qwen3.5 as released, a vision-language model (text decoder under model.langu
 first layer has linear attention (Gated DeltaNet: fused in_proj_qkv trained as in_proj_q/k/v,
 in_proj_z/b/a, out_proj; the sampler keeps its recurrent state): its checkpoint names the LoRAs as
 Tinker does (model.layers...), which the cookbook's Qwen3.5 profile maps back to the model's keys.
+And Qwen3.5-MoE as released (Qwen3.5-35B-A3B, -397B-A17B): the same layers with routed experts beside
+a gated shared expert, its experts' LoRA in Tinker's layout, merged by the same profile.
+A checkpoint in Tinker's own layout of the fused projections (one LoRA per component beside the fused
+module: tinker_layout.py) loads, samples and imports as ours does; a malformed one is a 400 naming the key.
 """
 
 from __future__ import annotations
@@ -28,16 +32,18 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import numpy as np
 import pytest
 import torch
 import transformers as T
 from safetensors.torch import load_file
 
-from helpers import checkpoint_dir, logprobs_of, sft_datum
+from helpers import checkpoint_dir, logprobs_of, read_adapter, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.projections import discover, tinker_name
 from server_process import ServerProcess
+from tinker_layout import rewrite_in_tinker_layout, split_fused, tinker_adapter_config
 from tiny_vl_model import build_tiny_vl_model
 
 pytestmark = pytest.mark.e2e
@@ -75,8 +81,9 @@ def configs(vocab: int) -> dict[str, T.PretrainedConfig]:
     }
 
 
-MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
-VL = ("qwen3_5_vl",)  # Qwen3.5 as released: its text decoder under model.language_model, a vision tower
+# Qwen3.5 and Qwen3.5-MoE as released: their text decoder under model.language_model, a vision tower
+VL = ("qwen3_5_vl", "qwen3_5_moe_vl")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl")
 
 
 def build(root, name: str, config, tokenizer_dir) -> str:
@@ -99,7 +106,8 @@ def models(tmp_path_factory):
     tok_dir = ensure_embedded_model(root / "embedded")
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
     built = {name: build(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
-    return {**built, "qwen3_5_vl": str(build_tiny_vl_model(root / "qwen3_5_vl", family="qwen3_5"))}
+    return {**built, **{arch: str(build_tiny_vl_model(root / arch, family=arch.removesuffix("_vl")))
+                        for arch in VL}}
 
 
 @pytest.fixture(scope="module")
@@ -135,19 +143,21 @@ def check_peft_adapter(base: str, arch: str, ckpt, tensors: dict, peft_out) -> N
 
     build_lora_adapter(base_model=base, adapter_path=str(ckpt), output_path=str(peft_out))
     built = set(load_file(str(peft_out / "adapter_model.safetensors")))
+    layers = "base_model.model.model.layers."
+    if arch in VL:  # the cookbook names a vision-language model's PEFT LoRAs as vLLM serves them
+        layers = "base_model.model.model.language_model.layers."
+        tensors = {k.replace(".model.model.", ".model.model.language_model.", 1): v for k, v in tensors.items()}
     if arch in MOE:  # the cookbook writes an expert LoRA per expert, in HF's per-expert names
         per_expert = {k for k in built if ".experts." in k}
         moe_layers = {int(k.split(".layers.")[1].split(".")[0]) for k in tensors if ".experts." in k}
-        assert per_expert == {f"base_model.model.model.layers.{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
+        assert per_expert == {f"{layers}{i}.mlp.experts.{e}.{proj}.lora_{ab}.weight"
                               for i in moe_layers for e in range(4) for proj in ("gate_proj", "up_proj", "down_proj")
                               for ab in "AB"}
         built = (built - per_expert) | {k for k in tensors if ".experts." in k}
-    if arch in VL:  # the cookbook names a vision-language model's PEFT LoRAs as vLLM serves them
-        tensors = {k.replace(".model.model.", ".model.model.language_model.", 1): v for k, v in tensors.items()}
     assert built == set(tensors)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", *MOE, *VL])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3", "phi3", "phi", "gpt_neox", "gpt2", *MOE, "qwen3_5_vl"])
 def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     from tinker import types
     from tinker_cookbook.exceptions import WeightsAdapterError
@@ -211,3 +221,102 @@ def test_the_startup_summary_says_what_a_lora_covers(srv, models):
             "experts (w1, w3, w2 per expert); unembed lm_head") in log  # DeepSeek-V3: shared experts are the MLP's
     assert ("covers: attention out_proj in_proj_qkv (as in_proj_q, in_proj_k, in_proj_v) in_proj_z in_proj_b in_proj_a "
             "q_proj k_proj v_proj o_proj; MLP gate_proj up_proj down_proj; unembed lm_head") in log  # Qwen3.5
+    assert ("in_proj_a q_proj k_proj v_proj o_proj; MLP experts (w1, w3, w2 per expert) gate_proj up_proj down_proj "
+            "shared_expert_gate; unembed lm_head") in log  # Qwen3.5-MoE: the shared expert and its gate are the MLP's
+
+
+FUSED = ("phi3", "gpt_neox", "gpt2", "qwen3_5_vl")  # qkv_proj + gate_up_proj; heads interleaved; Conv1D; in_proj_qkv
+
+
+@pytest.mark.parametrize("arch", FUSED)
+def test_a_checkpoint_in_tinkers_layout_for_fused_projections_loads(srv, models, arch, tmp_path):
+    """Tinker keeps a fused projection's LoRA as one per component beside the fused module (Qwen3.5's
+    linear_attn.in_proj_q/k/v; Phi3's self_attn.q_proj/k_proj/v_proj): such a checkpoint (ours,
+    rewritten: tinker_layout.py) loads through load_state_with_optimizer,
+    create_training_client_from_state, the sampler and an import (which stores it in our layout), and
+    reproduces ours exactly."""
+    from tinker import types
+
+    base = models[arch]
+    fused = [p for p in discover(load_model(base, arch)) if p.kind == "fused"]
+    adam = types.AdamParams(learning_rate=3e-3)
+    batch = [sft_datum(TOKENS)]
+    with srv.client(KEY) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=2, train_unembed=False).result()
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(adam).result()
+        path = tc.save_state("tinker-layout").result().path
+        want = logprobs_of(tc.forward(batch, "cross_entropy").result())[0]
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(adam).result()
+        want_next = logprobs_of(tc.forward(batch, "cross_entropy").result())[0]
+        ckpt = checkpoint_dir(srv, path)
+        ours = set(load_file(str(ckpt / "adapter_model.safetensors")))
+        rewrite_in_tinker_layout(ckpt, fused)
+
+        tc.load_state_with_optimizer(path).result()  # the moments too: the next step is the same step
+        np.testing.assert_allclose(logprobs_of(tc.forward(batch, "cross_entropy").result())[0], want, atol=PARITY)
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(adam).result()
+        np.testing.assert_allclose(logprobs_of(tc.forward(batch, "cross_entropy").result())[0], want_next,
+                                   atol=PARITY)
+        restored = sc.create_training_client_from_state(path).result()
+        np.testing.assert_allclose(logprobs_of(restored.forward(batch, "cross_entropy").result())[0], want,
+                                   atol=PARITY)
+        sampled = sc.create_sampling_client(model_path=path).result().compute_logprobs(
+            types.ModelInput.from_ints(TOKENS)).result()
+        np.testing.assert_allclose(np.asarray(sampled[1:], dtype=np.float32), want, atol=PARITY)
+        # as downloaded from Tinker: the adapter files alone
+        files = {n: (ckpt / n).read_bytes() for n in ("adapter_model.safetensors", "adapter_config.json")}
+        config = {**json.loads(files["adapter_config.json"]), "base_model_name_or_path": base}
+        imported = import_tar(srv, f"tinker-{arch}", {**files, "adapter_config.json": json.dumps(config).encode()})
+        assert imported.status_code == 200, imported.text
+        # kept in our layout (which vLLM and the merged export read)
+        assert set(read_adapter(srv, imported.json()["tinker_path"])) == ours
+        from_import = sc.create_training_client_from_state(imported.json()["tinker_path"]).result()
+        np.testing.assert_allclose(logprobs_of(from_import.forward(batch, "cross_entropy").result())[0], want,
+                                   atol=PARITY)
+    if arch == "qwen3_5_vl":  # the layout is the cookbook's: its Qwen3.5 merge of it is the server's model
+        from tinker_cookbook.weights import build_hf_model
+
+        build_hf_model(base_model=base, adapter_path=str(ckpt), output_path=str(tmp_path / "merged"), dtype="float32")
+        np.testing.assert_allclose(logprobs_of_model(load_model(str(tmp_path / "merged"), arch), TOKENS), want,
+                                   atol=PARITY)
+
+
+def test_a_malformed_tinker_layout_is_refused_naming_the_key(srv, models):
+    """A fused projection's components in Tinker's layout must all be there, each of the adapter's rank,
+    and not beside a LoRA on the fused module itself: else a 400 names the key."""
+    base = models["phi3"]
+    fused = [p for p in discover(load_model(base, "phi3")) if p.kind == "fused"]
+    with srv.client(KEY) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=3, train_unembed=False).result()
+        ckpt = checkpoint_dir(srv, tc.save_weights_for_sampler("malformed").result().path)
+    ours = load_file(str(ckpt / "adapter_model.safetensors"))
+    split = split_fused(ours, fused, rank=4)
+    config = tinker_adapter_config({**json.loads((ckpt / "adapter_config.json").read_text()),
+                                    "base_model_name_or_path": base}, split)
+    q = "base_model.model.model.layers.1.self_attn.q_proj"
+    v_b = "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+    cases = {
+        f"{q}.lora_A.weight is missing": {k: t for k, t in split.items() if k != f"{q}.lora_A.weight"},
+        f"{v_b}: shape [48, 2]": {**split, v_b: split[v_b][:, :2].contiguous()},
+        f"{q}.lora_A.weight and base_model.model.model.layers.1.self_attn.qkv_proj.lora_A.weight": {
+            **split, **{k: t for k, t in ours.items() if ".layers.1.self_attn.qkv_proj." in k}},
+    }
+    for i, (needle, tensors) in enumerate(cases.items()):
+        weights = safetensors_bytes(tensors)
+        r = import_tar(srv, f"malformed-{i}", {"adapter_model.safetensors": weights,
+                                               "adapter_config.json": json.dumps(config).encode()})
+        assert r.status_code == 400 and needle in r.json()["detail"], (needle, r.status_code, r.text)
+
+
+def import_tar(srv, name: str, files: dict[str, bytes]):
+    with httpx.Client(timeout=120, headers={"X-API-Key": KEY}) as http:
+        return http.post(f"{srv.base_url}/api/v1/checkpoints/import", params={"name": name}, content=tar_bytes(files))
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: t.contiguous() for k, t in tensors.items()})

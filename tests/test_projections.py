@@ -8,7 +8,9 @@ import pytest
 import torch
 import transformers as T
 
-from hosted_tinker.checkpoints.format import CheckpointError, from_peft, to_peft
+from hosted_tinker.checkpoints.format import (
+    CheckpointError, from_peft, from_tinker_layout, tinker_component_path, to_peft,
+)
 from hosted_tinker.runtime.lora_plan import LoRARouting
 from hosted_tinker.runtime.multi_lora import attach_multi_lora
 from hosted_tinker.runtime.projections import coverage, discover, refusal
@@ -32,6 +34,15 @@ CONFIGS = {
                                     linear_num_value_heads=4, **SMALL),
                 "attention out_proj in_proj_qkv (as in_proj_q, in_proj_k, in_proj_v) in_proj_z in_proj_b in_proj_a "
                 "q_proj k_proj v_proj o_proj; MLP gate_proj up_proj down_proj; unembed lm_head"),
+    # Qwen3.5-MoE's text model: the same attention, routed experts beside a gated shared expert.
+    "qwen3_5_moe": (T.Qwen3_5MoeTextConfig(head_dim=8, num_key_value_heads=2,
+                                           layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+                                           linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                           moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                                           num_experts_per_tok=2, **SMALL),
+                    "attention out_proj in_proj_qkv (as in_proj_q, in_proj_k, in_proj_v) in_proj_z in_proj_b "
+                    "in_proj_a q_proj k_proj v_proj o_proj; MLP experts (w1, w3, w2 per expert) gate_proj up_proj "
+                    "down_proj shared_expert_gate; unembed lm_head"),
 }
 
 
@@ -53,7 +64,8 @@ def test_a_lora_covers_every_projection_and_wrapping_keeps_the_bits(arch):
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
     fused = [p for p in projections if p.kind == "fused"]
-    assert len(layers) == len(projections) + sum(len(p.components) - 1 for p in fused)
+    plain = [p for p in projections if p.kind != "experts"]  # experts are moe_lora.py's to wrap
+    assert len(layers) == len(plain) + sum(len(p.components) - 1 for p in fused)
 
 
 @pytest.mark.parametrize("arch", ["phi3", "gpt_neox"])
@@ -84,6 +96,22 @@ def test_fused_loras_go_to_peft_form_and_back(arch):
         from_peft(coupled, layers, rank)
     with pytest.raises(CheckpointError, match=f"{fused_path}: a LoRA of shapes"):
         from_peft(peft, layers, rank + 1)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gpt_neox", "gpt2", "qwen3_5"])
+def test_fused_loras_in_tinkers_layout_read_back(arch):
+    """Tinker keeps each component's LoRA beside the fused module (in_proj_qkv's as in_proj_q/k/v)."""
+    model = model_of(CONFIGS[arch][0])
+    layers = attach_multi_lora(model, LoRARouting(None), discover(model))
+    rank, gen = 2, torch.Generator().manual_seed(4)
+    ours = {f"{path}.lora_{ab}.weight": torch.randn(shape, generator=gen) for path, layer in layers.items()
+            for ab, shape in (("A", (rank, layer.in_features)), ("B", (layer.out_features, rank)))}
+    tinker = {(f"{tinker_component_path(k.split('.lora_')[0])}.lora_{k.split('.lora_')[1]}"
+               if layers[k.split(".lora_")[0]].part else k): t for k, t in ours.items()}
+    assert tinker.keys() != ours.keys()
+    back = from_tinker_layout(tinker, layers, rank)
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+    assert from_tinker_layout(ours, layers, rank) == ours  # nothing in Tinker's layout: as it was
 
 
 def test_moe_experts_are_mlp_and_those_moe_lora_cannot_adapt_are_refused_by_name():

@@ -60,12 +60,31 @@ def qwen3_5_config(vocab: int, eot: int, ids: dict[str, int]):
         **_vision_token_ids(ids), tie_word_embeddings=False, dtype="float32")
 
 
+def qwen3_5_moe_config(vocab: int, eot: int, ids: dict[str, int]):
+    """Qwen3.5-MoE (Qwen3.5-35B-A3B, -397B-A17B): Qwen3.5's layers with a mixture of 4 experts
+    (2 per token) beside a gated shared expert in place of the dense MLP."""
+    from transformers import Qwen3_5MoeConfig
+
+    text = qwen3_5_config(vocab, eot, ids).text_config.to_dict()
+    text = {k: text[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "layer_types",
+                                 "num_attention_heads", "num_key_value_heads", "head_dim", "linear_key_head_dim",
+                                 "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                                 "max_position_embeddings", "rope_parameters", "tie_word_embeddings",
+                                 "bos_token_id", "eos_token_id", "pad_token_id")}
+    return Qwen3_5MoeConfig(
+        text_config=dict(text, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64),
+        **_vision_token_ids(ids), tie_word_embeddings=False, dtype="float32")
+
+
 def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
     return dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                 vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
 
 
-CONFIGS = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config}
+CONFIGS = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config}
 
 
 def build_tiny_vl_model(out_dir: Path, seed: int = 0, family: str = "qwen3_vl") -> Path:

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from .. import faults
-from ..runtime.adapters import LoRAAdapter
-from ..runtime.multi_lora import MultiLoRALinear
+from ..runtime.adapters import LoRAAdapter, LoRAConfig
+from ..runtime.multi_lora import FusedPart, MultiLoRALinear
 from ..runtime.projections import tinker_name
 from .format import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, OPTIMIZER_STATE, PEFT_PREFIX, CheckpointError, LoadedCheckpoint,
@@ -26,11 +26,21 @@ if TYPE_CHECKING:  # the runtime's surface, for annotations only (it imports the
     from ..model_runtime import ModelRuntime
 
 
+def write_peft_files(folder: Path, tensors: dict[str, torch.Tensor], parts: dict[str, FusedPart],
+                     config: LoRAConfig, base_model: str) -> None:
+    """An adapter's LoRA `tensors` (by LoRA path; `parts`: those of fused projections) written to
+    `folder` as a checkpoint holds them: adapter_model.safetensors and adapter_config.json."""
+    peft, fused = to_peft(tensors, parts)
+    weights = {PEFT_PREFIX + tinker_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in peft.items()}
+    save_file(weights, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    faults.crash_point("checkpoint.after_tensors")
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(
+        peft_adapter_config(config, base_model, sorted({k.rsplit(".lora_", 1)[0] for k in peft}), fused), indent=2))
+
+
 def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_optimizer: bool,
                  overwrite: bool = False) -> int:
     """Write the adapter (and optionally its optimizer state) atomically; return total bytes."""
-    peft, fused = to_peft(adapter.named_tensors(), adapter.parts)
-    tensors = {PEFT_PREFIX + tinker_name(k): v.detach().to("cpu", torch.float32).contiguous() for k, v in peft.items()}
     optim: dict[str, torch.Tensor] = {}
     if with_optimizer:
         names = list(adapter.named_tensors())
@@ -44,11 +54,7 @@ def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_o
             optim[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu().clone()
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        faults.crash_point("checkpoint.after_tensors")
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(
-            peft_adapter_config(adapter.config, base_model, sorted({k.rsplit(".lora_", 1)[0] for k in peft}),
-                                fused), indent=2))
+        write_peft_files(tmp, adapter.named_tensors(), adapter.parts, adapter.config, base_model)
         files = [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
         if with_optimizer:
             save_file(optim, str(tmp / OPTIMIZER_STATE))

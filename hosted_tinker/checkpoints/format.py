@@ -10,8 +10,10 @@ Layout of one checkpoint folder:
 PEFT and vLLM load the first two as they are. A fused projection (Phi3's qkv_proj, GPT-2's c_attn)
 is trained as one LoRA per component (Tinker's layout) and saved as PEFT's one LoRA on the fused
 module, of rank components x rank (`to_peft`): what the cookbook's `build_lora_adapter` makes of
-Tinker's component LoRAs, and what its `build_hf_model` and PEFT merge exactly. Every folder is written under a temporary name
-and renamed into place, so a reader (or a restart after kill -9) never sees half of one.
+Tinker's component LoRAs, and what its `build_hf_model` and PEFT merge exactly. Reading takes that
+form (`from_peft`) and Tinker's own, the components' LoRAs beside the fused module
+(`from_tinker_layout`). Every folder is written under a temporary name and renamed into place, so a
+reader (or a restart after kill -9) never sees half of one.
 
 A folder may come from someone else (an import), so reading one trusts nothing in it: only the
 four file names above are ever opened, each only if it is a plain regular file (no link, no
@@ -41,7 +43,7 @@ from safetensors.torch import load_file
 from .. import faults
 from ..runtime.adapters import LoRAConfig
 from ..runtime.multi_lora import FusedPart, MultiLoRALinear
-from ..runtime.projections import served_names
+from ..runtime.projections import served_names, tinker_name
 
 PEFT_PREFIX = "base_model.model."
 MANIFEST = "manifest.json"
@@ -303,6 +305,52 @@ def to_peft(tensors: dict[str, torch.Tensor], parts: dict[str, FusedPart]) -> tu
     return out, {path: len(comps) for path, comps in fused.items()}
 
 
+def _file_key(name: str) -> str:
+    """The key a checkpoint file holds the tensor `name` (a served model's LoRA path) under."""
+    return PEFT_PREFIX + tinker_name(name)
+
+
+def tinker_component_path(path: str) -> str:
+    """Where Tinker's checkpoints keep the LoRA of a fused projection's component (LoRA path
+    "...linear_attn.in_proj_qkv.in_proj_q"): beside the fused module, "...linear_attn.in_proj_q",
+    as the cookbook's Qwen3.5 profile and `fused_projection_map` read it."""
+    fused, _, component = path.rpartition(".")
+    return f"{fused.rpartition('.')[0]}.{component}"
+
+
+def from_tinker_layout(tensors: dict[str, torch.Tensor], layers: dict[str, MultiLoRALinear],
+                       rank: int) -> dict[str, torch.Tensor]:
+    """`tensors` with the components of fused projections that Tinker's layout keeps beside the fused
+    module (`tinker_component_path`) moved to their LoRA paths. Such a projection must have every
+    component, each a plain rank-`rank` LoRA, and no LoRA on the fused module itself."""
+    out = dict(tensors)
+    groups: dict[str, list[tuple[str, MultiLoRALinear]]] = {}
+    for path, layer in layers.items():
+        if layer.part is not None:
+            groups.setdefault(layer.part.path, []).append((path, layer))
+    for fused, components in groups.items():
+        split = {path: tinker_component_path(path) for path, _ in components}
+        found = [f"{src}.lora_{ab}.weight" for src in split.values() for ab in "AB" if f"{src}.lora_{ab}.weight" in out]
+        if not found or any(src in layers for src in split.values()):
+            continue
+        if f"{fused}.lora_A.weight" in out or f"{fused}.lora_B.weight" in out:
+            raise CheckpointError(f"{_file_key(found[0])} and {_file_key(fused + '.lora_A.weight')}: the fused "
+                                  "projection has LoRAs in both layouts (its components', Tinker's, and one on the "
+                                  "whole module, PEFT's); a checkpoint holds one of them")
+        for path, layer in components:
+            for ab, want in (("A", (rank, layer.in_features)), ("B", (layer.out_features, rank))):
+                key = f"{split[path]}.lora_{ab}.weight"
+                if key not in out:
+                    raise CheckpointError(
+                        f"{_file_key(key)} is missing: in Tinker's layout the fused {fused.rpartition('.')[2]} "
+                        f"needs a LoRA for each of its components ({', '.join(p.rpartition('.')[2] for p in split)})")
+                if tuple(out[key].shape) != want:
+                    raise CheckpointError(f"{_file_key(key)}: shape {list(out[key].shape)}, where a rank-{rank} "
+                                          f"LoRA of this component is {list(want)}")
+                out[f"{path}.lora_{ab}.weight"] = out.pop(key)
+    return out
+
+
 def from_peft(tensors: dict[str, torch.Tensor], layers: dict[str, MultiLoRALinear], rank: int) -> dict[str, torch.Tensor]:
     """The inverse of `to_peft` for the served model's `layers`: a fused module's LoRA back into its
     components' LoRAs. One that couples the components (B not block-diagonal, or of another rank)
@@ -356,6 +404,7 @@ class LoadedCheckpoint:
     step: int
     tensors: dict[str, torch.Tensor]  # '<path>.lora_A.weight' -> tensor (no PEFT prefix)
     optimizer: dict[str, torch.Tensor] | None
+    tinker_layout: bool = False  # its fused projections' LoRAs were in Tinker's layout (`from_tinker_layout`)
 
 
 def _verify(folder: Path, manifest: Manifest) -> None:
@@ -410,8 +459,12 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
     rank = manifest.lora_config.rank if manifest is not None else peft_cfg.get("r")
     if layers is not None:
         tensors = served_names(tensors, layers)
+    tinker_layout = False
     if layers is not None and type(rank) is int:  # a bad r is named below
-        tensors = from_peft(tensors, layers, rank)
+        # A fused projection's LoRA as Tinker keeps it (one per component), or as PEFT does (one on the module)
+        split = from_tinker_layout(tensors, layers, rank)
+        tinker_layout = split.keys() != tensors.keys()
+        tensors = from_peft(split, layers, rank)
     if manifest is not None:
         config, base_model, step = manifest.lora_config.config(), manifest.base_model, manifest.step
     else:  # an adapter made elsewhere (PEFT): derive the config from its files
@@ -425,4 +478,4 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
                                   "save_state); load it without the optimizer")
         optimizer = _load_tensors(ckpt_dir, OPTIMIZER_STATE)
     return LoadedCheckpoint(config=config, base_model=base_model, step=step, tensors=tensors,
-                            optimizer=optimizer)
+                            optimizer=optimizer, tinker_layout=tinker_layout)

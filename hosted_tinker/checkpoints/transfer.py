@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator, Literal
 
-from ..runtime.multi_lora import MultiLoRALinear
-from .adapter_io import check_fits
+from ..runtime.multi_lora import FusedPart, MultiLoRALinear
+from .adapter_io import check_fits, write_peft_files
 from .catalog import OpenFile
 from .format import (
     ADAPTER_CONFIG, ADAPTER_WEIGHTS, CHECKPOINT_FILES, MANIFEST, OPTIMIZER_STATE, CheckpointError, ImportedFrom,
@@ -241,6 +241,9 @@ class PreparedImport:
     checkpoint: LoadedCheckpoint
     files: list[str]  # the data files to copy (the manifest is written from `checkpoint`)
     imported_from: ImportedFrom | None
+    # an adapter in Tinker's layout of fused projections is written in ours (PEFT's, which vLLM and
+    # the merged export read): {LoRA path: fused part} of the served model, else None (copied)
+    rewrite_parts: dict[str, FusedPart] | None = None
 
 
 def prepare_import(src: Path, *, base_model: str, layers: dict[str, MultiLoRALinear],
@@ -271,7 +274,8 @@ def prepare_import(src: Path, *, base_model: str, layers: dict[str, MultiLoRALin
     if not has_manifest:
         imported_from = ImportedFrom(base_model_name_or_path=ckpt.base_model or None)
         ckpt.base_model = base_model
-    return PreparedImport(ckpt, sorted(present - {MANIFEST}), imported_from)
+    parts = {p: layer.part for p, layer in layers.items() if layer.part is not None}
+    return PreparedImport(ckpt, sorted(present - {MANIFEST}), imported_from, parts if ckpt.tinker_layout else None)
 
 
 def write_import(src: Path, prepared: PreparedImport):
@@ -282,6 +286,8 @@ def write_import(src: Path, prepared: PreparedImport):
     def write(tmp: Path) -> None:
         for name in prepared.files:
             shutil.copyfile(src / name, tmp / name)
+        if prepared.rewrite_parts is not None:
+            write_peft_files(tmp, ckpt.tensors, prepared.rewrite_parts, ckpt.config, ckpt.base_model)
         manifest = describe(tmp, prepared.files, base_model=ckpt.base_model, config=ckpt.config, step=ckpt.step,
                             imported_from=prepared.imported_from)
         (tmp / MANIFEST).write_text(manifest.to_json())
