@@ -164,23 +164,21 @@ def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = No
 
 def merge_adapter(adapter_dir: Path, out: Path, *, base_model: str, model_dir: Path | None,
                   dtype: str = "float32") -> None:
-    """Load the base model like the server does, merge the LoRA weights in, save safetensors."""
+    """Load the base model like the server does, merge every LoRA weight in as the server applies
+    it (checkpoints/merge.py), save safetensors; a checkpoint that does not fit is refused."""
     import torch
-    from peft import PeftModel
 
+    from .checkpoints.merge import merge_lora
     from .model_loading import load_base_model, pick_dtype
 
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as scratch:
         model, tokenizer = load_base_model(base_model, model_dir or Path(scratch), device, pick_dtype(dtype, device))
-        adapted = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("target_modules") or []
-        out_emb = model.get_output_embeddings()
-        if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in adapted and out_emb is not None:
-            # A LoRA on a tied lm_head must not leak into the input embeddings: untie first.
-            out_emb.weight = torch.nn.Parameter(out_emb.weight.detach().clone())
-            model.config.tie_word_embeddings = False
-        merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-        merged.save_pretrained(str(out))
+        try:
+            merge_lora(model, adapter_dir)
+        except CheckpointError as e:
+            raise ExportError(f"cannot merge the adapter into {base_model}: {e}") from None
+        model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
 
 

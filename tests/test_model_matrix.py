@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 
 from helpers import checkpoint_dir, logprobs_of, read_adapter, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.export import export_checkpoint
 from hosted_tinker.runtime.projections import discover, tinker_name
 from server_process import ServerProcess
 from tinker_layout import rewrite_in_tinker_layout, split_fused, tinker_adapter_config
@@ -190,6 +191,12 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     for m in modules:
         assert tensors[f"base_model.model.{m}.lora_B.weight"].abs().sum() > 0, f"{m} was not trained"
 
+    # `hosted-tinker export --merged`: every LoRA merged as the server applies it (checkpoints/merge.py)
+    merged_export = export_checkpoint(saved, tmp_path / "export-merged", merged=True, data_dir=srv.data_dir)
+    np.testing.assert_allclose(logprobs_of_model(load_model(str(merged_export), arch), TOKENS), trained, atol=PARITY)
+
+    # The plain export is the checkpoint's files, which the cookbook's weight tools take
+    ckpt = export_checkpoint(saved, tmp_path / "export", data_dir=srv.data_dir)
     peft_out = tmp_path / "peft"
     if arch == "deepseek_v3":  # the cookbook offers DeepSeek-V3 adapters for merging only (no vLLM/SGLang LoRA)
         with pytest.raises(WeightsAdapterError, match="does not support LoRA adapter serving"):
@@ -209,6 +216,28 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
                    merge_strategy="full" if arch in ("mixtral", "gpt_oss") else "auto")
     model = load_model(str(merged), arch)
     np.testing.assert_allclose(logprobs_of_model(model, TOKENS), trained, atol=PARITY)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt2", "gpt_neox"])
+def test_merged_export_of_an_unembedding_lora_on_a_tied_or_renamed_head(srv, models, arch, tmp_path):
+    """The unembedding LoRA the test above leaves out of these families for the cookbook's sake:
+    `export --merged` unties a tied head (Gemma3, GPT-2) before merging, so the input embeddings keep
+    the base weights as on the server, and finds GPT-NeoX's head under its name (embed_out)."""
+    from tinker import types
+
+    base = models[arch]
+    with srv.client(KEY) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=4, train_attn=False, train_mlp=False,
+                                            train_unembed=True).result()
+        tc.forward_backward([sft_datum(TOKENS)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+        trained = logprobs_of(tc.forward([sft_datum(TOKENS)], "cross_entropy").result())[0]
+        saved = tc.save_weights_for_sampler("unembed").result().path
+    merged = load_model(str(export_checkpoint(saved, tmp_path / "merged", merged=True, data_dir=srv.data_dir)), arch)
+    np.testing.assert_allclose(logprobs_of_model(merged, TOKENS), trained, atol=PARITY)
+    original = load_model(base, arch)
+    assert torch.equal(merged.get_input_embeddings().weight, original.get_input_embeddings().weight)
+    assert not torch.equal(merged.get_output_embeddings().weight, original.get_output_embeddings().weight)
 
 
 def test_the_startup_summary_says_what_a_lora_covers(srv, models):
