@@ -4,16 +4,19 @@ Export, from a running server (`--base-url`/`$TINKER_BASE_URL` and `--api-key`/`
 the caller's own or published checkpoints) or straight from a server's `--data-dir` (the server
 may be running or not):
 
-    hosted-tinker export tinker://RUN/weights/NAME --out DIR            # PEFT adapter directory
+    hosted-tinker export tinker://RUN/weights/NAME --out DIR            # the adapter's files
     hosted-tinker export tinker://RUN/weights/NAME --out DIR --merged   # full model, LoRA merged in
 
 Import, into a running server (the adapter is checked against the served model first):
 
     hosted-tinker import DIR --name NAME                                # prints tinker://import-.../weights/NAME
 
-An exported adapter directory holds `adapter_config.json` + `adapter_model.safetensors` (load it
-with `peft.PeftModel.from_pretrained`), plus `manifest.json` and, for training state,
-`optimizer.safetensors`; importing it elsewhere keeps the optimizer state.
+An exported adapter directory holds `adapter_config.json` + `adapter_model.safetensors` in Tinker's
+layout (what `tinker_cookbook.weights` reads; for a text model without MoE experts also a PEFT
+adapter: PEFT maps neither a vision-language model's text-model names nor 3-D expert LoRAs), plus
+`manifest.json` and, for training state, `optimizer.safetensors`; importing it elsewhere keeps the
+optimizer state. `--merged` merges every LoRA as the server applies it (checkpoints/merge.py), or
+refuses the adapter by name.
 """
 
 from __future__ import annotations

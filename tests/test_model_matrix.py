@@ -9,9 +9,12 @@ qkv_proj and gate_up_proj), GPT-NeoX (fused query_key_value, heads interleaved) 
 - adapts every attention and MLP weight matrix: the saved checkpoint holds a non-zero LoRA for
   each (a fused projection as one PEFT LoRA of rank 3r / 2r with a block-diagonal B);
 - samples with sampler/trainer parity <= 1e-5 in fp32;
-- goes through the cookbook's `build_lora_adapter` and `build_hf_model`, the merged model's
-  logprobs equal to the server's. GPT-2 is the exception the cookbook makes: its 2-D merge
-  computes B @ A as [out, in] and GPT-2's Conv1D weights are [in, out], so it refuses them.
+- exports with `hosted-tinker export --merged` (checkpoints/merge.py) to a plain transformers model
+  whose logprobs equal the server's, and the same for an unembedding LoRA on a tied (Gemma3, GPT-2)
+  or renamed (GPT-NeoX) head;
+- goes, exported without --merged, through the cookbook's `build_lora_adapter` and `build_hf_model`,
+  the merged model's logprobs equal to the server's. GPT-2 is the exception the cookbook makes: its
+  2-D merge computes B @ A as [out, in] and GPT-2's Conv1D weights are [in, out], so it refuses them.
 And four MoE families, Qwen3-MoE, Mixtral, GPT-OSS (transposed experts with biases, gate/up
 interleaved, attention sinks) and DeepSeek-V3 (MLA attention q_a/q_b/kv_a_proj_with_mqa/kv_b/o, a
 dense first layer, routed experts beside a shared expert): their experts' LoRA (w1, w2, w3 per
