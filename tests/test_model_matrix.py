@@ -225,7 +225,8 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
 def test_merged_export_of_an_unembedding_lora_on_a_tied_or_renamed_head(srv, models, arch, tmp_path):
     """The unembedding LoRA the test above leaves out of these families for the cookbook's sake:
     `export --merged` unties a tied head (Gemma3, GPT-2) before merging, so the input embeddings keep
-    the base weights as on the server, and finds GPT-NeoX's head under its name (embed_out)."""
+    the base weights as on the server; GPT-NeoX's head is lm_head in transformers 5, embed_out in
+    its files."""
     from tinker import types
 
     base = models[arch]
