@@ -168,21 +168,28 @@ def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = No
 def merge_adapter(adapter_dir: Path, out: Path, *, base_model: str, model_dir: Path | None,
                   dtype: str = "float32") -> None:
     """Load the base model like the server does, merge every LoRA weight in as the server applies
-    it (checkpoints/merge.py), save safetensors; a checkpoint that does not fit is refused."""
+    it (checkpoints/merge.py), save safetensors with the tokenizer (and a vision-language model's
+    image processor, as the server reads it); a checkpoint that does not fit is refused."""
     import torch
 
     from .checkpoints.merge import merge_lora
-    from .model_loading import load_base_model, pick_dtype
+    from .model_loading import load_base_model, pick_dtype, resolve_model_source
 
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as scratch:
-        model, tokenizer = load_base_model(base_model, model_dir or Path(scratch), device, pick_dtype(dtype, device))
+        models = model_dir or Path(scratch)
+        model, tokenizer = load_base_model(base_model, models, device, pick_dtype(dtype, device))
         try:
             merge_lora(model, adapter_dir)
         except CheckpointError as e:
             raise ExportError(f"cannot merge the adapter into {base_model}: {e}") from None
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
+        if getattr(model.config, "vision_config", None) is not None:
+            from transformers import AutoImageProcessor
+
+            source = resolve_model_source(base_model, models)
+            AutoImageProcessor.from_pretrained(source, backend="pil").save_pretrained(str(out))
 
 
 def _tar_dir(src: Path, archive: Path) -> list[str]:
