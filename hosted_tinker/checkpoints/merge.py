@@ -25,6 +25,7 @@ LoRA is missing, is a `CheckpointError` naming it (`adapter_io.check_fits`): nev
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -70,6 +71,7 @@ def merge_lora(model: nn.Module, ckpt_dir: Path) -> list[str]:
 
 
 def _add_delta(model: nn.Module, path: str, layer: MultiLoRALinear | ExpertProjection, delta: torch.Tensor) -> None:
+    """Add the delta of the LoRA at `path` into the weight (or the rows of it) the server adapts."""
     if isinstance(layer, ExpertProjection):
         experts = model.get_submodule(path.rpartition(".")[0])
         name = "down_proj" if layer.name == DOWN else "gate_up_proj"
@@ -88,7 +90,7 @@ def _add_delta(model: nn.Module, path: str, layer: MultiLoRALinear | ExpertProje
     _add(view, delta, part.rows if part is not None else None, dim=0)
 
 
-def _add(weight: torch.Tensor, delta: torch.Tensor, rows, dim: int) -> None:
+def _add(weight: torch.Tensor, delta: torch.Tensor, rows: Sequence[int] | None, dim: int) -> None:
     """weight += delta, or only its `rows` along `dim`: summed in fp32, rounded once to the
     weight's dtype (a 16-bit export)."""
     if rows is None:
