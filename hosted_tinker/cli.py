@@ -126,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     settings_source = ServerConfig.cli_source(serve)
 
     export = sub.add_parser(
-        "export", help="write a checkpoint as a PEFT adapter directory (or a merged model) without the SDK",
+        "export", help="write a checkpoint as an adapter directory (or a merged model) without the SDK",
         description=f"Export {SCHEME}RUN/KIND/NAME from a running server (--base-url, --api-key) or from a "
-                    "server's data directory (--data-dir) as a PEFT adapter directory, or with --merged as a "
-                    "full model with the LoRA weights merged in (safetensors).")
+                    "server's data directory (--data-dir) as an adapter directory (Tinker's layout, which "
+                    "tinker_cookbook.weights reads; a PEFT adapter for text models without MoE experts), or "
+                    "with --merged as a full model with every LoRA weight merged in as the server applies it "
+                    "(safetensors).")
     export.add_argument("tinker_path", help=f"{SCHEME}<run>/<{'|'.join(KINDS)}>/<name>")
     export.add_argument("--out", type=Path, required=True, help="output directory (created; must be empty)")
     export.add_argument("--merged", action="store_true", help="save the base model with the adapter merged in")

@@ -4,16 +4,19 @@ Export, from a running server (`--base-url`/`$TINKER_BASE_URL` and `--api-key`/`
 the caller's own or published checkpoints) or straight from a server's `--data-dir` (the server
 may be running or not):
 
-    hosted-tinker export tinker://RUN/weights/NAME --out DIR            # PEFT adapter directory
+    hosted-tinker export tinker://RUN/weights/NAME --out DIR            # the adapter's files
     hosted-tinker export tinker://RUN/weights/NAME --out DIR --merged   # full model, LoRA merged in
 
 Import, into a running server (the adapter is checked against the served model first):
 
     hosted-tinker import DIR --name NAME                                # prints tinker://import-.../weights/NAME
 
-An exported adapter directory holds `adapter_config.json` + `adapter_model.safetensors` (load it
-with `peft.PeftModel.from_pretrained`), plus `manifest.json` and, for training state,
-`optimizer.safetensors`; importing it elsewhere keeps the optimizer state.
+An exported adapter directory holds `adapter_config.json` + `adapter_model.safetensors` in Tinker's
+layout (what `tinker_cookbook.weights` reads; for a text model without MoE experts also a PEFT
+adapter: PEFT maps neither a vision-language model's text-model names nor 3-D expert LoRAs), plus
+`manifest.json` and, for training state, `optimizer.safetensors`; importing it elsewhere keeps the
+optimizer state. `--merged` merges every LoRA as the server applies it (checkpoints/merge.py), or
+refuses the adapter by name.
 """
 
 from __future__ import annotations
@@ -164,24 +167,29 @@ def export_checkpoint(tinker_path: str, out: Path, *, data_dir: Path | None = No
 
 def merge_adapter(adapter_dir: Path, out: Path, *, base_model: str, model_dir: Path | None,
                   dtype: str = "float32") -> None:
-    """Load the base model like the server does, merge the LoRA weights in, save safetensors."""
+    """Load the base model like the server does, merge every LoRA weight in as the server applies
+    it (checkpoints/merge.py), save safetensors with the tokenizer (and a vision-language model's
+    image processor, as the server reads it); a checkpoint that does not fit is refused."""
     import torch
-    from peft import PeftModel
 
-    from .model_loading import load_base_model, pick_dtype
+    from .checkpoints.merge import merge_lora
+    from .model_loading import load_base_model, pick_dtype, resolve_model_source
 
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as scratch:
-        model, tokenizer = load_base_model(base_model, model_dir or Path(scratch), device, pick_dtype(dtype, device))
-        adapted = json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("target_modules") or []
-        out_emb = model.get_output_embeddings()
-        if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in adapted and out_emb is not None:
-            # A LoRA on a tied lm_head must not leak into the input embeddings: untie first.
-            out_emb.weight = torch.nn.Parameter(out_emb.weight.detach().clone())
-            model.config.tie_word_embeddings = False
-        merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-        merged.save_pretrained(str(out))
+        models = model_dir or Path(scratch)
+        model, tokenizer = load_base_model(base_model, models, device, pick_dtype(dtype, device))
+        try:
+            merge_lora(model, adapter_dir)
+        except CheckpointError as e:
+            raise ExportError(f"cannot merge the adapter into {base_model}: {e}") from None
+        model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
+        if getattr(model.config, "vision_config", None) is not None:
+            from transformers import AutoImageProcessor
+
+            source = resolve_model_source(base_model, models)
+            AutoImageProcessor.from_pretrained(source, backend="pil").save_pretrained(str(out))
 
 
 def _tar_dir(src: Path, archive: Path) -> list[str]:

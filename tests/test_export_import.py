@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from tinker import types
 
 from helpers import BASE_MODEL, database, logprobs_of, model_dir, sft_batch, tar_bytes
-from hosted_tinker.export import ExportError, export_checkpoint, import_adapter
+from hosted_tinker.export import ExportError, export_checkpoint, import_adapter, merge_adapter
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -182,6 +183,36 @@ def test_peft_made_adapter_imports_and_trains(fresh, peft_dir):
     saved = tc.save_state("peft-continued").result().path
     cfg = json.loads((fresh.data_dir / "checkpoints" / saved[len("tinker://"):] / "adapter_config.json").read_text())
     assert sorted(cfg["target_modules"]) == ["q_proj", "v_proj"]
+
+
+def test_merged_export_merges_all_or_refuses_by_name(fresh, peft_dir, tmp_path):
+    """`--merged` merges every LoRA of an adapter (one made with PEFT here: its merged model gives
+    PEFT's logprobs) or none: a LoRA on a module the model does not have (an MoE expert's, on a
+    dense model) or an adapter that leaves out layers of its targets is refused by name, never
+    merged in part."""
+    from transformers import AutoModelForCausalLM
+
+    adapter, batch, want = peft_dir
+    base = str(model_dir(fresh))
+    merge_adapter(adapter, tmp_path / "merged", base_model=base, model_dir=None)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    for a, b in zip(token_logprobs(model, batch), want):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    expert = "base_model.model.model.layers.0.mlp.experts.w1"
+    cases = {
+        "it adapts 'model.layers.0.mlp.experts.w1', which is not a linear projection of this model": {
+            **tensors, f"{expert}.lora_A.weight": torch.zeros(4, 4, 64), f"{expert}.lora_B.weight": torch.zeros(4, 64, 4)},
+        "the adapter leaves out 'model.layers.1.self_attn.q_proj'": {
+            k: v for k, v in tensors.items() if ".layers.1." not in k},
+    }
+    for i, (needle, case) in enumerate(cases.items()):
+        bad = tmp_path / f"bad-{i}"
+        bad.mkdir()
+        (bad / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())
+        save_file({k: v.contiguous() for k, v in case.items()}, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(ExportError, match=re.escape(needle)):
+            merge_adapter(bad, tmp_path / f"merged-{i}", base_model=base, model_dir=None)
 
 
 def _bad_cases(adapter: Path) -> list[tuple[str, bytes, str]]:

@@ -9,9 +9,12 @@ qkv_proj and gate_up_proj), GPT-NeoX (fused query_key_value, heads interleaved) 
 - adapts every attention and MLP weight matrix: the saved checkpoint holds a non-zero LoRA for
   each (a fused projection as one PEFT LoRA of rank 3r / 2r with a block-diagonal B);
 - samples with sampler/trainer parity <= 1e-5 in fp32;
-- goes through the cookbook's `build_lora_adapter` and `build_hf_model`, the merged model's
-  logprobs equal to the server's. GPT-2 is the exception the cookbook makes: its 2-D merge
-  computes B @ A as [out, in] and GPT-2's Conv1D weights are [in, out], so it refuses them.
+- exports with `hosted-tinker export --merged` (checkpoints/merge.py) to a plain transformers model
+  whose logprobs equal the server's, and the same for an unembedding LoRA on a tied (Gemma3, GPT-2)
+  or renamed (GPT-NeoX) head;
+- goes, exported without --merged, through the cookbook's `build_lora_adapter` and `build_hf_model`,
+  the merged model's logprobs equal to the server's. GPT-2 is the exception the cookbook makes: its
+  2-D merge computes B @ A as [out, in] and GPT-2's Conv1D weights are [in, out], so it refuses them.
 And four MoE families, Qwen3-MoE, Mixtral, GPT-OSS (transposed experts with biases, gate/up
 interleaved, attention sinks) and DeepSeek-V3 (MLA attention q_a/q_b/kv_a_proj_with_mqa/kv_b/o, a
 dense first layer, routed experts beside a shared expert): their experts' LoRA (w1, w2, w3 per
@@ -41,6 +44,7 @@ from safetensors.torch import load_file
 
 from helpers import checkpoint_dir, logprobs_of, read_adapter, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.export import export_checkpoint
 from hosted_tinker.runtime.projections import discover, tinker_name
 from server_process import ServerProcess
 from tinker_layout import rewrite_in_tinker_layout, split_fused, tinker_adapter_config
@@ -190,6 +194,12 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
     for m in modules:
         assert tensors[f"base_model.model.{m}.lora_B.weight"].abs().sum() > 0, f"{m} was not trained"
 
+    # `hosted-tinker export --merged`: every LoRA merged as the server applies it (checkpoints/merge.py)
+    merged_export = export_checkpoint(saved, tmp_path / "export-merged", merged=True, data_dir=srv.data_dir)
+    np.testing.assert_allclose(logprobs_of_model(load_model(str(merged_export), arch), TOKENS), trained, atol=PARITY)
+
+    # The plain export is the checkpoint's files, which the cookbook's weight tools take
+    ckpt = export_checkpoint(saved, tmp_path / "export", data_dir=srv.data_dir)
     peft_out = tmp_path / "peft"
     if arch == "deepseek_v3":  # the cookbook offers DeepSeek-V3 adapters for merging only (no vLLM/SGLang LoRA)
         with pytest.raises(WeightsAdapterError, match="does not support LoRA adapter serving"):
@@ -209,6 +219,29 @@ def test_every_weight_matrix_is_trained_and_merges(srv, models, arch, tmp_path):
                    merge_strategy="full" if arch in ("mixtral", "gpt_oss") else "auto")
     model = load_model(str(merged), arch)
     np.testing.assert_allclose(logprobs_of_model(model, TOKENS), trained, atol=PARITY)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt2", "gpt_neox"])
+def test_merged_export_of_an_unembedding_lora_on_a_tied_or_renamed_head(srv, models, arch, tmp_path):
+    """The unembedding LoRA the test above leaves out of these families for the cookbook's sake:
+    `export --merged` unties a tied head (Gemma3, GPT-2) before merging, so the input embeddings keep
+    the base weights as on the server; GPT-NeoX's head is lm_head in transformers 5, embed_out in
+    its files."""
+    from tinker import types
+
+    base = models[arch]
+    with srv.client(KEY) as sc:
+        tc = sc.create_lora_training_client(base_model=base, rank=4, seed=4, train_attn=False, train_mlp=False,
+                                            train_unembed=True).result()
+        tc.forward_backward([sft_datum(TOKENS)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+        trained = logprobs_of(tc.forward([sft_datum(TOKENS)], "cross_entropy").result())[0]
+        saved = tc.save_weights_for_sampler("unembed").result().path
+    merged = load_model(str(export_checkpoint(saved, tmp_path / "merged", merged=True, data_dir=srv.data_dir)), arch)
+    np.testing.assert_allclose(logprobs_of_model(merged, TOKENS), trained, atol=PARITY)
+    original = load_model(base, arch)
+    assert torch.equal(merged.get_input_embeddings().weight, original.get_input_embeddings().weight)
+    assert not torch.equal(merged.get_output_embeddings().weight, original.get_output_embeddings().weight)
 
 
 def test_the_startup_summary_says_what_a_lora_covers(srv, models):

@@ -19,6 +19,7 @@ from tinker import types
 
 from helpers import answered, forward_backward_body, logprobs_of
 from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME
+from hosted_tinker.export import export_checkpoint
 from server_process import ServerProcess
 from tiny_vl_model import build_tiny_vl_model, png
 
@@ -77,7 +78,7 @@ def image_datum(image: bytes, expected: int | None, before: list[int], after: li
         loss_fn_inputs={"target_tokens": list(range(10, 10 + n)), "weights": [1.0] * n})
 
 
-def test_image_chunks_train_and_match_a_plain_forward(sc, vl_dir):
+def test_image_chunks_train_and_match_a_plain_forward(srv, sc, vl_dir, tmp_path):
     tc = sc.create_lora_training_client(base_model=str(vl_dir), rank=4, seed=1).result()
     image = png(64, 32)  # 4x2 patches of 16 pixels, merged 2x2: 2 image tokens
     datum = image_datum(image, 2, [5, 17, 230], [41, 99], n_image=2)
@@ -88,6 +89,13 @@ def test_image_chunks_train_and_match_a_plain_forward(sc, vl_dir):
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
     assert after < first  # the LoRA on the language model learns from the image datum
+    # `export --merged` of the trained LoRA is a plain Qwen3-VL (image processor included) that,
+    # image and all, gives the server's logprobs
+    trained = logprobs_of(tc.forward([datum], "cross_entropy").result())[0]
+    saved = tc.save_weights_for_sampler("merged").result().path
+    merged = export_checkpoint(saved, tmp_path / "merged", merged=True, data_dir=srv.data_dir)
+    np.testing.assert_allclose(reference_logprobs(merged, [5, 17, 230, 41, 99], image, 3, list(range(10, 17))),
+                               trained, atol=TOL)
 
 
 def test_expected_tokens_that_disagree_are_a_400(sc, vl_dir):
