@@ -56,8 +56,8 @@ VLLM_EXPERT_LAYOUTS = {
 EXPERTS_TARGET = "experts"
 # Why others are not sent there, where known.
 _NOT_TAKEN = {
-    "GptOssForCausalLM": "vLLM's GPT-OSS has 3-D experts, whose LoRA it takes with gate and up sharing one A "
-                         "(or per expert with --enable-mixed-moe-lora-format, not checked)",
+    "GptOssForCausalLM": "vLLM's GPT-OSS has 3-D experts: it takes their LoRA with gate and up sharing one A, "
+                         "or per expert only with --enable-mixed-moe-lora-format, not checked",
 }
 
 
