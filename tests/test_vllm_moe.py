@@ -10,43 +10,17 @@ samples with the trainer's logprobs, and no vLLM runs.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-import torch
 from tinker import types
-from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from helpers import logprobs_of, sft_datum
-from hosted_tinker.embedded_model import build_tiny_model
-from vllm_support import SPEC, assert_vllm_not_started, server_refusing_vllm
+from vllm_support import assert_vllm_not_started, build_moe, server_refusing_vllm
 
 pytestmark = pytest.mark.e2e
 
 API_KEY = "tml-vllm-moe"
 TOKENS = [5, 77, 300, 12, 900, 40, 101, 202]
-
-
-def build_moe(out) -> str:
-    """SPEC's sizes (head_dim 64: vLLM's CPU attention runs it) as a 4-expert Qwen3-MoE."""
-    build_tiny_model(out, SPEC)  # the tokenizer
-    qwen = AutoConfig.from_pretrained(out)
-    config = Qwen3MoeConfig(vocab_size=qwen.vocab_size, hidden_size=SPEC.hidden_size, head_dim=SPEC.head_dim,
-                            num_hidden_layers=SPEC.num_layers, num_attention_heads=SPEC.num_heads,
-                            num_key_value_heads=SPEC.num_kv_heads, intermediate_size=SPEC.intermediate_size,
-                            moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-                            max_position_embeddings=1024, bos_token_id=qwen.bos_token_id,
-                            eos_token_id=qwen.eos_token_id, pad_token_id=qwen.pad_token_id, dtype="float32")
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # transformers may leave 3-D expert weights uninitialised
-        for p in model.parameters():
-            if p.dim() == 3:
-                p.normal_(0, 0.02)
-    for f in out.glob("*.safetensors"):
-        f.unlink()
-    model.save_pretrained(out)
-    return str(out)
 
 
 @pytest.fixture(scope="module")

