@@ -148,7 +148,6 @@ def training(args, tmp: Path) -> None:
 
 # ---- overhead -------------------------------------------------------------------------------------
 def overhead(args, tmp: Path, old_tree: Path) -> None:
-    import tinker
     from tinker import types
 
     from bench_common import fb_work

@@ -207,6 +207,80 @@ def measure(variants: dict, warmup: int, repeats: int, device) -> dict[str, list
 
 
 # ---- main -----------------------------------------------------------------------------------------
+def measure_size(size: str, args, tenants: list[int], device: torch.device, dtype: torch.dtype, tmp: Path,
+                 adam: AdamParams, results: list, big_results: list, op_results: list) -> None:
+    """Every (size, N) figure of one model size, appended to the three lists. Its models are this
+    function's locals, freed when it returns, before the next size loads."""
+    t_size = time.perf_counter()
+    rt_model, peft_base = load_pair(size, tmp, device, dtype)
+    n_params = sum(p.numel() for p in rt_model.parameters())
+    runtime = TrainingRuntime(rt_model, size, device=device)
+    vocab = min(runtime.vocab_size, 1000)
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA, train_unembed=False)
+    for t in range(max(tenants)):
+        adapter = runtime.create_adapter(f"tenant-{t}", dataclasses.replace(lora, seed=t))
+        with torch.no_grad():  # non-zero B, as after a first step
+            for w in adapter.weights.values():
+                w.B.normal_(0, 1e-3)
+    peft_model, opt = make_peft(peft_base, moe=size in MOE)
+    cpu = device.type == "cpu"
+    repeats = args.repeats or (CPU_REPEATS[size] if cpu else 5)
+    print(f"\n[{LABELS[size]}] {n_params / 1e6:.1f}M params; {repeats} rounds", flush=True)
+    print(f"  training path: {runtime.describe_training()}", flush=True)
+    all_rows = tenant_rows(max(tenants), args.rows, args.seq_len, vocab)
+    # Largest N first: on CPU the first step at the largest shape pays for growing the heap
+    # (page faults); warming up there once leaves every smaller shape warm as well.
+    for i, n in enumerate(sorted(tenants, reverse=True)):
+        warmup = args.warmup if (not cpu or i == 0) else 0
+        works = [fb_work(f"tenant-{t}", all_rows[t]) for t in range(n)]
+        flat = np.concatenate(all_rows[:n])
+        ids = torch.as_tensor(flat[:, :-1], device=device)
+        tgt = torch.as_tensor(flat[:, 1:], device=device)
+        times = measure({
+            "fused": lambda: fused_step(runtime, works, adam),
+            "serial": lambda: serial_step(runtime, works, adam),
+            "ideal": lambda: ideal_step(peft_model, opt, ids, tgt),
+        }, warmup, repeats, device)
+        tokens = n * args.rows * args.seq_len
+        tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+        ratios = {"a/c": paired_ratio(times, "fused", "ideal"), "a/b": paired_ratio(times, "fused", "serial"),
+                  "c/b": paired_ratio(times, "ideal", "serial")}
+        ms = 1000 * statistics.median(times["fused"])
+        results.append((size, n, tokens, tps, ratios, ms))
+        print(f"  N={n:<3} fused {tps['fused']:>9.0f}  serial {tps['serial']:>9.0f}  ideal {tps['ideal']:>9.0f} "
+              f"tok/s  a/c {ratios['a/c']:.3f}  a/b {ratios['a/b']:.3f}  fused {ms:.1f} ms/step", flush=True)
+    if args.host_ops:  # host ops per fused step, smallest and largest N (after their warm-up)
+        counts = {}
+        for n in (min(tenants), max(tenants)):
+            works = [fb_work(f"tenant-{t}", all_rows[t]) for t in range(n)]
+            counts[n] = host_op_counts(lambda: fused_step(runtime, works, adam))
+        op_results.append((size, counts, runtime.policy.describe()))
+        lo, hi = min(tenants), max(tenants)
+        print(f"  host ops per fused step (aten, all / top-level): N={lo} {counts[lo][0]} / {counts[lo][1]}, "
+              f"N={hi} {counts[hi][0]} / {counts[hi][1]}", flush=True)
+    if args.big_rows:
+        seqs = tenant_rows(1, args.big_rows, args.seq_len, vocab, seed=1)[0]
+        works = [fb_work("tenant-0", seqs)]
+        ids = torch.as_tensor(seqs[:, :-1], device=device)
+        tgt = torch.as_tensor(seqs[:, 1:], device=device)
+        times = measure({
+            "runtime": lambda: fused_step(runtime, works, adam),
+            "peft": lambda: ideal_step(peft_model, opt, ids, tgt),
+        }, 0 if cpu else args.warmup, repeats, device)
+        tokens = args.big_rows * args.seq_len
+        med = {k: statistics.median(v) for k, v in times.items()}
+        med["ratio"] = paired_ratio(times, "runtime", "peft")
+        # 4 x params x tokens: forward 2PT, backward to the activations 2PT (the base is frozen).
+        med["tflops"] = 4 * n_params * tokens / med["runtime"] / 1e12
+        big_results.append((size, tokens, med))
+        print(f"  1 tenant x {args.big_rows} rows: runtime {1000 * med['runtime']:.1f} ms "
+              f"({med['tflops']:.3g} TFLOP/s), PEFT {1000 * med['peft']:.1f} ms, ratio {med['ratio']:.3f}",
+              flush=True)
+    if runtime.graphs is not None:
+        print(f"  CUDA graphs: {runtime.graphs.captures} captured, {runtime.graphs.replays} replays")
+    print(f"  ({time.perf_counter() - t_size:.0f}s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default=None,
@@ -258,75 +332,7 @@ def main() -> int:
     t_start = time.perf_counter()
     stall0 = cpu_stall_us()
     for size in sizes:
-        t_size = time.perf_counter()
-        rt_model, peft_base = load_pair(size, tmp, device, dtype)
-        n_params = sum(p.numel() for p in rt_model.parameters())
-        runtime = TrainingRuntime(rt_model, size, device=device)
-        vocab = min(runtime.vocab_size, 1000)
-        lora = LoRAConfig(rank=RANK, alpha=ALPHA, train_unembed=False)
-        for t in range(max(tenants)):
-            adapter = runtime.create_adapter(f"tenant-{t}", dataclasses.replace(lora, seed=t))
-            with torch.no_grad():  # non-zero B, as after a first step
-                for w in adapter.weights.values():
-                    w.B.normal_(0, 1e-3)
-        peft_model, opt = make_peft(peft_base, moe=size in MOE)
-        cpu = device.type == "cpu"
-        repeats = args.repeats or (CPU_REPEATS[size] if cpu else 5)
-        print(f"\n[{LABELS[size]}] {n_params / 1e6:.1f}M params; {repeats} rounds", flush=True)
-        print(f"  training path: {runtime.describe_training()}", flush=True)
-        all_rows = tenant_rows(max(tenants), args.rows, args.seq_len, vocab)
-        # Largest N first: on CPU the first step at the largest shape pays for growing the heap
-        # (page faults); warming up there once leaves every smaller shape warm as well.
-        for i, n in enumerate(sorted(tenants, reverse=True)):
-            warmup = args.warmup if (not cpu or i == 0) else 0
-            works = [fb_work(f"tenant-{t}", all_rows[t]) for t in range(n)]
-            flat = np.concatenate(all_rows[:n])
-            ids = torch.as_tensor(flat[:, :-1], device=device)
-            tgt = torch.as_tensor(flat[:, 1:], device=device)
-            times = measure({
-                "fused": lambda: fused_step(runtime, works, adam),
-                "serial": lambda: serial_step(runtime, works, adam),
-                "ideal": lambda: ideal_step(peft_model, opt, ids, tgt),
-            }, warmup, repeats, device)
-            tokens = n * args.rows * args.seq_len
-            tps = {k: tokens / statistics.median(v) for k, v in times.items()}
-            ratios = {"a/c": paired_ratio(times, "fused", "ideal"), "a/b": paired_ratio(times, "fused", "serial"),
-                      "c/b": paired_ratio(times, "ideal", "serial")}
-            ms = 1000 * statistics.median(times["fused"])
-            results.append((size, n, tokens, tps, ratios, ms))
-            print(f"  N={n:<3} fused {tps['fused']:>9.0f}  serial {tps['serial']:>9.0f}  ideal {tps['ideal']:>9.0f} "
-                  f"tok/s  a/c {ratios['a/c']:.3f}  a/b {ratios['a/b']:.3f}  fused {ms:.1f} ms/step", flush=True)
-        if args.host_ops:  # host ops per fused step, smallest and largest N (after their warm-up)
-            counts = {}
-            for n in (min(tenants), max(tenants)):
-                works = [fb_work(f"tenant-{t}", all_rows[t]) for t in range(n)]
-                counts[n] = host_op_counts(lambda: fused_step(runtime, works, adam))
-            op_results.append((size, counts, runtime.policy.describe()))
-            lo, hi = min(tenants), max(tenants)
-            print(f"  host ops per fused step (aten, all / top-level): N={lo} {counts[lo][0]} / {counts[lo][1]}, "
-                  f"N={hi} {counts[hi][0]} / {counts[hi][1]}", flush=True)
-        if args.big_rows:
-            seqs = tenant_rows(1, args.big_rows, args.seq_len, vocab, seed=1)[0]
-            works = [fb_work("tenant-0", seqs)]
-            ids = torch.as_tensor(seqs[:, :-1], device=device)
-            tgt = torch.as_tensor(seqs[:, 1:], device=device)
-            times = measure({
-                "runtime": lambda: fused_step(runtime, works, adam),
-                "peft": lambda: ideal_step(peft_model, opt, ids, tgt),
-            }, 0 if cpu else args.warmup, repeats, device)
-            tokens = args.big_rows * args.seq_len
-            med = {k: statistics.median(v) for k, v in times.items()}
-            med["ratio"] = paired_ratio(times, "runtime", "peft")
-            # 4 x params x tokens: forward 2PT, backward to the activations 2PT (the base is frozen).
-            med["tflops"] = 4 * n_params * tokens / med["runtime"] / 1e12
-            big_results.append((size, tokens, med))
-            print(f"  1 tenant x {args.big_rows} rows: runtime {1000 * med['runtime']:.1f} ms "
-                  f"({med['tflops']:.3g} TFLOP/s), PEFT {1000 * med['peft']:.1f} ms, ratio {med['ratio']:.3f}",
-                  flush=True)
-        if runtime.graphs is not None:
-            print(f"  CUDA graphs: {runtime.graphs.captures} captured, {runtime.graphs.replays} replays")
-        print(f"  ({time.perf_counter() - t_size:.0f}s)")
-        del runtime, rt_model, peft_model, peft_base, opt
+        measure_size(size, args, tenants, device, dtype, tmp, adam, results, big_results, op_results)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

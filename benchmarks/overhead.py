@@ -184,7 +184,7 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
     print(f"model: hidden {args.hidden} x {args.layers} layers, {n_params / 1e6:.1f}M params, "
           f"LoRA rank {RANK}; batch {args.batch} x {args.seq_len} tokens; "
           f"device {device}, torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")
-    for m, fn in modes.items():
+    for fn in modes.values():
         for _ in range(args.warmup):
             fn()
     print(f"warm-up done; one in-process step takes ~{1000 * statistics.median(step_a() for _ in range(3)):.0f} ms")

@@ -212,8 +212,10 @@ def test_tinker_paths_are_built_in_one_module():
 
 
 def test_ruff_finds_nothing():
-    """The linter, with pyproject.toml's [tool.ruff] settings, over the package and its tests."""
+    """The linter, with pyproject.toml's [tool.ruff] settings, over every Python file of the project:
+    the package, its tests, benchmarks and tools."""
     root = PACKAGE.parent
-    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "hosted_tinker", "tests"],
+    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "hosted_tinker", "tests", "benchmarks",
+                          "tools"],
                          cwd=root, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
