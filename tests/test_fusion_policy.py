@@ -353,11 +353,11 @@ def test_gradient_norms_reduce_only_the_slots_of_the_tenants_stepping(monkeypatc
 
 
 def test_the_weight_check_after_a_step_undoes_only_the_tenant_it_broke(monkeypatch):
-    """After the step, the stepped weights are checked with one reduction per slot stack over the
-    stepping tenants' rows (`adamw.tensor_norms`, as the gradient norms), each tenant judged on its
-    own rows: the one whose huge learning rate overflowed its weights is put back, and the tenants
-    stepping with it keep the bits they get alone (a check over the stack as a whole would have
-    undone them all)."""
+    """The stepped weights are measured (before the step, and after it where it is not proven
+    finite) with one reduction per slot stack over the stepping tenants' rows (`adamw.tensor_norms`,
+    as the gradient norms), each tenant judged on its own rows: the one whose huge learning rate
+    overflowed its weights is put back, and the tenants stepping with it keep the bits they get
+    alone (a check over the stack as a whole would have undone them all)."""
     from hosted_tinker.runtime import adamw as adamw_module
 
     hps = {f"t{i}": AdamParams(learning_rate=1e-2) for i in range(6)}
@@ -378,8 +378,9 @@ def test_the_weight_check_after_a_step_undoes_only_the_tenant_it_broke(monkeypat
     results = together.optim_steps(list(hps.items()))
     stacks = {id(w.stack) for w in together.adapter("t0").weights.values()}
     assert max(reduced_rows) <= 6
-    if not together.policy.describe()["stacked_norm_shapes_refused"]:  # gradients and weights: 2 ops per stack
-        assert len(reduced_rows) == 2 * 2 * len(stacks)
+    if not together.policy.describe()["stacked_norm_shapes_refused"]:
+        # A and B of each stack: gradients, weights before the step, and after it (where a copy was made)
+        assert len(reduced_rows) == 3 * 2 * len(stacks)
     assert [isinstance(r, SkippedStep) for r in results] == [mid == "t3" for mid in hps]
     got = together.adapter("t3").named_tensors()
     assert all(same_bits(got[k], v) for k, v in before.items()) and not together.adapter("t3").optimizer.state
