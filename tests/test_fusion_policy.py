@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hosted_tinker.runtime import torch_compat
-from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig, SkippedStep
 from hosted_tinker.runtime.invariance import FusionPolicy, RowIndependenceProbe, probe_blocks, same_bits, row_norms
 from hosted_tinker.runtime.lora_plan import LoRARouting
 from hosted_tinker.runtime.trainer import TrainingRuntime
@@ -350,6 +350,47 @@ def test_gradient_norms_reduce_only_the_slots_of_the_tenants_stepping(monkeypatc
     assert reduced_rows and max(reduced_rows) <= 2  # its own row, or its canonical pair
     assert alone == [norms[5]]
     assert all(torch.equal(v, saved["t5"][k]) for k, v in grads(rt.adapter("t5")).items())
+
+
+def test_the_weight_check_after_a_step_undoes_only_the_tenant_it_broke(monkeypatch):
+    """The stepped weights are measured (before the step, and after it where it is not proven
+    finite) with one reduction per slot stack over the stepping tenants' rows (`adamw.tensor_norms`,
+    as the gradient norms), each tenant judged on its own rows: the one whose huge learning rate
+    overflowed its weights is put back, and the tenants stepping with it keep the bits they get
+    alone (a check over the stack as a whole would have undone them all)."""
+    from hosted_tinker.runtime import adamw as adamw_module
+
+    hps = {f"t{i}": AdamParams(learning_rate=1e-2) for i in range(6)}
+    hps["t3"] = AdamParams(learning_rate=1e38)
+    together, alone = tiny_runtime(), tiny_runtime()
+    for rt in (together, alone):
+        for i in range(6):
+            randomize_b(rt.create_adapter(f"t{i}", LoRAConfig(rank=4, seed=i)), seed=i)
+        rt.forward_backward([ce_work(f"t{i}", random_seqs(2, 30 + i)) for i in range(6)])
+    before = {k: v.clone() for k, v in together.adapter("t3").named_tensors().items()}
+    reduced_rows = []
+
+    def counting(t):
+        reduced_rows.append(t.shape[0])
+        return row_norms(t)
+
+    monkeypatch.setattr(adamw_module, "row_norms", counting)
+    results = together.optim_steps(list(hps.items()))
+    stacks = {id(w.stack) for w in together.adapter("t0").weights.values()}
+    assert max(reduced_rows) <= 6
+    if not together.policy.describe()["stacked_norm_shapes_refused"]:
+        # A and B of each stack: gradients, weights before the step, and after it (where a copy was made)
+        assert len(reduced_rows) == 3 * 2 * len(stacks)
+    assert [isinstance(r, SkippedStep) for r in results] == [mid == "t3" for mid in hps]
+    got = together.adapter("t3").named_tensors()
+    assert all(same_bits(got[k], v) for k, v in before.items()) and not together.adapter("t3").optimizer.state
+    for mid, hp in hps.items():
+        solo = alone.optim_step(mid, hp)
+        assert isinstance(solo, SkippedStep) == (mid == "t3")
+        if mid != "t3":
+            assert solo == results[list(hps).index(mid)]
+        want, got = alone.adapter(mid).named_tensors(), together.adapter(mid).named_tensors()
+        assert all(same_bits(got[k], want[k]) for k in want), mid
 
 
 def test_optimizer_without_torchs_private_kernels_matches_and_stays_exact(monkeypatch):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hosted_tinker.request_types import DatumWork, FBWork
-from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
+from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig, SkippedStep
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from tiny_model import CPU, TINY_VOCAB as VOCAB, ce_work, grads, logits, one_torch_thread, random_seqs, randomize_b, \
     tiny_qwen3, tiny_runtime  # noqa: F401 (one_torch_thread: an autouse fixture)
@@ -291,6 +291,35 @@ def test_multi_adapter_adamw_step_is_torch_adamw_and_many_equal_one():
             assert torch.equal(p, q), mid
             assert_close(p.detach(), r.detach(), f"{mid} vs torch.optim.AdamW", tol=1e-6)
         assert together.adapter(mid).step == 3
+
+
+def test_a_step_proven_finite_copies_nothing_and_loaded_moments_keep_the_undo(monkeypatch):
+    """An ordinary step is proven beforehand to leave the weights finite (`adamw._stays_finite`,
+    from the gradient norm, the weights' norm and a bound on |exp_avg| kept across steps), so it
+    makes no copy to undo itself. Moments loaded from elsewhere widen that bound when they are
+    loaded: a step their huge values would blow up is still copied, and put back."""
+    from hosted_tinker.runtime import adamw as adamw_module
+
+    copied = []
+    real = adamw_module._StateCopy
+    monkeypatch.setattr(adamw_module, "_StateCopy", lambda adapter, params: copied.append(adapter.adapter_id)
+                        or real(adapter, params))
+    rt = tiny_runtime()
+    for i in range(2):
+        randomize_b(rt.create_adapter(f"t{i}", LoRAConfig(rank=4, seed=i)), seed=i)
+    steps = [(f"t{i}", AdamParams(learning_rate=1e-2)) for i in range(2)]
+    rt.forward_backward([ce_work(f"t{i}", random_seqs(2, 40 + i)) for i in range(2)])
+    assert not any(isinstance(r, SkippedStep) for r in rt.optim_steps(steps)) and copied == []
+    t1 = rt.adapter("t1")
+    for p in t1.parameters():  # as `checkpoints.adapter_io.restore_adapter` puts moments in
+        t1.optimizer.load(p, {"step": t1.optimizer.state[p]["step"], "exp_avg": torch.full_like(p, 1e30),
+                              "exp_avg_sq": torch.zeros_like(p)})
+    before = {k: v.clone() for k, v in t1.named_tensors().items()}
+    rt.forward_backward([ce_work(f"t{i}", random_seqs(2, 50 + i)) for i in range(2)])
+    results = rt.optim_steps(steps)
+    assert copied == ["t1"]
+    assert not isinstance(results[0], SkippedStep) and isinstance(results[1], SkippedStep)
+    assert all(torch.equal(v, before[k]) for k, v in t1.named_tensors().items())
 
 
 def test_micro_batch_default_follows_device_and_mlp_width():

@@ -128,13 +128,13 @@ def restore_adapter(adapter: LoRAAdapter, ckpt: LoadedCheckpoint) -> None:
                 raise CheckpointError(f"{name}: shape {list(src.shape)} in checkpoint, model needs {list(t.shape)}")
             t.copy_(src.to(t.device))
     adapter.zero_grad()
-    adapter.optimizer.state.clear()
+    adapter.optimizer.clear()
     adapter.step = ckpt.step
     if ckpt.optimizer is not None:
         for name, p in zip(own, adapter.parameters()):
             if f"{name}.exp_avg" not in ckpt.optimizer:
                 continue
-            adapter.optimizer.state[p] = _moments(ckpt.optimizer, name, p)
+            adapter.optimizer.load(p, _moments(ckpt.optimizer, name, p))
 
 
 def _checked_moments(optimizer: dict[str, torch.Tensor], name: str, shape: torch.Size):

@@ -15,73 +15,83 @@ import torch
 from .adapters import AdamParams, LoRAAdapter, SkippedStep, zero_grads
 from .invariance import row_norms
 from .lora_slots import SlotStack
-from .torch_compat import adamw_update_, norms, scale_
+from .torch_compat import adamw_update_, flat_copy, norms, scale_
 
 if TYPE_CHECKING:
     from .invariance import FusionPolicy
 
 
-def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[float]:
-    """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' squared norms.
+# (tensor, its slot stack or None, 0 for A / 1 for B, slot): `LoRAAdapter.grad_tensors`
+Entry = tuple[torch.Tensor, SlotStack | None, int, int | None]
 
-    A tensor's norm is `row_norms` of its canonical pair; where the policy has
-    proven it for the shape, every stepping tensor's comes from one reduction over the rows of its
-    layer's gradient stack that the stepping adapters span (a few ops per stack, not per tenant
-    and tensor; not the whole stack, whose other slots belong to tenants not stepping now: with
-    16 live tenants, one stepping alone summed 16 slots). All values reach the host in one sync,
-    and each adapter adds its own in its own order.
+
+def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[float]:
+    """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' squared norms
+    (`tensor_norms` of the gradients), each adapter adding its own in its own order."""
+    return _grad_norms([list(adapter.grad_tensors()) for adapter in items], policy)
+
+
+def _grad_norms(entries: list[list[Entry]], policy: "FusionPolicy | None") -> list[float]:
+    return [math.sqrt(math.fsum(v * v for v in mine)) for mine in tensor_norms(entries, policy, grads=True)]
+
+
+def tensor_norms(entries: list[list[Entry]], policy: "FusionPolicy | None", *, grads: bool) -> list[list[float]]:
+    """The L2 norm of each entry's gradient (`grads`) or weights, per adapter, in one host sync.
+
+    A tensor's norm is `row_norms` of its canonical pair; where the policy has proven it for the
+    shape, every entry's comes from one reduction over the rows of its layer's slot stack (weights
+    or gradient rows) that the adapters span (a few ops per stack, not per tenant and tensor; not
+    the whole stack, whose other slots belong to tenants not stepping now: with 16 live tenants,
+    one stepping alone summed 16 slots).
     """
-    tensors = [list(adapter.grad_tensors()) for adapter in items]
-    if any(p.is_cuda for mine in tensors for p, _, _, _ in mine):
-        return _norms_per_tensor(tensors)
+    if any(p.is_cuda for mine in entries for p, _, _, _ in mine):
+        return _norms_per_tensor(entries, grads)
     spans: dict[int, tuple[SlotStack, int, int]] = {}  # id(stack) -> (stack, first row, end row)
-    for mine in tensors:
+    for mine in entries:
         for _, stack, _, slot in mine:
             if stack is not None:
                 _, lo, hi = spans.get(id(stack), (stack, slot, slot + 1))
                 spans[id(stack)] = (stack, min(lo, slot), max(hi, slot + 1))
-    # id -> tensor whose rows' squared norms are computed below; (id(stack), 0 | 1) for a stack's
-    # gradient rows of A / B.
+    # id -> tensor whose rows' norms are computed below; (id(stack), 0 | 1) for a stack's rows of A / B.
     inputs: dict[object, torch.Tensor] = {}
     first_row: dict[int, int] = {}
     for key, (stack, lo, hi) in spans.items():
-        for which, rows in enumerate(stack.grad_span(lo, hi)):
+        for which, rows in enumerate(stack.grad_span(lo, hi) if grads else stack.weight_span(lo, hi)):
             if policy is not None and policy.stacked_norms(hi - lo, tuple(rows.shape[1:]), rows.dtype):
                 inputs[(key, which)] = rows
                 first_row[key] = lo
     refs: list[list[tuple[object, int]]] = []  # per adapter: (input key, row)
-    for mine in tensors:
+    for mine in entries:
         refs.append([])
         for p, stack, which, slot in mine:
             if (id(stack), which) in inputs:
                 refs[-1].append(((id(stack), which), slot - first_row[id(stack)]))
             else:
-                inputs[id(p)] = torch.stack([p.grad, p.grad])
+                t = p.grad if grads else p
+                inputs[id(p)] = torch.stack([t, t])
                 refs[-1].append((id(p), 0))
     if not inputs:
-        return [0.0] * len(items)
+        return [[] for _ in entries]
     keys = list(inputs)
     flat = torch.cat([row_norms(inputs[k]) for k in keys]).tolist()  # the one host sync
     offset, start = {}, 0
     for k in keys:
         offset[k] = start
         start += inputs[k].shape[0]
-    return [math.sqrt(math.fsum(flat[offset[k] + row] ** 2 for k, row in mine)) for mine in refs]
+    return [[flat[offset[k] + row] for k, row in mine] for mine in refs]
 
 
-def _norms_per_tensor(tensors: list[list[tuple]]) -> list[float]:
-    """On CUDA: every gradient tensor's norm from its own values only (`torch_compat.norms`, one
+def _norms_per_tensor(entries: list[list[Entry]], grads: bool) -> list[list[float]]:
+    """On CUDA: every tensor's norm from its own values only (`torch_compat.norms`, one
     multi-tensor op for all stepping tenants), so a tenant's norm never depends on who steps with
     it. A reduction over a slot stack's rows did: on an H200 a tenant's grad_norm differed in its
     last bits between stepping alone and with ten others, though the probe on random data had
     passed (the sums of squares agreed after the square root more often than not)."""
-    flat = [p.grad for mine in tensors for p, _, _, _ in mine]
-    if not flat:
-        return [0.0] * len(tensors)
-    values = torch.stack(norms(flat)).tolist()  # the one host sync
+    flat = [p.grad if grads else p for mine in entries for p, _, _, _ in mine]
+    values = torch.stack(norms(flat)).tolist() if flat else []  # the one host sync
     out, i = [], 0
-    for mine in tensors:
-        out.append(math.sqrt(math.fsum(v * v for v in values[i:i + len(mine)])))
+    for mine in entries:
+        out.append(values[i:i + len(mine)])
         i += len(mine)
     return out
 
@@ -96,7 +106,7 @@ class _StateCopy:
         self.fresh = [p for p in params if p not in self.state]  # their state is made by this step
         self.tensors = params + [self.state[p][k] for p in params if p in self.state
                                  for k in ("exp_avg", "exp_avg_sq", "step")]
-        self.flat = torch.cat([t.reshape(-1) for t in self.tensors])  # one copy (dtypes promote)
+        self.flat = flat_copy(self.tensors)
 
     def restore(self) -> None:
         for t, saved in zip(self.tensors, self.flat.split([t.numel() for t in self.tensors])):
@@ -105,18 +115,44 @@ class _StateCopy:
             del self.state[p]
 
 
-def _finite(copies: list[_StateCopy]) -> list[bool]:
+def _finite(entries: list[list[Entry]], policy: "FusionPolicy | None") -> list[bool]:
     """Whether each adapter's weights are finite after its step (and not so large that their norm
-    overflows, which makes the next forward non-finite all the same); one host sync for all."""
-    flat = [p for c in copies for p in c.params]
-    if not flat:
-        return []
-    values = torch.stack(norms(flat)).isfinite().tolist()
-    out, i = [], 0
-    for c in copies:
-        out.append(all(values[i:i + len(c.params)]))
-        i += len(c.params)
-    return out
+    overflows, which makes the next forward non-finite all the same): `tensor_norms` of the
+    weights, one host sync for all."""
+    return [all(math.isfinite(v) for v in mine) for mine in tensor_norms(entries, policy, grads=False)]
+
+
+# A weight tensor whose norm stays below this is finite with room to spare: a float32 sum of
+# squares overflows near a norm of 1.8e19 (`_finite`).
+_SAFE_NORM = 1e18
+
+
+def _stays_finite(adapter: LoRAAdapter, hp: AdamParams, grad_norm: float, weight_norms: list[float],
+                  numel: int) -> bool:
+    """Whether this step provably leaves the adapter's weights finite, their norms far from
+    overflowing, so it needs no copy to undo it (at 16 MoE tenants the copies were a third of the
+    step's memory traffic). In torch's fused AdamW a weight becomes w * (1 - lr * wd) - lr / (1 -
+    beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps), where the new m lies between the old one
+    and the gradient (|g| <= its norm), and the denominator is at least eps when v >= 0 (as every
+    v this optimizer made; loaded moments have no bound). With beta1 and beta2 in [0, 1) and eps
+    > 0 each weight moves at most lr / (1 - beta1) * max|m| / eps; each weight is at most the
+    adapter's weight norm before the step; a tensor of n weights has a norm of at most sqrt(n)
+    times the largest."""
+    bound = adapter.optimizer.exp_avg_bound
+    if bound is None or not (hp.eps > 0 and 0 <= hp.beta1 < 1 and 0 <= hp.beta2 < 1):
+        return False
+    move = abs(hp.learning_rate) / (1 - hp.beta1) * max(bound, grad_norm) / hp.eps
+    largest = math.sqrt(math.fsum(v * v for v in weight_norms)) * (1 + abs(hp.learning_rate * hp.weight_decay)) + move
+    return math.isfinite(largest) and largest * math.sqrt(numel) * 1.01 <= _SAFE_NORM
+
+
+def _exp_avg_bound(bound: float | None, grad_norm: float, hp: AdamParams) -> float | None:
+    """The bound on |m| after a step: the new m lies between the old one and the gradient, up to a
+    few ulps of rounding (float32 norms may also be a little short: `_SAFE_NORM` leaves 18x).
+    With betas outside [0, 1) neither that nor v >= 0 holds any more."""
+    if bound is None or not (0 <= hp.beta1 < 1 and 0 <= hp.beta2 < 1):
+        return None
+    return max(bound, grad_norm) * (1 + 1e-6)
 
 
 def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None
@@ -137,13 +173,18 @@ def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolic
     A step that is not finite is skipped (`SkippedStep`), for that adapter only: a gradient norm
     that is inf or NaN (huge loss weights or advantages), or weights that the update would make
     non-finite (a huge learning_rate). Either way its gradients are dropped and its weights and
-    AdamW state stay as they were, so one tenant's numbers never poison its adapter for good.
+    AdamW state stay as they were, so one tenant's numbers never poison its adapter for good. The
+    copy that puts a step back is made only where the step is not proven finite beforehand
+    (`_stays_finite`), and checked after it.
     """
     with torch.no_grad():
-        norms = grad_norms([adapter for adapter, _ in items], policy)
-        per_adapter = [[p for p in adapter.parameters() if p.grad is not None] if math.isfinite(norms[k]) else []
-                       for k, (adapter, _) in enumerate(items)]
-        copies = {k: _StateCopy(adapter, per_adapter[k]) for k, (adapter, _) in enumerate(items) if per_adapter[k]}
+        entries = [list(adapter.grad_tensors()) for adapter, _ in items]
+        norms = _grad_norms(entries, policy)
+        per_adapter = [[p for p, _, _, _ in entries[k]] if math.isfinite(norms[k]) else [] for k in range(len(items))]
+        stepping = [k for k in range(len(items)) if per_adapter[k]]
+        before = tensor_norms([entries[k] for k in stepping], policy, grads=False)
+        copies = {k: _StateCopy(items[k][0], per_adapter[k]) for k, mine in zip(stepping, before)
+                  if not _stays_finite(*items[k], norms[k], mine, max(p.numel() for p in per_adapter[k]))}
         clipped: list[torch.Tensor] = []
         factors: list[float] = []
         groups: dict[tuple, list[int]] = {}
@@ -175,9 +216,13 @@ def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolic
                     counters.setdefault(id(st["step"]), st["step"])
             adamw_update_(ps, gs, m1, m2, steps, list(counters.values()), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                           weight_decay=wd)
-        undone = {k for k, finite in zip(copies, _finite(list(copies.values()))) if not finite}
+        undone = {k for k, finite in zip(copies, _finite([entries[k] for k in copies], policy)) if not finite}
         for k in undone:
             copies[k].restore()
+        for k in stepping:
+            if k not in undone:
+                state = items[k][0].optimizer
+                state.exp_avg_bound = _exp_avg_bound(state.exp_avg_bound, norms[k], items[k][1])
         zero_grads([adapter for adapter, _ in items])
         results: list[dict[str, float] | SkippedStep] = []
         for k, (adapter, hp) in enumerate(items):

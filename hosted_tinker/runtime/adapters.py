@@ -250,6 +250,22 @@ class AdamWState:
 
     def __init__(self) -> None:
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        # An upper bound on |exp_avg| over all the moments, kept by `adamw_step` (None: unknown,
+        # as for moments loaded from a checkpoint): with it a step can prove that it leaves the
+        # weights finite, and needs no copy to undo itself.
+        self.exp_avg_bound: float | None = 0.0
+
+    def clear(self) -> None:
+        self.state.clear()
+        self.exp_avg_bound = 0.0  # new moments start at zero
+
+    def load(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Put in p's state from elsewhere (a checkpoint), and widen the bound to its moments (none
+        where a second moment is negative: the step's proof needs v >= 0)."""
+        self.state[p] = state
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if self.exp_avg_bound is not None and m.numel():
+            self.exp_avg_bound = None if bool((v < 0).any()) else max(self.exp_avg_bound, float(m.abs().max()))
 
     def state_for(self, p: torch.Tensor, new_step: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """p's state; a new one counts its steps in `new_step`, which the caller shares among the

@@ -30,8 +30,8 @@ construction, slower). Each decision is proven lazily per shape and cached:
   matmul (`lora_ops.lora_delta` / `GroupedLoRA`)? Probed on the kernel itself with random data:
   entries 0 and n-1 of an n-entry batch must equal their canonical two-entry batch (output and
   all gradients), with the incoming gradient row-major and transposed.
-- `stacked_norms(rows, inner, dtype)`: may the optimizer take every tenant's gradient norms
-  from one reduction per slot stack? Probed the same way (`row_norms`).
+- `stacked_norms(rows, inner, dtype)`: may the optimizer take every tenant's gradient (and
+  weight) norms from one reduction per slot stack? Probed the same way (`row_norms`).
 
 Loss blocks are never merged across tenants (`exp` runs in the same vector/scalar loops as
 sigmoid and gains little from merging), and the optimizer works tensor by tensor.

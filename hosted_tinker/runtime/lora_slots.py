@@ -143,6 +143,11 @@ class SlotStack:
             got = self._grad_spans[(lo, hi)] = (self.grad_A[lo:hi], self.grad_B[lo:hi])
         return got
 
+    def weight_span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight rows (A, B) of slots lo..hi-1 (views): the optimizer checks the stepped
+        adapters' weights through them."""
+        return self.A[lo:hi], self.B[lo:hi]
+
     def accumulate(self, call: "LoRACall", grad_A: torch.Tensor, grad_B: torch.Tensor) -> None:
         """Add a `GroupedLoRA` call's weight gradients ([n, ...], one per tenant, fp32) to its slots'
         gradient rows: in place on the rows of consecutive slots (one tenant included), by index
