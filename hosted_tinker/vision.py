@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,12 @@ class Pixels:
     pixel_values: torch.Tensor  # [patches, patch_dim] float32
     grid_thw: torch.Tensor  # [images, 3] int64
     image_pixels: int  # width x height of the images as sent, summed: what a key's image bound counts
+
+
+def total_pixels(pixels: Iterable[Pixels | None]) -> int:
+    """Width x height of the images as sent, summed over `pixels` (None: an input without images):
+    what a key's image bound, `max_image_pixels_per_key`, counts."""
+    return sum(p.image_pixels for p in pixels if p is not None)
 
 
 class ImageEncoder:

@@ -20,6 +20,7 @@ from ..errors import Busy, UserError
 from ..sampling.jobs import SampleJob, SampleResult
 from ..server import Server
 from ..served_models import ServedModel
+from ..vision import total_pixels
 from . import checkpoint_base_model, served_model
 from .images import ImagePixelBudget
 
@@ -56,11 +57,6 @@ def requested_tokens(job: SampleJob) -> int:
     return job.num_samples * job.max_tokens + (len(job.prompt) - 1) * job.prompt_alt_tokens_k
 
 
-def image_pixels(jobs: list[SampleJob]) -> int:
-    """Pixels of the images in `jobs`' prompts (width x height, as sent)."""
-    return sum(j.pixels.image_pixels for j in jobs if j.pixels is not None)
-
-
 class SamplingAllowance:
     """Sampling requests and requested tokens in flight per API key, and their image pixels in the key's
     `images` budget (shared with its training requests)."""
@@ -76,7 +72,7 @@ class SamplingAllowance:
 
     def take(self, owner: str, jobs: list[SampleJob]) -> "Lease":
         """A lease on `jobs`' share of `owner`'s allowance, or `Busy` naming the limit it would pass."""
-        tokens, pixels = sum(requested_tokens(j) for j in jobs), image_pixels(jobs)
+        tokens, pixels = sum(requested_tokens(j) for j in jobs), total_pixels(j.pixels for j in jobs)
         with self._lock:
             requests, held_tokens = self.requests.get(owner, 0), self.tokens.get(owner, 0)
             if requests + 1 > self.max_requests:
@@ -158,7 +154,7 @@ class SamplingRequests:
                             f"max_tokens, plus prompt positions x prompt_alt_tokens_k); the limit is {limit} "
                             "(max_sampled_tokens_per_request): ask for fewer samples or fewer max_tokens "
                             "per request")
-        self.allowance.images.check_size(image_pixels(jobs))
+        self.allowance.images.check_size(total_pixels(j.pixels for j in jobs))
         for job in jobs:
             self._check_stops(job.stop_strings)
             reason = served.sampler.refusal(job)

@@ -25,7 +25,7 @@ from ..runtime.projections import refusal
 from ..scheduler import Request
 from ..server import Server
 from ..served_models import ServedModel
-from ..vision import Pixels, no_images
+from ..vision import Pixels, no_images, total_pixels
 from ..wire.codec import ForwardBackwardCall, WireDatum
 from . import checkpoint_base_model, served_model
 from .images import ImagePixelBudget
@@ -141,7 +141,7 @@ class TrainingRequests:
                                      "(the SDK splits larger batches itself)")
             config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
             pixels = expand_images(served, call.data)
-            self.images.check_size(sum(p.image_pixels for p in pixels if p is not None))
+            self.images.check_size(total_pixels(pixels))
             for i, d in enumerate(call.data):
                 validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context,
                                self.config.max_targets_per_position)
@@ -244,7 +244,8 @@ class TrainingRequests:
         limit = self.config.max_pending_per_key
         if self.futures.pending(owner) >= limit:
             raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); wait for some to finish")
-        pixels = image_pixels(payload)  # held until the request is answered
+        # A forward_backward's or forward's images are held until the request is answered.
+        pixels = total_pixels(d.pixels for d in payload.data) if isinstance(payload, FBWork) else 0
         self.images.take(owner, pixels)
         request_id, is_new = self.futures.create(
             owner, kind, model_id, seq_id, on_finish=partial(self.images.give_back, owner, pixels) if pixels else None)
@@ -274,13 +275,6 @@ def in_parts(work: FBWork, max_tokens: int) -> list[tuple[FBWork, int]]:
         tokens += len(d.tokens)
     parts.append((replace(work, data=data), tokens))
     return parts
-
-
-def image_pixels(payload: Payload) -> int:
-    """Pixels of the images a request's datums hold (width x height, as sent); 0 for every other request."""
-    if not isinstance(payload, FBWork):
-        return 0
-    return sum(d.pixels.image_pixels for d in payload.data if d.pixels is not None)
 
 
 def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | None]:
