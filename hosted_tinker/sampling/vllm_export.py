@@ -36,7 +36,6 @@ from ..runtime.adapters import LoRAConfig
 from ..runtime.multi_lora import EXPERT_TARGETS, FusedPart
 
 
-
 @dataclass(frozen=True)
 class ExpertLayout:
     """vLLM's names of a family's per-expert LoRA modules: `<layer>.<block>.experts.<e>.<name>`."""
