@@ -253,6 +253,26 @@ class Gate:
         self._file(".closed").unlink(missing_ok=True)
 
 
+def queued(server, n: int) -> None:
+    """Until the server's training queues hold at least `n` requests."""
+    wait_until(lambda: metric(server, "hosted_tinker_queue_depth") >= n, f"{n} training requests queued")
+
+
+def in_one_cycle(server, gate: Gate, *posts) -> list:
+    """Each `post()` sends one training request (an SDK call; its future is returned); all of them
+    are queued while the device loop is parked before planning (`gate` is the server's
+    `device_loop.before_plan`), so that its next cycle plans them together."""
+    gate.close()
+    depth = metric(server, "hosted_tinker_queue_depth")
+    futures = [posts[0]()]
+    queued(server, depth + 1)
+    gate.wait_held()
+    futures += [post() for post in posts[1:]]
+    queued(server, depth + len(posts))
+    gate.open()
+    return futures
+
+
 def tar_bytes(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> bytes:
     """An uncompressed tar archive of `files` (name -> content), plus members given as TarInfo."""
     buf = io.BytesIO()

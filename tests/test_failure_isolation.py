@@ -28,7 +28,7 @@ import tinker
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from helpers import BASE_MODEL, Gate, answered, logprobs_of, metric, sft_batch, sft_datum, wait_until
+from helpers import BASE_MODEL, Gate, answered, in_one_cycle, logprobs_of, metric, queued, sft_batch, sft_datum, wait_until
 from hosted_tinker.faults import POISON
 from server_process import ServerProcess
 
@@ -71,24 +71,6 @@ def clients(srv):
 
 def model(sc, seed: int = 7):
     return sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=seed).result()
-
-
-def queued(srv, n: int) -> None:
-    wait_until(lambda: metric(srv, "hosted_tinker_queue_depth") >= n, f"{n} training requests queued")
-
-
-def in_one_cycle(srv, gate: Gate, *posts) -> list:
-    """Each `post()` sends one request (an SDK call, its future returned); all of them are queued
-    while the device loop is parked before planning, so its next cycle plans them together."""
-    gate.close()
-    depth = metric(srv, "hosted_tinker_queue_depth")
-    futures = [posts[0]()]
-    queued(srv, depth + 1)
-    gate.wait_held()
-    futures += [post() for post in posts[1:]]
-    queued(srv, depth + len(posts))
-    gate.open()
-    return futures
 
 
 def after_first_part(srv, gate: Gate, post):
@@ -143,8 +125,8 @@ def test_a_request_that_fails_a_fused_pass_fails_alone(srv, gate, clients, forwa
         failed, reruns = counters(srv)
         got, bad = in_one_cycle(srv, gate, lambda: run(alice, batch),
                                 lambda: run(bob, [poisoned()] + sft_batch(1)))
-        fails_alone(bad)
     assert_same_result(got.result(), want)
+    fails_alone(bad)
     # the fused pass and Bob's half failed; the two halves were the reruns
     assert counters(srv) == (failed + 2, reruns + 2)
     assert alice.optim_step(ADAM).result().metrics == want_step
@@ -163,8 +145,8 @@ def test_a_key_whose_request_failed_alone_then_runs_apart(srv, gate, clients):
             failed, reruns = counters(srv)
             got, bad = in_one_cycle(srv, gate, lambda: alice.forward(batch, "cross_entropy"),
                                     lambda: mallory.forward([poisoned(seed=1)], "cross_entropy"))
-            fails_alone(bad, rerun_others=reruns_wanted > 0)
             assert_same_result(got.result(), want)
+            fails_alone(bad, rerun_others=reruns_wanted > 0)
             assert counters(srv) == (failed + 1 + (reruns_wanted > 0), reruns + reruns_wanted)
         assert metric(srv, "hosted_tinker_quarantined_keys") >= 1
 
@@ -196,8 +178,8 @@ def test_a_later_part_that_fails_puts_back_the_earlier_parts_gradients(srv, clie
         tc.forward_backward(acked, "cross_entropy").result()
         rolled_back = metric(srv, "hosted_tinker_parts_rolled_back_total")
         fails_alone(tc.forward_backward(big(22) + [poisoned(seed=2)], "cross_entropy"), rerun_others=False)
-        assert metric(srv, "hosted_tinker_parts_rolled_back_total") == rolled_back + 1  # it failed after a part
         assert_step_is(tc, want)
+        assert metric(srv, "hosted_tinker_parts_rolled_back_total") == rolled_back + 1  # it failed after a part
 
 
 def test_another_keys_failure_in_a_later_parts_cycle_leaves_the_request_whole(srv, gate, clients):
@@ -214,8 +196,8 @@ def test_another_keys_failure_in_a_later_parts_cycle_leaves_the_request_whole(sr
     bad = bob.forward_backward([poisoned(seed=3)], "cross_entropy")
     queued(srv, depth + 1)
     gate.open()
-    fails_alone(bad)
     assert_same_result(fb.result(), want)
+    fails_alone(bad)
     assert alice.optim_step(ADAM).result().metrics == want_step
 
 
@@ -283,3 +265,35 @@ def test_a_save_posted_between_the_parts_waits_for_the_whole_request(srv, gate, 
     restored = sa.create_training_client_from_state_with_optimizer(path).result()
     restored.forward_backward(batch, "cross_entropy").result()
     assert_step_is(restored, want)
+
+
+# -- the same on a worker pool ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """`serve --workers 2`: rank 0 here, rank 1 a torchrun process (gloo), the base replicated."""
+    gate = Gate(tmp_path_factory.mktemp("pool-gates"), "device_loop.before_plan")
+    proc = ServerProcess(tmp_path_factory.mktemp("pool"), env={"HOSTED_TINKER_FAULTS": FAULTS, **gate.gates_env()},
+                         args=("--workers", "2")).start()
+    yield proc, gate
+    gate.open()
+    proc.stop()
+
+
+def test_on_a_worker_pool_a_request_that_fails_its_pass_fails_alone(pool):
+    """Bob's datums are poisoned on both ranks' shares (one datum each): every rank's share raises,
+    the pass aborts on all of them, and the reruns find Bob's request as on one rank; Alice's
+    co-batched request gets what she gets alone on the pool, and so does her step."""
+    srv, gate = pool
+    batch = sft_batch(3, seed=61)
+    with srv.client(ALICE) as sa, srv.client(BOB) as sb:
+        solo = model(sa)
+        want = solo.forward_backward(batch, "cross_entropy").result()
+        want_step = solo.optim_step(ADAM).result().metrics
+        alice, bob = model(sa), model(sb, seed=5)
+        got, bad = in_one_cycle(srv, gate, lambda: alice.forward_backward(batch, "cross_entropy"),
+                                lambda: bob.forward_backward([poisoned(seed=6), poisoned(seed=7)], "cross_entropy"))
+        assert_same_result(got.result(), want)
+        fails_alone(bad)
+        assert alice.optim_step(ADAM).result().metrics == want_step
+    assert "rank 1: its share of a pass failed" in srv.log(tail=None)  # the other rank raised too
