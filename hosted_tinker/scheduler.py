@@ -30,7 +30,11 @@ A compute request larger than a cycle's budget arrives in parts (`Request.more`,
 `services/training.py`): each cycle plans its next part alone (`final=False` until the last), the
 request keeps its place in its model's queue until the last part is planned, and the other
 models' work and sampling rounds run between the parts. Gradients add up across cycles exactly as
-across micro-batches, so no one request holds the device for longer than one cycle's budget.
+across micro-batches, so no one request holds the device for longer than one cycle's budget. Each
+part is its model's only compute in its cycle (the model's earlier compute runs a cycle before the
+first part, its later compute a cycle after the last), so that a failed part can put back exactly
+the gradients from before the request (worker.py); a failed request's later parts are dropped
+(`drop_rest`).
 """
 
 from __future__ import annotations
