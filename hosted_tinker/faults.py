@@ -6,8 +6,10 @@ Tests arm points through the environment of the server process they start:
 times (default every time). What firing does is the point's kind:
 
 - `check(point)` raises `InjectedFault` (a server fault in the middle of a cycle);
+- `check_user(point)` raises `InjectedUserFault`, a `UserError` (a request the code below the
+  API finds it cannot take);
 - `check_poisoned(point, rows)` raises `InjectedFault` where one of `rows` (datums' tokens) begins
-  with the point's `POISON` prefix: a request whose datum the model cannot take, raising wherever
+  with the point's `POISONED_PREFIX`: a request whose datum the model cannot take, raising wherever
   it is fused, as validation lets no real one through; only such reaches count;
 - `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write);
 - `hold(point)` parks the calling thread while the test's gate for it is closed (a file
@@ -30,16 +32,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UserError
+
 ENV_VAR = "HOSTED_TINKER_FAULTS"
 GATES_VAR = "HOSTED_TINKER_FAULT_GATES"
 # What a datum poisoned for each check_poisoned() point begins with (ids every test model has).
-POISON = {"pass.poisoned_datum": (4, 8, 15, 16, 23, 42), "cycle.poisoned_after_passes": (42, 23, 16, 15, 8, 4)}
+POISONED_PREFIX = {"pass.poisoned_datum": (4, 8, 15, 16, 23, 42),
+                   "cycle.poisoned_after_passes": (42, 23, 16, 15, 8, 4)}
 HOLD_AT_MOST_S = 600.0  # a gate the test never opens lets go after this: a stuck test, not a stuck server
 
 POINTS = {
     # check(): raises InjectedFault
     "after_forward_backward": "the fused pass done, its results not yet answered",
-    # check_poisoned(): raises InjectedFault where a datum begins with the point's POISON
+    # check_poisoned(): raises InjectedFault where a datum begins with the point's POISONED_PREFIX
     "pass.poisoned_datum": "a micro-batch (of any rank) holding a poisoned datum, in a forward or forward_backward "
                            "pass, after the pass's earlier micro-batches added their gradients",
     "cycle.poisoned_after_passes": "a cycle whose compute holds a poisoned datum, its passes done and not yet "
@@ -59,10 +64,22 @@ POINTS = {
     # crash_point() in a rank > 0 of a worker pool's first epoch (its relaunched successors never
     # reach it): runtime/distributed.py
     "pool.rank_mid_pass": "a pass's share done and its gradients summed into rank 0's, its outputs not yet sent",
+    # In the built-in sampler (sampling/engine.py), reached once per forward that holds a job whose
+    # prompt has the point's POISON token: such a prompt breaks the forward, as a prompt the model
+    # cannot take does (issue 33: a poisoned image prompt once failed every job prefilled beside it)
+    "sampling.prefill_poisoned": "check_user(): a prefill holding a prompt poisoned for it",
+    "sampling.decode_poisoned": "check(): a decode step holding a row of a prompt poisoned for it",
 }
+
+# The token that poisons a prompt for each sampling.* point (ids every test model's vocabulary has).
+POISON = {"sampling.prefill_poisoned": 666, "sampling.decode_poisoned": 667}
 
 
 class InjectedFault(RuntimeError):
+    pass
+
+
+class InjectedUserFault(UserError):
     pass
 
 
@@ -107,18 +124,31 @@ def _fires(point: str) -> bool:
         return True
 
 
+def armed(point: str) -> bool:
+    """Whether a test armed `point` (for points whose firing depends on what a request holds)."""
+    if point not in POINTS:
+        raise KeyError(f"fault point {point!r} is not declared in faults.POINTS")
+    return point in _armed
+
+
 def check(point: str) -> None:
     """Raise `InjectedFault` if a test armed this point (and it has firings left)."""
     if _fires(point):
         raise InjectedFault(f"fault injected at {point!r} (${ENV_VAR})")
 
 
+def check_user(point: str) -> None:
+    """Raise `InjectedUserFault` (a `UserError`) if a test armed this point (and it has firings left)."""
+    if _fires(point):
+        raise InjectedUserFault(f"fault injected at {point!r} (${ENV_VAR})")
+
+
 def check_poisoned(point: str, rows) -> None:
     """Raise `InjectedFault` if a test armed this point and one of `rows` (token id arrays, read only
-    when armed) begins with the point's `POISON`."""
+    when armed) begins with the point's `POISONED_PREFIX`."""
     if point not in _armed:
         return
-    prefix = POISON[point]
+    prefix = POISONED_PREFIX[point]
     if any(tuple(int(t) for t in row[:len(prefix)]) == prefix for row in rows) and _fires(point):
         raise InjectedFault(f"fault injected at {point!r} (${ENV_VAR}): a datum beginning with {list(prefix)}")
 
