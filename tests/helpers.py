@@ -220,6 +220,13 @@ def wait_until(predicate, what: str, timeout: float = WAIT):
     raise AssertionError(f"never happened (waited {timeout:.0f} s): {what}")
 
 
+def api_keys_args(folder: Path, keys: dict[str, str]) -> tuple[str, str]:
+    """`serve` arguments for a keys file of `keys` (owner -> API key): the server knows exactly these."""
+    path = Path(folder) / "api-keys.txt"
+    path.write_text("".join(f"{owner}: {key}\n" for owner, key in keys.items()))
+    return "--api-keys-file", str(path)
+
+
 class Gate:
     """The test's side of a server's `hold` fault point (hosted_tinker/faults.py): the server is
     started with the point armed and `gates_env()` in its environment; while the gate is closed the

@@ -1,5 +1,5 @@
-"""A training request's failure is its own (issue 33, training side), against a real server with
-two keys through the real SDK.
+"""A training request's failure is its own (issue 33, training side), against a real server whose
+keys file gives each tenant its own key (two keys share every pass here), through the real SDK.
 
 - A fused pass that raises is rerun in halves until the request that made it raise fails alone
   (hosted_tinker/isolation.py); the requests it shared the pass with get exactly their solo bits
@@ -28,13 +28,16 @@ import tinker
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from helpers import BASE_MODEL, Gate, answered, in_one_cycle, logprobs_of, metric, queued, sft_batch, sft_datum, wait_until
+from helpers import BASE_MODEL, Gate, answered, api_keys_args, in_one_cycle, logprobs_of, metric, queued, sft_batch, sft_datum, wait_until
 from hosted_tinker.faults import POISONED_PREFIX
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
 BUDGET = 128  # max_tokens_per_cycle: a `big` request runs in three parts
 ALICE, BOB = "tml-isolate-alice", "tml-isolate-bob"
+# The server's keys file: each key its own owner (a key held apart is its owner's).
+KEYS = {"alice": ALICE, "bob": BOB, "bob-fb": f"{BOB}-False", "bob-fwd": f"{BOB}-True",
+        "mallory": "tml-isolate-mallory", "carol": "tml-isolate-carol"}
 FAULTS = "pass.poisoned_datum,cycle.poisoned_after_passes,device_loop.before_plan"
 ADAM = types.AdamParams(learning_rate=1e-2)
 
@@ -57,7 +60,8 @@ def gate(tmp_path_factory) -> Gate:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory, gate):
     proc = ServerProcess(tmp_path_factory.mktemp("isolation"), env={"HOSTED_TINKER_FAULTS": FAULTS, **gate.gates_env()},
-                         args=("--max-tokens-per-cycle", str(BUDGET))).start()
+                         args=("--max-tokens-per-cycle", str(BUDGET),
+                               *api_keys_args(tmp_path_factory.mktemp("keys"), KEYS))).start()
     yield proc
     gate.open()
     proc.stop()
@@ -274,7 +278,7 @@ def pool(tmp_path_factory):
     """`serve --workers 2`: rank 0 here, rank 1 a torchrun process (gloo), the base replicated."""
     gate = Gate(tmp_path_factory.mktemp("pool-gates"), "device_loop.before_plan")
     proc = ServerProcess(tmp_path_factory.mktemp("pool"), env={"HOSTED_TINKER_FAULTS": FAULTS, **gate.gates_env()},
-                         args=("--workers", "2")).start()
+                         args=("--workers", "2", *api_keys_args(tmp_path_factory.mktemp("keys"), KEYS))).start()
     yield proc, gate
     gate.open()
     proc.stop()

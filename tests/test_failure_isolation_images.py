@@ -1,5 +1,5 @@
 """A real hostile input does not fail another key's training (issue 33, item 1), against a real
-server on a tiny Qwen3-VL with two keys through the real SDK.
+server on a tiny Qwen3-VL with two keys (a keys file) through the real SDK.
 
 Bob sends an image datum the model cannot take whatever the validation around it: the image
 placeholder token in his text beside an image chunk ("Image features and image tokens do not
@@ -18,12 +18,14 @@ import numpy as np
 import pytest
 from tinker import types
 
-from helpers import Gate, answered, forward_backward_body, logprobs_of, metric, queued, sft_batch
+from helpers import Gate, answered, api_keys_args, forward_backward_body, logprobs_of, metric, queued, sft_batch
 from server_process import ServerProcess
 from tiny_vl_model import build_tiny_vl_model, png
 
 pytestmark = pytest.mark.e2e
 ALICE, BOB = "tml-vl-alice", "tml-vl-bob"
+KINDS = ("placeholder_in_text", "adjacent_images")
+KEYS = {"alice": ALICE, **{f"bob-{kind}": f"{BOB}-{kind}" for kind in KINDS}}  # the server's keys file
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,8 @@ def gate(tmp_path_factory) -> Gate:
 
 @pytest.fixture(scope="module")
 def srv(vl_dir, tmp_path_factory, gate):
-    proc = ServerProcess(tmp_path_factory.mktemp("srv"), args=("--base-model", str(vl_dir)),
+    proc = ServerProcess(tmp_path_factory.mktemp("srv"),
+                         args=("--base-model", str(vl_dir), *api_keys_args(tmp_path_factory.mktemp("keys"), KEYS)),
                          env={"HOSTED_TINKER_FAULTS": "device_loop.before_plan", **gate.gates_env()}).start()
     yield proc
     gate.open()
@@ -56,7 +59,7 @@ def hostile(kind: str, image_pad: int) -> types.Datum:
                        loss_fn_inputs={"target_tokens": list(range(10, 10 + n)), "weights": [1.0] * n})
 
 
-@pytest.mark.parametrize("kind", ["placeholder_in_text", "adjacent_images"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_hostile_image_datum_fails_no_other_key(srv, gate, vl_dir, kind):
     image_pad = json.loads((vl_dir / "config.json").read_text())["image_token_id"]
     batch = sft_batch(2, seed=5)
