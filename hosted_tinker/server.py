@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from .auth import ENV_VAR, KeyRing
+from .auth import ENV_VAR, Authenticator, KeyRing
+from .auth_tokens import TokenSigner
 from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
 from .checkpoints.recovery import recover
 from .checkpoints.transfer import UrlSigner
@@ -120,6 +121,7 @@ class Server:
             log.warning("=" * 78)
         else:
             log.info("%d API key(s) configured", len(self.keyring))
+        self.auth = Authenticator(self.keyring, TokenSigner(data_dir, config.jwt_lifetime_s))
         self.store = Store(db_path(data_dir))
         interrupted = self.store.fail_interrupted_futures(
             "the server restarted while this request was running; resubmit it")
