@@ -39,7 +39,7 @@ def _serve(config: ServerConfig) -> int:
     from .api.metrics import Metrics
     from .data_dir_lock import DataDirInUse
     from .server import Server
-    from .store import StoreUnavailable
+    from .sqlite_db import StoreUnavailable
 
     metrics = Metrics()
     try:
