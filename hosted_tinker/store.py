@@ -17,7 +17,7 @@ from pathlib import Path
 from .request_types import Failure
 from .sqlite_db import SQLiteDB
 from .store_records import (CheckpointRecord, FutureRecord, LossPoint, ModelRecord, Record, SamplingSessionRecord,
-                            SessionRecord, StoredSample, from_row)
+                            SessionRecord, StoredBytes, StoredSample, from_row)
 
 DB_FILENAME = "hosted_tinker.sqlite3"  # inside --data-dir
 
@@ -428,6 +428,13 @@ class Store:
 
     def all_checkpoints(self) -> list[CheckpointRecord]:
         return self._records(CheckpointRecord, "SELECT * FROM checkpoints")
+
+    def live_checkpoint_storage(self) -> list[StoredBytes]:
+        """Unexpired checkpoints' count and bytes per (owner, base model, session) of their runs."""
+        return self._records(
+            StoredBytes, f"SELECT c.owner, COALESCE(m.base_model, '') AS base_model, COALESCE(m.session_id, '') AS"
+            " session_id, COUNT(*) AS checkpoints, SUM(c.size_bytes) AS size_bytes FROM checkpoints c LEFT JOIN models"
+            f" m ON m.model_id = c.model_id WHERE {self._LIVE} GROUP BY 1, 2, 3", (time.time(),))
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> tuple[list[str], int]:
         total = self._one("SELECT COUNT(*) FROM sessions WHERE owner=?", (owner,))[0]

@@ -124,8 +124,6 @@ TINKER_CLI = str(Path(sys.executable).with_name("tinker"))
 
 
 @pytest.mark.parametrize("args, what", [
-    (("billing", "usage", "2026-01-01", "2026-02-01"), "billing"),
-    (("billing", "checkpoint-storage"), "billing"),
     (("session", "export-trace", "sess-anything"), "session trace export"),
 ])
 def test_tinker_cli_says_what_is_not_available_on_a_self_hosted_server(server, tmp_path, args, what):

@@ -44,12 +44,6 @@ def _not_self_hosted(what: str) -> None:
                              "Thinking Machines' hosted Tinker service")
 
 
-@router.get("/api/v1/billing/usage/events")
-@router.get("/api/v1/billing/usage/checkpoints/current")
-def billing(owner: str = Depends(require_owner)):
-    _not_self_hosted("billing")
-
-
 @router.get("/api/v1/sessions/{session_id}/trace_export")
 def trace_export(session_id: str, owner: str = Depends(require_owner)):
     _not_self_hosted("session trace export")

@@ -140,7 +140,9 @@ _ONE = "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"
 def delete_one(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
                server: Server = Depends(get_server), access: Access = Depends(get_access)):
     path = TinkerPath(run_id, kind, name)
-    server.checkpoints.delete(_checkpoint(access, owner, path, write=True))
+    row = _checkpoint(access, owner, path, write=True)
+    if server.checkpoints.delete(row):
+        server.audit_checkpoint("checkpoint_delete", owner, row, reason="deleted by its owner")
     return {"deleted": str(path)}
 
 
@@ -162,6 +164,7 @@ def _set_public(server: Server, access: Access, owner: str, path: TinkerPath, pu
         # 400, not 409: the SDK retries a 409 for minutes.
         raise HTTPException(400, f"checkpoint {path} is already {'public' if public else 'private'}")
     server.store.set_checkpoint_public(path.run, path.checkpoint_id, public)
+    server.audit_checkpoint("checkpoint_publish" if public else "checkpoint_unpublish", owner, row)
     return {"tinker_path": str(path), "public": public}
 
 
@@ -175,12 +178,13 @@ def set_ttl(run_id: str, kind: str, name: str, body: TtlBody, owner: str = Depen
             server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """ttl_seconds from now (1 s to 10 years; the expiry sweep removes it then), or null for never."""
     path = TinkerPath(run_id, kind, name)
-    _checkpoint(access, owner, path, write=True)
+    row = _checkpoint(access, owner, path, write=True)
     if body.ttl_seconds is not None and not 1 <= body.ttl_seconds <= MAX_TTL_S:
         raise HTTPException(400, f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or null to "
                                  f"never expire; got {body.ttl_seconds}")
     expires = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
     server.store.set_checkpoint_expiry(path.run, path.checkpoint_id, expires)
+    server.audit_checkpoint("checkpoint_ttl_set", owner, row, ttl_seconds=body.ttl_seconds, expires_at=iso(expires))
     return {"tinker_path": str(path), "expires_at": iso(expires)}
 
 
@@ -195,7 +199,7 @@ def external_weights_urls(run_id: str, kind: str, name: str, request: Request, o
     if kind != "external_weights":
         raise HTTPException(400, f"download URLs exist for external weights only (tinker://<run>/external_weights/"
                                  f"<name>, from save_weights_external); got {path}")
-    row = _checkpoint(access, owner, path)
+    row = access.read(owner, path.run, path.checkpoint_id, "download")
     expires = int(time.time()) + SIGNED_URL_TTL_S
     scope = "owner" if row.owner == owner else "public"
     base = str(request.base_url).rstrip("/")
@@ -249,7 +253,7 @@ def archive(run_id: str, kind: str, name: str, owner: str = Depends(require_owne
             server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """The checkpoint directory as a flat tar: `curl -H "X-API-Key: $KEY" URL | tar -x -C DIR`."""
     path = TinkerPath(run_id, kind, name)
-    _checkpoint(access, owner, path)
+    access.read(owner, path.run, path.checkpoint_id, "download")
     files = server.checkpoints.open_files(path)
     return StreamingResponse(tar_stream(files), media_type="application/x-tar", headers={
         "Content-Length": str(tar_length(files)),
@@ -372,5 +376,6 @@ def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archi
             size = server.checkpoints.save(path, owner, write_import(src, prepared), overwrite=overwrite)
         except CheckpointExists as e:
             raise HTTPException(400, f"{e}; import with overwrite=true to replace it") from None
+        server.audit_checkpoint("checkpoint_create", owner, server.checkpoints.record(path), how="import")
     return {"tinker_path": str(path), "training_run_id": path.run, "checkpoint_id": path.checkpoint_id,
             "size_bytes": size, "lora_rank": config.rank, "has_optimizer": prepared.checkpoint.optimizer is not None}

@@ -125,8 +125,10 @@ class ProjectBody(BaseModel):
 @router.put("/api/v1/sessions/{session_id}/project")
 def assign_session_project(session_id: str, body: ProjectBody, owner: str = Depends(require_owner),
                            server: Server = Depends(get_server), access: Access = Depends(get_access)):
-    access.session(owner, session_id)
+    row = access.session(owner, session_id)
     server.store.set_session_project(session_id, body.project_id)
+    server.accounting.audit("project_session_assign", owner, session_id=session_id, from_project=row.project_id,
+                            to_project=body.project_id)
     return {"session_id": session_id, "project_id": body.project_id}
 
 

@@ -296,15 +296,16 @@ def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | N
     return pixels
 
 
-def checkpoint_to_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int) -> LoadSpec:
-    """The checkpoint at `path`, to load or to sample, if this key may and this server can: its kind, its
-    owner or publication, and its manifest's rank against `max_rank` (--max-lora-rank; the worker checks
-    the files themselves again when it loads them)."""
+def checkpoint_to_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int,
+                       purpose: str = "load") -> LoadSpec:
+    """The checkpoint at `path`, to load or to sample (`purpose`, as the audit log records the read), if this
+    key may and this server can: its kind, its owner or publication, and its manifest's rank against
+    `max_rank` (--max-lora-rank; the worker checks the files themselves again when it loads them)."""
     where = TinkerPath.parse(path)
     if where.kind == "external_weights" or (with_optimizer and where.kind != "weights"):
         need = "a training state saved with save_state (tinker://.../weights/...)"
         raise UserError(f"cannot load {path!r} {'with optimizer' if with_optimizer else ''}: needs {need}")
-    folder = Path(access.checkpoint(owner, where.run, where.checkpoint_id).dir)
+    folder = Path(access.read(owner, where.run, where.checkpoint_id, purpose).dir)
     try:
         lora = read_manifest(folder).lora_config
     except CheckpointError as e:
