@@ -4,6 +4,7 @@ naming the role. Each test reads only what its own sessions did on the shared te
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta, timezone
 
 import httpx
@@ -141,3 +142,17 @@ def test_the_audit_log_records_who_did_what_to_which_checkpoint(team_server):
         ("project_session_assign", "proj-audit-a", "proj-audit-b")]
     yesterday = (datetime.now(timezone.utc) - timedelta(days=1)).date()
     assert not [e for e in admin(team_server).get_audit_log(day=yesterday).result().entries if e.tinker_path == path]
+
+
+def test_the_dashboard_shows_usage_per_user(team_server):
+    for who in ("alice", "bob"):
+        with team_server.client(TEAM[who]) as sc:
+            sampler = sc.create_sampling_client(base_model=BASE_MODEL).result()
+            sampler.sample(types.ModelInput.from_ints([4, 4, 4]), 1, types.SamplingParams(max_tokens=2)).result()
+
+    def rows(key: str) -> set[str]:
+        page = httpx.get(f"{team_server.base_url}/dashboard", headers={"X-API-Key": key}, timeout=60).text
+        return set(re.findall(r'<tr data-owner="([^"]+)">', page))
+
+    assert rows(TEAM["bob"]) == {"bob"}  # one's own
+    assert {"alice", "bob"} <= rows(TEAM["root"]) and "root" not in rows(TEAM["root"])  # every user's, for an admin

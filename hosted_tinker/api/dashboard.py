@@ -26,6 +26,7 @@ from fastapi.templating import Jinja2Templates
 from ..auth import InvalidCredential
 from ..checkpoints.paths import TinkerPath
 from ..server import Server
+from ..services.reports import DASHBOARD_DAYS, usage_by_owner
 from .deps import credential, get_server
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
@@ -115,8 +116,11 @@ def overview(request: Request):
     checkpoints, _ = server.store.owner_checkpoints(owner, ROWS, 0)
     session_ids, _ = server.store.list_sessions(owner, ROWS, 0)
     sessions = [server.store.get_session(sid) for sid in session_ids]
+    admin = owner in server.config.admin_users
+    usage = usage_by_owner(server, None if admin else {owner})
     return templates.TemplateResponse(request, "overview.html", {
         "owner": owner, "base_models": server.models.names, "dev_mode": server.keyring.dev_mode,
+        "usage": usage, "usage_days": DASHBOARD_DAYS, "admin": admin,
         "runs": run_rows, "checkpoints": checkpoints, "sessions": [s for s in sessions if s is not None],
         "session_runs": {sid: len(server.store.session_model_ids(sid)) for sid in session_ids}})
 

@@ -9,6 +9,7 @@ one day's audit log.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 
@@ -147,6 +148,43 @@ def audit_report(server: Server, access: Access, owner: str, event_type: str, da
     resource = None if event_type == "all" else event_type
     entries = server.accounting.tables.audit(start, start + 86400, resource, MAX_AUDIT_ENTRIES + 1)
     return AuditReport(entries[:MAX_AUDIT_ENTRIES], len(entries) > MAX_AUDIT_ENTRIES)
+
+
+@dataclass(frozen=True)
+class OwnerUsage:
+    """One owner's usage over the dashboard's window: tokens by kind, checkpoints saved, storage, cost."""
+
+    owner: str
+    training_tokens: int
+    prefill_tokens: int
+    sampled_tokens: int
+    checkpoints: int
+    storage_gigabyte_hours: float
+    cost: float | None  # None when no rate applies to any of it
+
+
+DASHBOARD_DAYS = 7
+
+
+def usage_by_owner(server: Server, owners: set[str] | None) -> list[OwnerUsage]:
+    """Usage per owner over the last `DASHBOARD_DAYS` days (whole UTC hours): of `owners`, or of all (None)."""
+    end = (int(time.time()) // 3600 + 1) * 3600
+    server.accounting.flush()
+    totals: dict[str, dict[str, float]] = {}
+    costs: dict[str, float | None] = {}
+    for row in server.accounting.tables.usage(end - DASHBOARD_DAYS * 86400, end):
+        k = row.key
+        if owners is not None and k.owner not in owners:
+            continue
+        kinds = totals.setdefault(k.owner, {})
+        kinds[k.kind] = kinds.get(k.kind, 0) + row.quantity
+        cost = _priced(server, k.bucket_start, k.base_model or None, k.owner, None, None, k.kind, k.cached,
+                       row.quantity).cost
+        if cost is not None:
+            costs[k.owner] = (costs.get(k.owner) or 0) + cost
+    return [OwnerUsage(who, int(t.get("training", 0)), int(t.get("sampling_prefill", 0)),
+                       int(t.get("sampling_sample", 0)), int(t.get(CHECKPOINT, 0)), t.get(STORAGE, 0.0), costs.get(who))
+            for who, t in sorted(totals.items())]
 
 
 def session_metadata(record: SessionRecord) -> dict | None:
