@@ -25,10 +25,10 @@ from pathlib import Path
 
 import anyio.to_thread
 from anyio import CapacityLimiter
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..access import Access
 from ..checkpoints.catalog import CheckpointExists, version_of
@@ -41,8 +41,10 @@ from ..checkpoints.transfer import (
 from ..request_types import MAX_TTL_S
 from ..server import Server
 from ..served_models import ServedModel
+from ..services import copies
+from ..services.copies import check_copy_request
 from .deps import accessible_scope, get_access, get_server, require_owner
-from .schemas import INT64_MAX, str_dict
+from .schemas import INT64_MAX, ShortText, str_dict
 
 router = APIRouter()
 
@@ -286,6 +288,30 @@ def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), ser
         "train_attn": lora.train_attn,
         "optimizer_config": json.loads(model.optimizer_config) if model is not None else {"type": "adamw"},
     }
+
+
+# -- copies ---------------------------------------------------------------------------------------------
+
+class CopyWeightsBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    source_path: str
+    destination_project_id: ShortText | None = None
+    session_id: ShortText | None = None
+    model_seq_id: int | None = Field(None, ge=0, le=INT64_MAX)
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
+
+
+@router.post("/api/v1/copy_weights")
+def copy_weights(body: CopyWeightsBody, owner: str = Depends(require_owner), server: Server = Depends(get_server),
+                 access: Access = Depends(get_access), x_idempotency_key: str | None = Header(default=None),
+                 x_tinker_weights_access_token: str | None = Header(default=None)):
+    """`RestClient.copy_weights` / `ServiceClient.copy_weights`: a copy sharing the source's storage
+    (services/copies.py)."""
+    check_copy_request(body.ttl_seconds, body.weights_access_token or x_tinker_weights_access_token)
+    return {"tinker_path": copies.copy_weights(
+        server, access, owner, body.source_path, project_id=body.destination_project_id, session_id=body.session_id,
+        model_seq_id=body.model_seq_id, ttl_seconds=body.ttl_seconds, idempotency_key=x_idempotency_key or None)}
 
 
 # -- import ----------------------------------------------------------------------------------------------

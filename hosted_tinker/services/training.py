@@ -32,6 +32,11 @@ from .images import ImagePixelBudget
 from .provenance import RecordNotFound, loss_inputs, named_sequences
 
 
+def training_run_id(session_id: str, model_seq_id: int) -> str:
+    """The id of a session's `model_seq_id`-th training run (its model id)."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
 def future_ref(request_id: str, model_id: str | None = None) -> dict:
     """What the SDK gets back for queued work: the id to poll with retrieve_future."""
     return FutureRef(request_id, model_id).to_wire()
@@ -64,7 +69,7 @@ class TrainingRequests:
             raise UserError(refused)
         if optimizer.get("type", "adamw") != "adamw":
             raise UserError(f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
-        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.CREATE_MODEL,
+        return self._create(served, owner, training_run_id(session_id, model_seq_id), session_id, RequestKind.CREATE_MODEL,
                             lora.to_dict(), optimizer, user_metadata, lora)
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, base_model: str | None,
@@ -81,7 +86,7 @@ class TrainingRequests:
             raise UserError(f"checkpoint {spec.path} was trained on base model {manifest.base_model!r}, "
                             f"not {base_model!r}: a checkpoint loads only into its own base model")
         served = served_model(self.server, manifest.base_model)
-        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.LOAD_WEIGHTS,
+        return self._create(served, owner, training_run_id(session_id, model_seq_id), session_id, RequestKind.LOAD_WEIGHTS,
                             manifest.lora_config.config().to_dict(), optimizer, user_metadata, spec)
 
     def _create(self, served: ServedModel, owner: str, model_id: str, session_id: str, kind: RequestKind, lora: dict,
