@@ -21,7 +21,7 @@ from ..services.images import ImagePixelBudget
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
 from ..startup import base_url, summary_lines
-from . import admin, dashboard, hub, openai_compat, ops, rest, sampling, service, training
+from . import admin, dashboard, hub, openai_compat, ops, rest, sampling, service, sessions, training
 from .access_log import AccessLog
 from .limits import BodyLimit
 from .metrics import Metrics
@@ -107,6 +107,7 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse({"detail": f"internal server error: {type(exc).__name__}"}, status_code=500)
 
+    app.include_router(sessions.router)  # before service's /api/v1/sessions/{session_id}
     app.include_router(service.router)
     app.include_router(training.router)
     app.include_router(sampling.router)
