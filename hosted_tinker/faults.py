@@ -6,7 +6,10 @@ Tests arm points through the environment of the server process they start:
 times (default every time). What firing does is the point's kind:
 
 - `check(point)` raises `InjectedFault` (a server fault in the middle of a cycle);
-- `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write).
+- `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write);
+- `hold(point)` waits until the test opens the point's gate: a FIFO named after the point in the
+  folder `HOSTED_TINKER_FAULT_GATES` names, which the test writes a byte to (work held in flight by
+  construction, never by racing it).
 
 Nothing else sets the variable; an unarmed point costs one dict lookup. Every point is declared
 in `POINTS`, so a test can walk all of them and a misspelled one fails at start-up instead of
@@ -19,8 +22,10 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 ENV_VAR = "HOSTED_TINKER_FAULTS"
+GATES_ENV_VAR = "HOSTED_TINKER_FAULT_GATES"
 
 POINTS = {
     # check(): raises InjectedFault
@@ -38,6 +43,9 @@ POINTS = {
     # crash_point() in a rank > 0 of a worker pool's first epoch (its relaunched successors never
     # reach it): runtime/distributed.py
     "pool.rank_mid_pass": "a pass's share done and its gradients summed into rank 0's, its outputs not yet sent",
+    # trace_exports.py: a session trace's build
+    "trace.build": "hold(): a session trace's build has started, nothing read yet",
+    "trace.build_fails": "check(): a session trace's build fails",
 }
 
 
@@ -87,6 +95,13 @@ def check(point: str) -> None:
     """Raise `InjectedFault` if a test armed this point (and it has firings left)."""
     if _fires(point):
         raise InjectedFault(f"fault injected at {point!r} (${ENV_VAR})")
+
+
+def hold(point: str) -> None:
+    """Wait, if a test armed this point, until the test writes to the point's gate (a FIFO)."""
+    if _fires(point):
+        with open(Path(os.environ[GATES_ENV_VAR]) / point, "rb") as gate:
+            gate.read(1)
 
 
 def crash_point(point: str) -> None:

@@ -47,6 +47,7 @@ from .served_models import ModelRegistry, ServedModel, make_runtime
 from .store import Store, db_path
 from .store_records import CheckpointRecord
 from .telemetry_log import TelemetryLog
+from .trace_exports import TraceExports
 from .vision import ImageLimits, image_encoder
 from .worker import TrainingWorker
 
@@ -168,6 +169,7 @@ class Server:
         self.telemetry = TelemetryLog(data_dir / "telemetry.jsonl", config.telemetry_max_bytes)
         # Usage, the audit log and request timings; it watches the device loops beside the metrics.
         self.accounting = Accounting(self.store, self.futures)
+        self.traces = TraceExports(self.accounting.tables, data_dir / "traces")
         self.rate_card = load_rate_card(config.rate_card, [entry.name for entry in config.served_models])
         observer = FanOut(observer or _Unobserved(), self.accounting)
         self.models = ModelRegistry([serve_model(entry, config, self.futures, self.store, self.checkpoints, data_dir,
@@ -203,6 +205,7 @@ class Server:
             model.loop.stop()
             model.runtime.close()
         self.accounting.stop()  # after the loops: their last cycles are counted
+        self.traces.close()
         self.store.close()
         self.telemetry.close()
         self.data_dir_lock.release()

@@ -1,19 +1,25 @@
-"""Session routes beyond the SDK's session lifecycle: `RestClient.search_sessions`."""
+"""Session routes beyond the SDK's session lifecycle: `RestClient.search_sessions` and
+`RestClient.export_session_trace` (with the signed download its URL points at)."""
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
+from urllib.parse import quote
 from typing import Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import FileResponse
 from pydantic import AwareDatetime, Field
 
 from ..auth_tokens import user_urn
 from ..errors import UserError
+from ..access import Access
 from ..server import Server
+from ..trace_exports import TRACE_URL_TTL_S, TraceGrant
 from ..services.session_search import EPOCH, CLIENT_FINISH_REASONS, SessionQuery, StatusQuery, search_sessions
 from ..store_search import DEFAULT_PROJECT, FoundSession, SessionSearch
-from .deps import get_server, require_owner
+from .deps import get_access, get_server, require_owner
 from .schemas import Body, ShortText, str_dict
 
 router = APIRouter()
@@ -86,3 +92,42 @@ def search(body: SessionSearchBody, owner: str = Depends(require_owner), server:
         "last_created_at": (EPOCH + timedelta(microseconds=page.next_cursor[0])).isoformat(),
         "last_session_id": page.next_cursor[1]}
     return {"sessions": [_summary(f) for f in page.sessions], "next_cursor": cursor}
+
+
+TRACE_WAIT_S = 2.0  # a poll waits this long for a build before it answers "pending" (the SDK polls every 5 s)
+
+
+@router.get("/api/v1/sessions/{session_id}/trace_export")
+def trace_export(session_id: str, request: Request, owner: str = Depends(require_owner),
+                 server: Server = Depends(get_server), access: Access = Depends(get_access)):
+    """The session's Perfetto trace: `pending` while it builds, then a signed URL the SDK's plain GET
+    downloads (valid an hour). Only the session's owner may export it (others: 404, as for the session)."""
+    access.session(owner, session_id)
+    server.accounting.settle(server.cycles_started())  # every request answered so far is in it
+    job = server.traces.request(session_id)
+    try:
+        job.result(timeout=TRACE_WAIT_S)
+    except Exception:  # still building (a timeout), or failed: the state says which
+        pass
+    state = server.traces.state(session_id, job)
+    if state.status != "ready":
+        return {"status": state.status, "error": state.error}
+    expires = int(time.time()) + TRACE_URL_TTL_S
+    grant = TraceGrant(session_id, state.filename, expires)
+    base = str(request.base_url).rstrip("/")
+    return {"status": "ready", "url": f"{base}/api/v1/signed_traces/{quote(session_id, safe='')}/{state.filename}"
+                                      f"?expires={expires}&signature={server.url_signer.signature(grant)}"}
+
+
+@router.get("/api/v1/signed_traces/{session_id}/{filename}")
+def signed_trace(session_id: str, filename: str, expires: int = Query(...), signature: str = Query(...),
+                 server: Server = Depends(get_server)):
+    """A trace file through its signed URL: no API key; the signature is the permission, until it expires."""
+    if not server.url_signer.valid(TraceGrant(session_id, filename, expires), signature):
+        raise HTTPException(403, "invalid trace URL: the signature does not match")
+    if time.time() > expires:
+        raise HTTPException(410, "this trace URL has expired; export the session's trace again for a new one")
+    path = server.traces.file(session_id, filename)
+    if path is None:
+        raise HTTPException(404, "this trace was replaced by a newer one of its session; export it again")
+    return FileResponse(path, media_type="application/octet-stream", filename=f"{session_id}.pftrace")

@@ -18,7 +18,7 @@ import tarfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Literal
+from typing import BinaryIO, Iterator, Literal, Protocol
 
 from ..runtime.multi_lora import FusedPart, MultiLoRALinear
 from ..secret_files import load_or_create_secret
@@ -61,6 +61,13 @@ class DownloadGrant:
         return "\n".join((str(self.path), self.filename, str(self.expires), self.version, self.scope)).encode()
 
 
+class Grant(Protocol):
+    """What a signed URL allows, as the bytes its signature covers. Each kind of grant starts its message
+    differently, so that no signature of one kind is valid for another."""
+
+    def message(self) -> bytes: ...
+
+
 class UrlSigner:
     """HMAC-SHA256 over a `DownloadGrant` with a secret kept in the data directory (mode 0600),
     so URLs stay valid across restarts and cannot be forged without the file."""
@@ -68,10 +75,10 @@ class UrlSigner:
     def __init__(self, key_path: Path):
         self.key = load_or_create_secret(key_path)
 
-    def signature(self, grant: DownloadGrant) -> str:
+    def signature(self, grant: Grant) -> str:
         return hmac.new(self.key, grant.message(), hashlib.sha256).hexdigest()
 
-    def valid(self, grant: DownloadGrant, signature: str) -> bool:
+    def valid(self, grant: Grant, signature: str) -> bool:
         return hmac.compare_digest(self.signature(grant), signature)
 
 
