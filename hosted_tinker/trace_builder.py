@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
+from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TracePacket, TrackEvent
 from perfetto.trace_builder.proto_builder import TraceProtoBuilder
 
 from .store_accounting import RequestTiming
@@ -113,6 +113,8 @@ class _Tracks:
         uuid = next(self.uuids)
         packet = self.builder.add_packet()
         packet.trusted_packet_sequence_id = SEQUENCE
+        if uuid == 1:  # the sequence's first packet: its (empty) incremental state starts here
+            packet.sequence_flags = TracePacket.SEQ_INCREMENTAL_STATE_CLEARED
         packet.track_descriptor.uuid = uuid
         packet.track_descriptor.name = name
         if parent is not None:

@@ -2,8 +2,8 @@
 
 Each is for the admin role only (`Access.admin`: anyone else gets `Forbidden`, a 403 naming the role) and
 first settles the accounting (accounting.py): it shows everything answered before it was asked. Each is
-bounded: a usage window of at most 14 days on hour boundaries, at most `MAX_AUDIT_ENTRIES` entries of
-one day's audit log.
+bounded: a usage window of at most 14 days on hour boundaries holding at most `MAX_USAGE_EVENTS` events,
+at most `MAX_AUDIT_ENTRIES` entries of one day's audit log.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..store_records import SessionRecord
 
 MAX_WINDOW = timedelta(days=14)
 MAX_AUDIT_ENTRIES = 10_000
+MAX_USAGE_EVENTS = 100_000
 AUDIT_EVENT_TYPES = ("all", "checkpoints", "projects", "teams", "organizations")
 
 
@@ -96,6 +97,9 @@ def usage_report(server: Server, access: Access, owner: str, start: int, end: in
         session = None if k.kind == STORAGE or not k.session_id else k.session_id
         group = (k.bucket_start, k.base_model or None, k.owner, session, project, k.kind, k.cached)
         merged[group] = merged.get(group, 0) + row.quantity
+    if len(merged) > MAX_USAGE_EVENTS:
+        raise UserError(f"the window from starting_on to ending_before holds {len(merged)} usage events; at most "
+                        f"{MAX_USAGE_EVENTS} are reported at once: ask for a shorter window")
     events = [_priced(server, *group, quantity) for group, quantity in merged.items()]
     events.sort(key=lambda e: (e.bucket_start, -e.quantity, e.kind, e.owner, e.session_id or ""))
     named = {e.session_id for e in events}
