@@ -124,6 +124,10 @@ def test_the_audit_log_records_who_did_what_to_which_checkpoint(team_server):
         rest.publish_checkpoint_from_tinker_path(path).result()
         rest.unpublish_checkpoint_from_tinker_path(path).result()
         rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+        run, kind, name = path.removeprefix("tinker://").split("/")
+        archive = httpx.get(f"{team_server.base_url}/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/archive",
+                            headers={"X-API-Key": TEAM["alice"]}, timeout=60)
+        assert archive.status_code == 200
         sc.create_training_client_from_state(path).result()
         sc.create_sampling_client(model_path=sampler_path).result()
         rest.assign_session_project(session, "proj-audit-b").result()
@@ -131,7 +135,7 @@ def test_the_audit_log_records_who_did_what_to_which_checkpoint(team_server):
     log = admin(team_server).get_audit_log("checkpoints").result()
     events = [(e.event, e.event_details.get("purpose")) for e in log.entries if e.tinker_path == path]
     assert events == [("checkpoint_create", None), ("checkpoint_publish", None), ("checkpoint_unpublish", None),
-                      ("checkpoint_ttl_set", None), ("checkpoint_read", "load")]
+                      ("checkpoint_ttl_set", None), ("checkpoint_read", "download"), ("checkpoint_read", "load")]
     sampler_events = [(e.event, e.purpose) for e in log.entries if e.tinker_path == sampler_path]
     assert sampler_events == [("checkpoint_create", None), ("checkpoint_read", "sample"), ("checkpoint_delete", None)]
     created = next(e for e in log.entries if e.tinker_path == path)

@@ -1,6 +1,6 @@
 """Usage is exact across a restart (issue 36): what a session sent and sampled is what it is charged, counted
 in memory, written with the cycles' records and once more at a graceful stop, and read back after the
-server starts again; with a rate card, costs follow the SDK's formulas."""
+server starts again (the audit log too); with a rate card, costs follow the SDK's formulas."""
 
 from __future__ import annotations
 
@@ -60,6 +60,9 @@ def test_usage_equals_what_was_sent_and_sampled_across_a_restart(tmp_path):
         srv.restart()  # SIGTERM: the last cycle and the counts still in memory are written before it exits
         before, _ = charged(srv, since)
         assert before[first] == sent_first
+        audit = tinker.AdminClient(base_url=srv.base_url, api_key=TEAM["root"]).get_audit_log().result()
+        assert [e.tinker_path for e in audit.entries if e.event == "checkpoint_create"] == [
+            f"tinker://{first}:train:0/weights/restart-5"]  # the audit log survives the restart too
         second, sent_second = work(srv, 7)
         after, events = charged(srv, since)
         assert after[first] == sent_first and after[second] == sent_second
