@@ -23,7 +23,7 @@ import os
 import threading
 from pathlib import Path
 
-from .auth_tokens import InvalidToken, TokenSigner
+from .auth_tokens import InvalidToken, TokenClaims, TokenSigner
 
 log = logging.getLogger(__name__)
 ENV_VAR = "HOSTED_TINKER_API_KEYS"
@@ -175,34 +175,38 @@ class Authenticator:
         self.tokens = tokens
 
     def owner(self, credential: str | None) -> str:
-        return self._check(credential)[0]
+        """The owner `credential` acts for; `InvalidCredential` saying why it is refused."""
+        if credential and credential.startswith("eyJ"):
+            return self._token_claims(credential).owner
+        return self._key_owner(credential)
 
     def issue_token(self, credential: str | None) -> str:
         """A fresh JWT for the owner of `credential` (an API key, or a valid token of this server's)."""
-        owner, mark = self._check(credential)
-        return self.tokens.issue(owner, mark)
+        if credential and credential.startswith("eyJ"):
+            claims = self._token_claims(credential)
+            return self.tokens.issue(claims.owner, claims.key_mark)
+        owner = self._key_owner(credential)
+        return self.tokens.issue(owner, self.tokens.key_marks([_digest(credential)])[0])
 
-    def _check(self, credential: str | None) -> tuple[str, str]:
-        """(owner, mark of the API key behind the credential), or `InvalidCredential`."""
-        if not credential:
+    def _key_owner(self, key: str | None) -> str:
+        if not key:
             raise InvalidCredential("missing API key: send it in the X-API-Key header")
-        if credential.startswith("eyJ"):
-            try:
-                claims = self.tokens.verify(credential)
-            except InvalidToken as e:
-                raise InvalidCredential(str(e), token=True) from None
-            if not self.keyring.dev_mode and not any(
-                    hmac.compare_digest(self.tokens.key_mark(d), claims.key_mark)
-                    for d in self.keyring.digests(claims.owner)):
-                raise InvalidCredential("invalid token: the API key it was issued for is no longer accepted",
-                                        token=True)
-            return claims.owner, claims.key_mark
-        if not credential.startswith("tml-"):
+        if not key.startswith("tml-"):
             raise InvalidCredential("invalid API key: Tinker keys start with 'tml-'")
-        owner = self.keyring.owner(credential)
+        owner = self.keyring.owner(key)
         if owner is None:
             raise InvalidCredential("invalid API key")
-        return owner, self.tokens.key_mark(_digest(credential))
+        return owner
+
+    def _token_claims(self, token: str) -> TokenClaims:
+        try:
+            claims = self.tokens.verify(token)
+        except InvalidToken as e:
+            raise InvalidCredential(str(e), token=True) from None
+        if not self.keyring.dev_mode and not any(hmac.compare_digest(mark, claims.key_mark) for mark in
+                                                 self.tokens.key_marks(self.keyring.digests(claims.owner))):
+            raise InvalidCredential("invalid token: the API key it was issued for is no longer accepted", token=True)
+        return claims
 
 
 def redact(value):

@@ -116,9 +116,10 @@ class TokenSigner:
                 self._stamp = self._file_stamp()
             return self._key
 
-    def key_mark(self, key_digest: bytes) -> str:
-        """What a token carries of the API key it was issued for (whose SHA-256 digest is `key_digest`)."""
-        return hmac.new(self._current_key(), b"api-key\n" + key_digest, hashlib.sha256).hexdigest()[:32]
+    def key_marks(self, key_digests: list[bytes]) -> list[str]:
+        """What a token carries of the API key it was issued for, for each key (by its SHA-256 digest)."""
+        key = self._current_key()
+        return [hmac.new(key, b"api-key\n" + d, hashlib.sha256).hexdigest()[:32] for d in key_digests]
 
     def issue(self, owner: str, key_mark: str) -> str:
         now = int(time.time())
