@@ -84,7 +84,7 @@ class ServerConfig(BaseSettings):
     """address to listen on (0.0.0.0: every interface)"""
     port: int = Field(8000, ge=0, le=65535)
     """port to listen on"""
-    # NoDecode: a variable holds names, not JSON (`_model_list` splits them).
+    # NoDecode: a variable holds names, not JSON (`_comma_separated` splits them).
     base_model: Annotated[ModelEntries, NoDecode] = Field([EMBEDDED_MODEL_NAME], min_length=1)
     """Hugging Face causal LM id or local directory (e.g. Qwen/Qwen3-8B), optionally with its own device after
     an '@' (Qwen/Qwen3-8B@cuda:1; else --device). Give it once per model to serve several (or a
@@ -209,6 +209,16 @@ class ServerConfig(BaseSettings):
     api_keys_file: Path | None = None
     """file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also read:
     $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode accepts any tml- key"""
+    admin_users: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """owners in the keys file who hold the admin role: AdminClient's usage, storage and audit log
+    (comma-separated, or given once per owner)"""
+    jwt_lifetime_s: int = Field(3600, ge=300, le=86400)
+    """lifetime in seconds of the JWTs the SDK gets for its API key (/api/v1/auth/token; it refreshes them at
+    half); the signing key is DATA_DIR/jwt_signing.key, replaced by `hosted-tinker rotate-token-key`"""
+    rate_card: Path | None = None
+    """YAML or JSON file of USD rates per base model (training, sampling_prefill, sampling_prefill_cached,
+    sampling_sample per million tokens) and for storage per GB-month: billing usage then carries estimated
+    costs as the SDK computes them; without one every cost is null"""
     telemetry_max_bytes: int = Field(64 << 20, ge=1 << 20)
     """size at which the data dir's telemetry.jsonl (the SDK's telemetry batches) is rotated; one previous file
     is kept"""
@@ -255,9 +265,9 @@ class ServerConfig(BaseSettings):
             raise ValueError(f"{value!r} is not a device: {_DEVICE_HELP}")
         return value
 
-    @field_validator("base_model", mode="before")
+    @field_validator("base_model", "admin_users", mode="before")
     @classmethod
-    def _model_list(cls, value: Any) -> Any:
+    def _comma_separated(cls, value: Any) -> Any:
         """A string (a variable, a file's scalar) or list items may each be a comma-separated list."""
         if not isinstance(value, (str, list)):
             return value  # pydantic says what is wrong with it

@@ -8,7 +8,10 @@ times (default every time). What firing does is the point's kind:
 - `check(point)` raises `InjectedFault` (a server fault in the middle of a cycle);
 - `check_user(point)` raises `InjectedUserFault`, a `UserError` (a request the code below the
   API finds it cannot take);
-- `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write).
+- `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write);
+- `hold(point)` waits until the test opens the point's gate: a FIFO named after the point in the
+  folder `HOSTED_TINKER_FAULT_GATES` names, which the test writes a byte to (work held in flight by
+  construction, never by racing it).
 
 Nothing else sets the variable; an unarmed point costs one dict lookup. Every point is declared
 in `POINTS`, so a test can walk all of them and a misspelled one fails at start-up instead of
@@ -21,10 +24,12 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import UserError
 
 ENV_VAR = "HOSTED_TINKER_FAULTS"
+GATES_ENV_VAR = "HOSTED_TINKER_FAULT_GATES"
 
 POINTS = {
     # check(): raises InjectedFault
@@ -47,6 +52,9 @@ POINTS = {
     # cannot take does (issue 33: a poisoned image prompt once failed every job prefilled beside it)
     "sampling.prefill_poisoned": "check_user(): a prefill holding a prompt poisoned for it",
     "sampling.decode_poisoned": "check(): a decode step holding a row of a prompt poisoned for it",
+    # trace_exports.py: a session trace's build
+    "trace.build": "hold(): a session trace's build has started, nothing read yet",
+    "trace.build_fails": "check(): a session trace's build fails",
 }
 
 # The token that poisons a prompt for each sampling.* point (ids every test model's vocabulary has).
@@ -116,6 +124,13 @@ def check_user(point: str) -> None:
     """Raise `InjectedUserFault` (a `UserError`) if a test armed this point (and it has firings left)."""
     if _fires(point):
         raise InjectedUserFault(f"fault injected at {point!r} (${ENV_VAR})")
+
+
+def hold(point: str) -> None:
+    """Wait, if a test armed this point, until the test writes to the point's gate (a FIFO)."""
+    if _fires(point):
+        with open(Path(os.environ[GATES_ENV_VAR]) / point, "rb") as gate:
+            gate.read(1)
 
 
 def crash_point(point: str) -> None:

@@ -32,6 +32,9 @@ from server_process import free_port
 BASE_MODEL = EMBEDDED_MODEL_NAME
 VOCAB = 1000  # ids used by tests stay below the embedded tokenizer's size
 API_KEY = "tml-test-key-alice"  # the shared server's default key (conftest's `service_client`)
+# The team server (conftest's `team_server`): owner -> API key, and who holds the admin role.
+TEAM = {"alice": "tml-team-alice", "bob": "tml-team-bob", "root": "tml-team-root"}
+TEAM_ADMINS = ("root",)
 WAIT = 300.0  # hang guard for what a server does on its own (a TTL sweep...): never reached when all is well
 
 # -- training the runtime in process (exactness tests: solo vs co-batched, eager vs graphed) -------
@@ -218,6 +221,12 @@ def wait_until(predicate, what: str, timeout: float = WAIT):
             return value
         time.sleep(0.05)
     raise AssertionError(f"never happened (waited {timeout:.0f} s): {what}")
+
+
+def write_team_keys(path: Path, team: dict[str, str] = TEAM) -> Path:
+    """A keys file of `team` (owner -> key)."""
+    path.write_text("".join(f"{owner}: {key}\n" for owner, key in team.items()))
+    return path
 
 
 def tar_bytes(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> bytes:

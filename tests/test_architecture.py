@@ -28,7 +28,7 @@ FLOORS = [
     ("hosted_tinker.__main__", "hosted_tinker.cli", "hosted_tinker.export"),
     ("hosted_tinker.api",),
     ("hosted_tinker.services",),
-    ("hosted_tinker.server", "hosted_tinker.startup", "hosted_tinker.access"),
+    ("hosted_tinker.server", "hosted_tinker.startup", "hosted_tinker.access", "hosted_tinker.accounting"),
     ("hosted_tinker.served_models",),
     ("hosted_tinker.device_loop",),
     ("hosted_tinker.worker",),

@@ -81,7 +81,7 @@ def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Dep
     sid = sampling_session_id(body.session_id, body.sampling_session_seq_id)
     if body.model_path is not None:
         spec = checkpoint_to_load(access, owner, body.model_path, with_optimizer=False,
-                                  max_rank=sampling.config.max_lora_rank)
+                                  max_rank=sampling.config.max_lora_rank, purpose="sample")
         ckpt_dir, path = str(spec.checkpoint_dir), body.model_path
     elif body.base_model is not None:
         ckpt_dir, path = None, None

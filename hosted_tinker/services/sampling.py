@@ -202,6 +202,7 @@ class SamplingRequests:
             lease.release()
             return request_id
         lease.release_when_done([job])
+        self.server.accounting.count_sample(job, owner, served.name, request_id, sampling_session_id)
         served.sampler.submit(request_id, job, record=None if record is None else record(request_id))
         return request_id
 
@@ -213,4 +214,6 @@ class SamplingRequests:
         self.check_size(served, jobs)
         lease = self.allowance.take(owner, jobs)
         lease.release_when_done(jobs)
+        for job in jobs:  # no session: usage goes to the key's owner alone
+            self.server.accounting.count_sample(job, owner, served.name, request_id="")
         served.sampler.submit_jobs(jobs)

@@ -32,6 +32,11 @@ from .images import ImagePixelBudget
 from .provenance import RecordNotFound, loss_inputs, named_sequences
 
 
+def training_run_id(session_id: str, model_seq_id: int) -> str:
+    """The id of a session's `model_seq_id`-th training run (its model id)."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
 def future_ref(request_id: str, model_id: str | None = None) -> dict:
     """What the SDK gets back for queued work: the id to poll with retrieve_future."""
     return FutureRef(request_id, model_id).to_wire()
@@ -64,7 +69,7 @@ class TrainingRequests:
             raise UserError(refused)
         if optimizer.get("type", "adamw") != "adamw":
             raise UserError(f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
-        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.CREATE_MODEL,
+        return self._create(served, owner, training_run_id(session_id, model_seq_id), session_id, RequestKind.CREATE_MODEL,
                             lora.to_dict(), optimizer, user_metadata, lora)
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, base_model: str | None,
@@ -81,7 +86,7 @@ class TrainingRequests:
             raise UserError(f"checkpoint {spec.path} was trained on base model {manifest.base_model!r}, "
                             f"not {base_model!r}: a checkpoint loads only into its own base model")
         served = served_model(self.server, manifest.base_model)
-        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.LOAD_WEIGHTS,
+        return self._create(served, owner, training_run_id(session_id, model_seq_id), session_id, RequestKind.LOAD_WEIGHTS,
                             manifest.lora_config.config().to_dict(), optimizer, user_metadata, spec)
 
     def _create(self, served: ServedModel, owner: str, model_id: str, session_id: str, kind: RequestKind, lora: dict,
@@ -296,15 +301,16 @@ def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | N
     return pixels
 
 
-def checkpoint_to_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int) -> LoadSpec:
-    """The checkpoint at `path`, to load or to sample, if this key may and this server can: its kind, its
-    owner or publication, and its manifest's rank against `max_rank` (--max-lora-rank; the worker checks
-    the files themselves again when it loads them)."""
+def checkpoint_to_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int,
+                       purpose: str = "load") -> LoadSpec:
+    """The checkpoint at `path`, to load or to sample (`purpose`, as the audit log records the read), if this
+    key may and this server can: its kind, its owner or publication, and its manifest's rank against
+    `max_rank` (--max-lora-rank; the worker checks the files themselves again when it loads them)."""
     where = TinkerPath.parse(path)
     if where.kind == "external_weights" or (with_optimizer and where.kind != "weights"):
         need = "a training state saved with save_state (tinker://.../weights/...)"
         raise UserError(f"cannot load {path!r} {'with optimizer' if with_optimizer else ''}: needs {need}")
-    folder = Path(access.checkpoint(owner, where.run, where.checkpoint_id).dir)
+    folder = Path(access.read(owner, where.run, where.checkpoint_id, purpose).dir)
     try:
         lora = read_manifest(folder).lora_config
     except CheckpointError as e:
