@@ -32,6 +32,10 @@ class ImageError(UserError):
     """An image the request cannot use (a 400)."""
 
 
+class MissingPackage(RuntimeError):
+    """A package the server needs for what it was asked to serve is not installed (one line: what to install)."""
+
+
 @dataclass
 class ImageIn:
     """One image chunk of a model_input, before it is processed."""
@@ -123,11 +127,21 @@ class ImageEncoder:
                              "(max_images_per_request)")
 
 
+def require_pillow(model: str) -> None:
+    """A `MissingPackage` saying what to install if Pillow, which images need, is not installed."""
+    try:
+        import PIL.Image  # noqa: F401
+    except ImportError:
+        raise MissingPackage(f"{model} is a vision-language model and its images need Pillow, which is not "
+                             "installed: pip install pillow (./launch.sh serve installs it)") from None
+
+
 def image_encoder(model: torch.nn.Module, source: str, limits: ImageLimits) -> ImageEncoder | None:
     """The encoder of a vision-language model loaded from `source`; None for a text-only model."""
     token = getattr(model.config, "image_token_id", None)
     if token is None or getattr(model.config, "vision_config", None) is None:
         return None
+    require_pillow(source)
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(source, backend="pil")  # no torchvision needed
