@@ -4,14 +4,13 @@ image pixels in the key's budget shared with training requests (`ImagePixelBudge
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hosted_tinker.api.app import http_error_of
 from hosted_tinker.errors import Busy
 from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.services.images import ImagePixelBudget
 from hosted_tinker.services.sampling import SamplingAllowance
-from hosted_tinker.vision import Pixels
+from hosted_tinker.vision import Pixels, SizedImage
 
 
 def job(num_samples: int = 2, max_tokens: int = 10) -> SampleJob:
@@ -48,8 +47,10 @@ def test_a_multi_job_request_is_given_back_once_when_its_last_job_ends():
 
 
 def image_job(pixels: int) -> SampleJob:
+    """A job whose one image, as its header says, is `pixels` x 1 (resized to fewer pixels)."""
     j = job()
-    j.pixels = Pixels(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), pixels)
+    j.pixels = Pixels([SizedImage("prompt image 0", b"", "png", width=pixels, height=1, patches=1, tokens=1,
+                                  processed_pixels=1)])
     return j
 
 

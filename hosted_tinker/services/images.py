@@ -4,11 +4,13 @@
 One budget per key, shared by its training requests (`forward_backward`, `forward`) and its sample
 requests (`asample`, so `compute_logprobs`, and the OpenAI routes), not one budget for each: what it
 bounds is the memory a key's decoded images take on the server while its requests wait and run,
-and a training request's images take that memory as a sample request's do. A key with the bound
-reached gets `Busy` (a 429 with Retry-After, which the SDK retries) until some of its requests end;
-one request over the whole bound alone could never get in, so it is a `UserError` (a 400) instead.
-The pixels are given back when the request ends (done, failed, cancelled or skipped); nothing is
-persisted, so a restart starts every key at zero (its unfinished requests were failed then).
+and a training request's images take that memory as a sample request's do. A request's pixels
+(vision.py `SizedImage.budget_pixels`: read from the images' headers) are taken before any of its
+images is decoded. A key with the bound reached gets `Busy` (a 429 with Retry-After, which the SDK
+retries) until some of its requests end; one request over the whole bound alone could never get
+in, so it is a `UserError` (a 400) instead. The pixels are given back when the request ends (done,
+failed, cancelled or skipped); nothing is persisted, so a restart starts every key at zero (its
+unfinished requests were failed then).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import threading
 
 from ..errors import Busy, UserError
+from ..vision import ImageEncoder, Pixels
 
 
 class ImagePixelBudget:
@@ -27,9 +30,10 @@ class ImagePixelBudget:
     def check_size(self, pixels: int) -> None:
         """A `UserError` if one request's `pixels` are more than any key may hold at once."""
         if pixels > self.max_pixels_per_key:
-            raise UserError(f"this request's images have {pixels} pixels together; one API key's requests in "
-                            f"flight may hold {self.max_pixels_per_key} (max_image_pixels_per_key): send fewer "
-                            "or smaller images")
+            raise UserError(f"this request's images have {pixels} pixels together (each counted at the larger of its "
+                            "size as sent and as the model's processor resizes it); one API key's requests in flight "
+                            f"may hold {self.max_pixels_per_key} (max_image_pixels_per_key): send fewer or smaller "
+                            "images")
 
     def take(self, owner: str, pixels: int) -> None:
         """Hold `pixels` for `owner` (give them back with `give_back`), or `Busy` naming the bound."""
@@ -49,3 +53,9 @@ class ImagePixelBudget:
             self.held[owner] -= pixels
             if not self.held[owner]:
                 del self.held[owner]
+
+    def decode(self, owner: str, encoder: ImageEncoder, pixels: list[Pixels]) -> None:
+        """Decode a request's images, its pixels already held for `owner`. A refusal (`ImageError`,
+        naming the image) decodes no further."""
+        for p in pixels:
+            encoder.decode(p)
