@@ -200,6 +200,9 @@ class ServerConfig(BaseSettings):
     forward) and sampling in one budget, each image counted at the larger of its size as sent and as the model's
     processor resizes it (Qwen-VL holds 24 bytes per resized pixel until the request is answered); checked from
     the images' headers before any is decoded; beyond it, 429 (one request over it alone, 400)"""
+    max_image_decodes_per_key: int = Field(2, ge=1)
+    """requests of one API key whose images are being decoded at once (each decodes its images one after
+    another; a 4096 x 4096 image takes seconds of CPU and ~1 GB at its peak); beyond it, 429"""
     max_pending_per_key: int = Field(4096, ge=1)
     """unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)"""
     max_models_per_key: int = Field(64, ge=1)

@@ -6,7 +6,9 @@ Tests arm points through the environment of the server process they start:
 times (default every time). What firing does is the point's kind:
 
 - `check(point)` raises `InjectedFault` (a server fault in the middle of a cycle);
-- `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write).
+- `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write);
+- `gate(point)` holds the thread there until the test opens the point's gate (a FIFO in the
+  folder `HOSTED_TINKER_GATES` names): work held in flight by construction, not by a race.
 
 Nothing else sets the variable; an unarmed point costs one dict lookup. Every point is declared
 in `POINTS`, so a test can walk all of them and a misspelled one fails at start-up instead of
@@ -21,6 +23,7 @@ import threading
 from dataclasses import dataclass
 
 ENV_VAR = "HOSTED_TINKER_FAULTS"
+GATES_VAR = "HOSTED_TINKER_GATES"
 
 POINTS = {
     # check(): raises InjectedFault
@@ -38,6 +41,8 @@ POINTS = {
     # crash_point() in a rank > 0 of a worker pool's first epoch (its relaunched successors never
     # reach it): runtime/distributed.py
     "pool.rank_mid_pass": "a pass's share done and its gradients summed into rank 0's, its outputs not yet sent",
+    # gate(): held until the test opens the gate
+    "image.decode": "a request's images about to be decoded, one of its key's decode slots taken",
 }
 
 
@@ -93,3 +98,12 @@ def crash_point(point: str) -> None:
     """Kill this process with SIGKILL if a test armed this point: a real kill -9, right here."""
     if _fires(point):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def gate(point: str) -> None:
+    """If a test armed this point, wait here until it opens the gate: the FIFO named `point` in the
+    folder $HOSTED_TINKER_GATES. The test's open of it for writing returns once this thread has it
+    open (the point is reached); its close lets this thread go on. Neither side polls."""
+    if _fires(point):
+        with open(os.path.join(os.environ[GATES_VAR], point), "rb") as fifo:
+            fifo.read()  # until the test closes its end

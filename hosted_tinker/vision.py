@@ -27,7 +27,8 @@ request holds at most `max_images_per_request` of them (config.py); a refusal na
 An API key's waiting and running requests, training and sampling alike, hold at most
 `max_image_pixels_per_key` pixels of images together, each image counted at the larger of its
 size as sent (what decoding it holds) and its size as the processor resizes it (what its request
-holds until answered: Qwen-VL's float32 patches take 24 bytes a pixel) (services/images.py).
+holds until answered: Qwen-VL's float32 patches take 24 bytes a pixel), and run at most
+`max_image_decodes_per_key` decodes at once (services/images.py).
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ on a tiny random Qwen3-VL (tests/tiny_vl_model.py).
   rule on forward_backward, asample and /v1/chat/completions (it was a 500); odd but valid images
   (1x1, CMYK, 16-bit, palette with transparency, animated, EXIF-rotated) work, converted as the
   model's own processor converts them; a truncated file is a 400.
+- A key decoding `max_image_decodes_per_key` requests' images gets a 429 for another, while another
+  key's images go through: the first decode is held in flight by a gate the test opens
+  (faults.gate), not by a race.
 """
 
 from __future__ import annotations
@@ -20,13 +23,17 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import threading
 
+import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
 
-from helpers import logprobs_of, metric
+from helpers import WAIT, forward_backward_body, logprobs_of, metric
+from hosted_tinker import faults
 from server_process import ServerProcess
 from tiny_vl_model import build_tiny_vl_model, png
 
@@ -229,3 +236,44 @@ def test_odd_images_work_as_the_models_processor_converts_them(alice):
     for fmt, whole in (("png", encoded(rgb)), ("jpeg", encoded(rgb, "JPEG"))):
         with pytest.raises(tinker.BadRequestError, match=f"datum 0 image 0: the {fmt} data cannot be decoded"):
             logprobs(whole[:len(whole) // 2], fmt)
+
+
+def open_gate(path) -> io.BufferedWriter:
+    """The gate at `path` (faults.gate), once the server has reached it: the writer end of its FIFO,
+    which lets the server go on when closed."""
+    opened: list = []
+    opener = threading.Thread(target=lambda: opened.append(open(path, "wb")), daemon=True)
+    opener.start()
+    opener.join(WAIT)  # a hang guard: the open returns as soon as the server's reader is there
+    assert opened, f"the server never reached the gate {path}"
+    return opened[0]
+
+
+def test_a_keys_decodes_in_flight_are_bounded_and_another_key_is_not_held(vl_dir, tmp_path):
+    """With max_image_decodes_per_key 1, Alice's first image request is held in its decode (a gate):
+    her second is a 429 naming the setting, given nothing; Bob's image request is decoded and
+    answered meanwhile. Once the gate opens, Alice's first is answered too."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    os.mkfifo(gates / "image.decode")
+    srv = ServerProcess(tmp_path / "srv", env={"HOSTED_TINKER_MAX_IMAGE_DECODES_PER_KEY": "1",
+                                               faults.ENV_VAR: "image.decode:1", faults.GATES_VAR: str(gates)},
+                        args=("--base-model", str(vl_dir), "--api-keys-file", keys_file(tmp_path))).start()
+    try:
+        with srv.client(ALICE) as a_client, srv.client(BOB) as b_client, httpx.Client(
+                base_url=srv.base_url, headers={"X-API-Key": ALICE}, timeout=60) as http:
+            a = a_client.create_lora_training_client(base_model=str(vl_dir), rank=4).result()
+            a2 = a_client.create_lora_training_client(base_model=str(vl_dir), rank=4).result()
+            b = b_client.create_lora_training_client(base_model=str(vl_dir), rank=4).result()
+            image_datum = datum([5], png(64, 32), [6], n=4)
+            held = a.forward([image_datum], "cross_entropy")  # its POST waits in the server's decode
+            with open_gate(gates / "image.decode"):
+                over = http.post("/api/v1/forward_backward", content=forward_backward_body(a2.model_id, 1, image_datum),
+                                 headers={"Content-Type": "application/x-protobuf"})
+                assert over.status_code == 429 and over.headers["Retry-After"] == "1", over.text
+                assert "1 requests decoding images now (max_image_decodes_per_key = 1)" in over.json()["detail"]
+                b.forward([image_datum], "cross_entropy").result()
+            assert logprobs_of(held.result())[0].shape == (4,)
+            a2.forward([image_datum], "cross_entropy").result()  # her slot is free again
+    finally:
+        srv.stop()
