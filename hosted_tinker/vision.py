@@ -79,10 +79,10 @@ class ImageLimits:
 
 @dataclass
 class SizedImage:
-    """An image chunk checked from its header alone, not yet decoded."""
+    """An image chunk checked from its header alone (`ImageEncoder.measure`)."""
 
     where: str  # "datum 0 image 1": what a refusal names
-    data: bytes
+    data: bytes  # encoded; emptied once decoded (`ImageEncoder.decode`)
     format: str
     width: int
     height: int
