@@ -40,11 +40,12 @@ def _serve(config: ServerConfig) -> int:
     from .data_dir_lock import DataDirInUse
     from .server import Server
     from .sqlite_db import StoreUnavailable
+    from .vision import MissingPackage
 
     metrics = Metrics()
     try:
         srv = Server(config, observer=metrics)  # the data-dir lock first, then the store, then the model load
-    except (DataDirInUse, StoreUnavailable) as e:
+    except (DataDirInUse, StoreUnavailable, MissingPackage) as e:
         checked.sock.close()
         return _fail("serve", [str(e)])
     # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:

@@ -196,8 +196,13 @@ class ServerConfig(BaseSettings):
     max_images_per_request: int = Field(64, ge=1)
     """image chunks in one forward_backward, forward or sample request"""
     max_image_pixels_per_key: int = Field(1 << 28, ge=1)
-    """pixels (width x height) of the images in one API key's waiting and running requests together, training
-    (forward_backward, forward) and sampling in one budget; beyond it, 429 (one request over it alone, 400)"""
+    """pixels of the images in one API key's waiting and running requests together, training (forward_backward,
+    forward) and sampling in one budget, each image counted at the larger of its size as sent and as the model's
+    processor resizes it (Qwen-VL holds 24 bytes per resized pixel until the request is answered); checked from
+    the images' headers before any is decoded; beyond it, 429 (one request over it alone, 400)"""
+    max_image_decodes_per_key: int = Field(2, ge=1)
+    """requests of one API key whose images are being decoded at once (each decodes its images one after
+    another; a 4096 x 4096 image takes seconds of CPU and ~1 GB at its peak); beyond it, 429"""
     max_pending_per_key: int = Field(4096, ge=1)
     """unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)"""
     max_models_per_key: int = Field(64, ge=1)

@@ -9,9 +9,8 @@ times (default every time). What firing does is the point's kind:
 - `check_user(point)` raises `InjectedUserFault`, a `UserError` (a request the code below the
   API finds it cannot take);
 - `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write);
-- `hold(point)` waits until the test opens the point's gate: a FIFO named after the point in the
-  folder `HOSTED_TINKER_FAULT_GATES` names, which the test writes a byte to (work held in flight by
-  construction, never by racing it).
+- `gate(point)` holds the thread there until the test opens the point's gate (a FIFO in the
+  folder `HOSTED_TINKER_GATES` names): work held in flight by construction, not by a race.
 
 Nothing else sets the variable; an unarmed point costs one dict lookup. Every point is declared
 in `POINTS`, so a test can walk all of them and a misspelled one fails at start-up instead of
@@ -24,12 +23,11 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 from .errors import UserError
 
 ENV_VAR = "HOSTED_TINKER_FAULTS"
-GATES_ENV_VAR = "HOSTED_TINKER_FAULT_GATES"
+GATES_VAR = "HOSTED_TINKER_GATES"
 
 POINTS = {
     # check(): raises InjectedFault
@@ -53,8 +51,10 @@ POINTS = {
     "sampling.prefill_poisoned": "check_user(): a prefill holding a prompt poisoned for it",
     "sampling.decode_poisoned": "check(): a decode step holding a row of a prompt poisoned for it",
     # trace_exports.py: a session trace's build
-    "trace.build": "hold(): a session trace's build has started, nothing read yet",
+    "trace.build": "gate(): a session trace's build has started, nothing read yet",
     "trace.build_fails": "check(): a session trace's build fails",
+    # services/images.py
+    "image.decode": "gate(): a request's images about to be decoded, one of its key's decode slots taken",
 }
 
 # The token that poisons a prompt for each sampling.* point (ids every test model's vocabulary has).
@@ -126,14 +126,16 @@ def check_user(point: str) -> None:
         raise InjectedUserFault(f"fault injected at {point!r} (${ENV_VAR})")
 
 
-def hold(point: str) -> None:
-    """Wait, if a test armed this point, until the test writes to the point's gate (a FIFO)."""
-    if _fires(point):
-        with open(Path(os.environ[GATES_ENV_VAR]) / point, "rb") as gate:
-            gate.read(1)
-
-
 def crash_point(point: str) -> None:
     """Kill this process with SIGKILL if a test armed this point: a real kill -9, right here."""
     if _fires(point):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def gate(point: str) -> None:
+    """If a test armed this point, wait here until it opens the gate: the FIFO named `point` in the
+    folder $HOSTED_TINKER_GATES. The test's open of it for writing returns once this thread has it
+    open (the point is reached); its close lets this thread go on. Neither side polls."""
+    if _fires(point):
+        with open(os.path.join(os.environ[GATES_VAR], point), "rb") as fifo:
+            fifo.read()  # until the test closes its end

@@ -132,7 +132,7 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                        loop=DeviceLoop(scheduler, worker, backend, futures, wake,
                                        on_cycle=functools.partial(observer.observe_cycle, name)),
                        kv_budget=kv_budget,
-                       images=image_encoder(model, resolve_model_source(name, data_dir), ImageLimits(
+                       images=image_encoder(model, resolve_model_source(name, data_dir), tokenizer, ImageLimits(
                            config.max_image_bytes, config.max_image_pixels, config.max_images_per_request)))
 
 

@@ -27,10 +27,11 @@ from . import __version__
 from .auth import ENV_VAR, KeyConfigError, KeyRing
 from .auth_tokens import TOKEN_KEY_FILE
 from .config import ModelEntry, ServerConfig, flag
-from .model_loading import ModelUnavailable, check_model_available
+from .model_loading import ModelUnavailable, check_model_available, local_config
 from .rate_card import RateCardError, load_rate_card
 from .runtime.projections import coverage
 from .sampling.vllm_sidecar import VLLM_LORA_RANKS, vllm_python
+from .vision import MissingPackage, require_pillow
 
 
 class StartupError(RuntimeError):
@@ -98,12 +99,15 @@ def _device_problem(spec: str, fix: str) -> str | None:
 
 
 def _check_models(config: ServerConfig) -> dict[str, str]:
-    """Where each served model will come from; every one that cannot be found is a line."""
+    """Where each served model will come from; every one that cannot be found, or that needs a package
+    not installed here (Pillow, for a vision-language model's images), is a line."""
     sources, problems = {}, []
     for entry in config.served_models:
         try:
             sources[entry.name] = check_model_available(entry.name)
-        except ModelUnavailable as e:
+            if "vision_config" in (local_config(entry.name) or {}):  # a download is checked as it loads
+                require_pillow(entry.name)
+        except (ModelUnavailable, MissingPackage) as e:
             problems.append(str(e))
     if problems:
         raise StartupError(*problems)

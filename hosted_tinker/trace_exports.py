@@ -97,7 +97,7 @@ class TraceExports:
         return path if path.is_file() else None
 
     def _build(self, session_id: str, filename: str, rows: int) -> str:
-        faults.hold("trace.build")
+        faults.gate("trace.build")
         faults.check("trace.build_fails")
         timings = self.tables.timings(session_id, MAX_TRACE_REQUESTS)
         data = build_trace(session_id, timings, max(rows - len(timings), 0), self.tables.sampling_overlaps)

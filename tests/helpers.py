@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -270,3 +271,14 @@ def open_completion(srv, key: str, body: dict) -> socket.socket:
                  b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(data)).encode() +
                  b"\r\n\r\n" + data)
     return sock
+
+
+def open_gate(path) -> io.BufferedWriter:
+    """The gate at `path` (faults.gate), once the server has reached it: the writer end of its FIFO,
+    which lets the server go on when closed."""
+    opened: list = []
+    opener = threading.Thread(target=lambda: opened.append(open(path, "wb")), daemon=True)
+    opener.start()
+    opener.join(WAIT)  # a hang guard: the open returns as soon as the server's reader is there
+    assert opened, f"the server never reached the gate {path}"
+    return opened[0]

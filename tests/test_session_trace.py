@@ -21,7 +21,7 @@ import tinker
 from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
 from tinker import types
 
-from helpers import BASE_MODEL, TEAM, database, sft_batch, wait_until, write_team_keys
+from helpers import BASE_MODEL, TEAM, database, open_gate, sft_batch, wait_until, write_team_keys
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -102,7 +102,7 @@ def test_an_export_is_pending_while_it_builds_and_failed_when_it_fails(tmp_path)
     os.mkfifo(gates / "trace.build")
     keys = write_team_keys(tmp_path / "keys")
     srv = ServerProcess(tmp_path / "srv", args=("--api-keys-file", str(keys)), env={
-        "HOSTED_TINKER_FAULTS": "trace.build:1,trace.build_fails@2:1", "HOSTED_TINKER_FAULT_GATES": str(gates)})
+        "HOSTED_TINKER_FAULTS": "trace.build:1,trace.build_fails@2:1", "HOSTED_TINKER_GATES": str(gates)})
     srv.start()
     try:
         session, _ = traced_session(srv)
@@ -111,9 +111,7 @@ def test_an_export_is_pending_while_it_builds_and_failed_when_it_fails(tmp_path)
             poll = f"/api/v1/sessions/{session}/trace_export"
             assert http.get(poll).json()["status"] == "pending"  # its build waits at the gate
             assert http.get(poll).json()["status"] == "pending"  # the same build, not a second one
-            gate = os.open(gates / "trace.build", os.O_WRONLY | os.O_NONBLOCK)  # the build holds the other end
-            os.write(gate, b"x")
-            os.close(gate)
+            open_gate(gates / "trace.build").close()  # the build waits there: let it go on
             ready = wait_until(lambda: (r := http.get(poll).json())["status"] == "ready" and r, "the trace built")
             assert httpx.get(ready["url"], timeout=60).status_code == 200
         other, _ = traced_session(srv)  # the second build fails (trace.build_fails@2): the SDK raises, once

@@ -146,7 +146,8 @@ def test_a_sample_request_over_the_keys_image_bound_is_a_400(sc, vl_dir):
     """Two 64x64 images are 8192 pixels, more than the 6000 a key may have in flight (the module's server)."""
     client = sc.create_sampling_client(base_model=str(vl_dir)).result()
     image = types.ImageChunk(data=png(64, 64), format="png", expected_tokens=4)
-    prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]), image, image])
+    prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]), image, types.EncodedTextChunk(tokens=[6]),
+                                      image])
     with pytest.raises(tinker.BadRequestError, match=r"8192 pixels together.*6000 \(max_image_pixels_per_key\)"):
         client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
 

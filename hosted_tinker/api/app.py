@@ -62,7 +62,8 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         app.state.server = srv
         app.state.access = Access(srv.store, srv.models.has_training_model, admins=srv.config.admin_users,
                                   on_read=srv.audit_read)
-        images = ImagePixelBudget(srv.config.max_image_pixels_per_key)  # one per key, training and sampling
+        # one per key, training and sampling
+        images = ImagePixelBudget(srv.config.max_image_pixels_per_key, srv.config.max_image_decodes_per_key)
         app.state.training = TrainingRequests(srv, app.state.access, images)
         app.state.sampling = SamplingRequests(srv, app.state.access, images)
         pruner = asyncio.create_task(_prune_forever(srv))

@@ -249,9 +249,18 @@ class TrainingRequests:
         limit = self.config.max_pending_per_key
         if self.futures.pending(owner) >= limit:
             raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); wait for some to finish")
-        # A forward_backward's or forward's images are held until the request is answered.
-        pixels = total_pixels(d.pixels for d in payload.data) if isinstance(payload, FBWork) else 0
+        # A forward_backward's or forward's images are held until the request is answered, and decoded
+        # only once held: a request refused above decoded none.
+        images = [d.pixels for d in payload.data if d.pixels is not None] if isinstance(payload, FBWork) else []
+        pixels = total_pixels(images)
         self.images.take(owner, pixels)
+        try:
+            self.images.decode(owner, served.images, images)
+        except Exception as e:
+            self.images.give_back(owner, pixels)
+            if not isinstance(e, Busy):  # like a refusal above; a Busy seq_id stays open for the SDK's retry
+                scheduler.skip(model_id, seq_id)
+            raise
         request_id, is_new = self.futures.create(
             owner, kind, model_id, seq_id, on_finish=partial(self.images.give_back, owner, pixels) if pixels else None)
         if not is_new:  # a concurrent retry of the same seq_id got there first
@@ -283,17 +292,21 @@ def in_parts(work: FBWork, max_tokens: int) -> list[tuple[FBWork, int]]:
 
 
 def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | None]:
-    """Each datum's images processed by the served model's image processor: their placeholder
-    tokens put into `datum.tokens` (so every later check sees the model's sequence), the pixels
-    returned. Raises ImageError (a 400) for a text-only model or an image it cannot use."""
+    """Each datum's images sized from their headers by the served model's image processor (decoded
+    later, once the key's budget holds them: `_submit`): their placeholder tokens put into
+    `datum.tokens` (so every later check sees the model's sequence), the images returned. Raises
+    ImageError (a 400) for a text-only model, an image it cannot use, or text it would misread: in a
+    request with images, no datum's text may hold the image placeholder (its datums share micro-batches)."""
     images = sum(len(d.images) for d in data)
-    if images and served.images is None:
+    if not images:
+        return [None] * len(data)
+    if served.images is None:
         raise no_images(f"datum {next(i for i, d in enumerate(data) if d.images)}", served.name)
-    if images:
-        served.images.check_count(images)
+    served.images.check_count(images)
     pixels: list[Pixels | None] = []
     for i, d in enumerate(data):
         if not d.images:
+            served.images.check_text(f"datum {i}", d.tokens)
             pixels.append(None)
             continue
         d.tokens, p = served.images.expand(f"datum {i}", d.tokens, d.images)
