@@ -129,14 +129,14 @@ def assert_each_tenant_matches_solo(runtime: TrainingRuntime, tenants: list[int]
             assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
 
 
-def forward_backward_body(model_id: str, seq_id: int, datum) -> bytes:
-    """The protobuf body the SDK posts, for tests that send it by hand: their seq_ids and retries are the
-    test's, not the SDK's."""
+def forward_backward_body(model_id: str, seq_id: int, *data) -> bytes:
+    """The protobuf body the SDK posts, for tests that send it by hand: their seq_ids, retries and
+    request sizes are the test's, not the SDK's."""
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
     request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
-        types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
+        types.ForwardBackwardInput(data=list(data), loss_fn="cross_entropy")))
     return forward_backward_request_to_proto(request).SerializeToString()
 
 

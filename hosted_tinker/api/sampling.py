@@ -145,7 +145,8 @@ def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter
     """Validate a sample request against the model it samples and the server's limits."""
     cfg = server.config
     if body.num_samples > cfg.max_num_samples:
-        raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples}")
+        raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples} "
+                                 "(max_num_samples)")
     prompt, pixels = _prompt(body.prompt, served)
     sp = body.sampling_params
     stop_ids, stop_strings = _stops(sp.stop, served)

@@ -61,7 +61,8 @@ class TrainingRequests:
         lora = LoRAConfig(rank=rank, seed=seed or 0, train_mlp=train_mlp, train_attn=train_attn,
                           train_unembed=train_unembed)
         if lora.rank > self.config.max_lora_rank:
-            raise UserError(f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank}")
+            raise UserError(f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank} "
+                            "(max_lora_rank)")
         if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
             raise UserError("at least one of train_mlp, train_attn, train_unembed must be true")
         refused = refusal(served.runtime.projections, lora.roles)  # a projection asked for that cannot be adapted
@@ -100,7 +101,7 @@ class TrainingRequests:
                 return future_ref(existing, model_id)
         live = self.store.count_active_models(owner)
         if live >= self.config.max_models_per_key:
-            raise UserError(f"this API key already has {live} live models (limit "
+            raise UserError(f"this API key already has {live} live models (max_models_per_key = "
                             f"{self.config.max_models_per_key}); unload one before creating another")
         self.store.create_model(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
         served.scheduler.open_model(model_id, 0)
@@ -143,7 +144,7 @@ class TrainingRequests:
                 raise LossInputError("forward_backward needs at least one datum")
             if len(call.data) > limit:
                 raise LossInputError(f"{len(call.data)} datums in one request; this server takes at most {limit} "
-                                     "(the SDK splits larger batches itself)")
+                                     "(max_datums_per_request; the SDK splits larger batches itself)")
             config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
             pixels = expand_images(served, call.data)
             self.images.check_size(total_pixels(pixels))
