@@ -12,11 +12,13 @@ times (default every time). What firing does is the point's kind:
   with the point's `POISONED_PREFIX`: a request whose datum the model cannot take, raising wherever
   it is fused, as validation lets no real one through; only such reaches count;
 - `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write);
-- `hold(point)` parks the calling thread while the test's gate for it is closed (a file
-  `<point>.closed` in the dir `$HOSTED_TINKER_FAULT_GATES`): it writes `<point>.held` and waits
-  until the test removes `.closed` (open) or writes `<point>.step` (one pass through: the file is
-  taken, and the next reach parks again). A test acts while the server is parked at a known moment
-  (`helpers.Gate`); an armed point whose gate is open costs a file lookup.
+- `gate(point)` holds the thread there until the test opens the point's gate (a FIFO in the
+  folder `HOSTED_TINKER_GATES` names): work held in flight by construction, not by a race;
+- `hold(point)`, for a point a thread passes again and again (the device loop's): every reach
+  parks while the test keeps the point closed (a file `<point>.closed` in the same folder): it
+  writes `<point>.held` and waits until the test removes `.closed` (open) or writes `<point>.step`
+  (one reach through: the file is taken, and the next reach parks again). A test acts while the
+  server is parked at a known moment (`helpers.Gate`); an armed point left open costs a file lookup.
 
 Nothing else sets the variable; an unarmed point costs one dict lookup. Every point is declared
 in `POINTS`, so a test can walk all of them and a misspelled one fails at start-up instead of
@@ -35,7 +37,7 @@ from pathlib import Path
 from .errors import UserError
 
 ENV_VAR = "HOSTED_TINKER_FAULTS"
-GATES_VAR = "HOSTED_TINKER_FAULT_GATES"
+GATES_VAR = "HOSTED_TINKER_GATES"
 # What a datum poisoned for each check_poisoned() point begins with (ids every test model has).
 POISONED_PREFIX = {"pass.poisoned_datum": (4, 8, 15, 16, 23, 42),
                    "cycle.poisoned_after_passes": (42, 23, 16, 15, 8, 4)}
@@ -69,6 +71,11 @@ POINTS = {
     # cannot take does (issue 33: a poisoned image prompt once failed every job prefilled beside it)
     "sampling.prefill_poisoned": "check_user(): a prefill holding a prompt poisoned for it",
     "sampling.decode_poisoned": "check(): a decode step holding a row of a prompt poisoned for it",
+    # trace_exports.py: a session trace's build
+    "trace.build": "gate(): a session trace's build has started, nothing read yet",
+    "trace.build_fails": "check(): a session trace's build fails",
+    # services/images.py
+    "image.decode": "gate(): a request's images about to be decoded, one of its key's decode slots taken",
 }
 
 # The token that poisons a prompt for each sampling.* point (ids every test model's vocabulary has).
@@ -176,3 +183,12 @@ def crash_point(point: str) -> None:
     """Kill this process with SIGKILL if a test armed this point: a real kill -9, right here."""
     if _fires(point):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def gate(point: str) -> None:
+    """If a test armed this point, wait here until it opens the gate: the FIFO named `point` in the
+    folder $HOSTED_TINKER_GATES. The test's open of it for writing returns once this thread has it
+    open (the point is reached); its close lets this thread go on. Neither side polls."""
+    if _fires(point):
+        with open(os.path.join(os.environ[GATES_VAR], point), "rb") as fifo:
+            fifo.read()  # until the test closes its end

@@ -28,7 +28,8 @@ import tinker
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
-from helpers import BASE_MODEL, Gate, answered, api_keys_args, in_one_cycle, logprobs_of, metric, queued, sft_batch, sft_datum, wait_until
+from helpers import (BASE_MODEL, Gate, answered, in_one_cycle, logprobs_of, metric, queued, sft_batch, sft_datum,
+                     wait_until, write_team_keys)
 from hosted_tinker.faults import POISONED_PREFIX
 from server_process import ServerProcess
 
@@ -59,9 +60,9 @@ def gate(tmp_path_factory) -> Gate:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory, gate):
+    keys = write_team_keys(tmp_path_factory.mktemp("keys") / "keys", KEYS)
     proc = ServerProcess(tmp_path_factory.mktemp("isolation"), env={"HOSTED_TINKER_FAULTS": FAULTS, **gate.gates_env()},
-                         args=("--max-tokens-per-cycle", str(BUDGET),
-                               *api_keys_args(tmp_path_factory.mktemp("keys"), KEYS))).start()
+                         args=("--max-tokens-per-cycle", str(BUDGET), "--api-keys-file", str(keys))).start()
     yield proc
     gate.open()
     proc.stop()
@@ -277,8 +278,9 @@ def test_a_save_posted_between_the_parts_waits_for_the_whole_request(srv, gate, 
 def pool(tmp_path_factory):
     """`serve --workers 2`: rank 0 here, rank 1 a torchrun process (gloo), the base replicated."""
     gate = Gate(tmp_path_factory.mktemp("pool-gates"), "device_loop.before_plan")
+    keys = write_team_keys(tmp_path_factory.mktemp("keys") / "keys", KEYS)
     proc = ServerProcess(tmp_path_factory.mktemp("pool"), env={"HOSTED_TINKER_FAULTS": FAULTS, **gate.gates_env()},
-                         args=("--workers", "2", *api_keys_args(tmp_path_factory.mktemp("keys"), KEYS))).start()
+                         args=("--workers", "2", "--api-keys-file", str(keys))).start()
     yield proc, gate
     gate.open()
     proc.stop()

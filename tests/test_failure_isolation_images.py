@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from tinker import types
 
-from helpers import Gate, answered, api_keys_args, forward_backward_body, logprobs_of, metric, queued, sft_batch
+from helpers import Gate, answered, forward_backward_body, logprobs_of, metric, queued, sft_batch, write_team_keys
 from server_process import ServerProcess
 from tiny_vl_model import build_tiny_vl_model, png
 
@@ -40,8 +40,8 @@ def gate(tmp_path_factory) -> Gate:
 
 @pytest.fixture(scope="module")
 def srv(vl_dir, tmp_path_factory, gate):
-    proc = ServerProcess(tmp_path_factory.mktemp("srv"),
-                         args=("--base-model", str(vl_dir), *api_keys_args(tmp_path_factory.mktemp("keys"), KEYS)),
+    keys = write_team_keys(tmp_path_factory.mktemp("keys") / "keys", KEYS)
+    proc = ServerProcess(tmp_path_factory.mktemp("srv"), args=("--base-model", str(vl_dir), "--api-keys-file", str(keys)),
                          env={"HOSTED_TINKER_FAULTS": "device_loop.before_plan", **gate.gates_env()}).start()
     yield proc
     gate.open()
