@@ -13,8 +13,9 @@ keys file gives each tenant its own key (two keys share every pass here), throug
 Validation lets no hostile text datum through, so where a pass must raise, a test sends a datum
 that begins with a fault point's POISONED_PREFIX (hosted_tinker/faults.py, armed in the server's
 environment): `pass.poisoned_datum` raises in that datum's micro-batch, wherever it is fused;
-`cycle.poisoned_after_passes` fails the whole cycle after its passes. (A real hostile input, an
-image datum the model cannot take: tests/test_failure_isolation_images.py.) Requests meant to
+`cycle.poisoned_after_passes` fails the whole cycle after its passes. (The real hostile inputs of
+the issue, image datums whose tokens disagree with their pixels, failed every tenant's pass at
+eecf5db; they are 400s before they are queued now: tests/test_vision_tenants.py.) Requests meant to
 share a cycle are queued while the device loop is parked before planning it
 (`device_loop.before_plan`, helpers.Gate): in one pass by construction, never by timing.
 """
