@@ -30,7 +30,11 @@ A compute request larger than a cycle's budget arrives in parts (`Request.more`,
 `services/training.py`): each cycle plans its next part alone (`final=False` until the last), the
 request keeps its place in its model's queue until the last part is planned, and the other
 models' work and sampling rounds run between the parts. Gradients add up across cycles exactly as
-across micro-batches, so no one request holds the device for longer than one cycle's budget.
+across micro-batches, so no one request holds the device for longer than one cycle's budget. Each
+part is its model's only compute in its cycle (the model's earlier compute runs a cycle before the
+first part, its later compute a cycle after the last), so that a failed part can put back exactly
+the gradients from before the request (worker.py); a failed request's later parts are dropped
+(`drop_rest`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,17 @@ class Request:
     # A compute request split across cycles: the (payload, tokens) of the parts after this one.
     more: list[tuple[FBWork, int]] = field(default_factory=list)
     final: bool = True  # False for a planned part with more to come: answered after its last part
+    part: int = 0  # a request in parts: which part this is (0 the first)
+    owner: str = ""  # the API key's owner (a key whose request failed a pass runs apart: isolation.py)
+
+    @property
+    def in_parts(self) -> bool:
+        """A request (or a planned part of one) that runs in parts over several cycles."""
+        return bool(self.more) or self.part > 0 or not self.final
+
+    @property
+    def first_part(self) -> bool:
+        return self.part == 0 and not self.final
 
 
 @dataclass
@@ -204,6 +219,19 @@ class ClockCycleScheduler:
             q.advance_past_skipped()
         self._on_work()
 
+    def drop_rest(self, req: Request) -> None:
+        """A request in parts failed (a part of it, or its cycle): its later parts never run, and its
+        model's next request is free to go."""
+        with self._lock:
+            q = self._queues.get(req.model_id)
+            rest = q.pending.get(req.seq_id) if q is not None else None
+            if rest is None or rest.request_id != req.request_id:
+                return
+            del q.pending[req.seq_id]
+            q.next_seq = req.seq_id + 1
+            q.advance_past_skipped()
+        self._on_work()
+
     def queue_depth(self) -> int:
         with self._lock:
             return sum(len(q.pending) for q in self._queues.values())
@@ -325,11 +353,13 @@ class ClockCycleScheduler:
 
     @staticmethod
     def _prefix(ready: list[Request]) -> list[Request]:
+        """A part of a request in parts is its model's only compute in its cycle: the model's
+        gradients before its first part are then the ones a failed part puts back (worker.py)."""
         take: list[Request] = []
         phase = 0  # 0: compute, 1: after optim, 2: tail
         for r in ready:
             if r.kind in COMPUTE:
-                if phase > 0:
+                if phase > 0 or (r.in_parts and take) or (take and take[-1].in_parts):
                     break
             elif r.kind == RequestKind.OPTIM_STEP:
                 if phase > 0:
@@ -347,7 +377,7 @@ class ClockCycleScheduler:
         for r in take:
             if r.more:  # plan this part; the rest keeps the request's place in the queue
                 payload, tokens = r.more[0]
-                q.pending[r.seq_id] = replace(r, payload=payload, tokens=tokens, more=r.more[1:])
+                q.pending[r.seq_id] = replace(r, payload=payload, tokens=tokens, more=r.more[1:], part=r.part + 1)
                 q.in_flight_compute = True
                 plan.compute.append(replace(r, more=[], final=False))
                 return

@@ -230,6 +230,59 @@ def write_team_keys(path: Path, team: dict[str, str] = TEAM) -> Path:
     return path
 
 
+class Gate:
+    """The test's side of a server's `hold` fault point (hosted_tinker/faults.py): the server is
+    started with the point armed and `gates_env()` in its environment; while the gate is closed the
+    server parks at the point, and the test lets it through one reach at a time or for good."""
+
+    def __init__(self, folder: Path, point: str):
+        self.folder, self.point = Path(folder), point
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def gates_env(self) -> dict[str, str]:
+        return {"HOSTED_TINKER_GATES": str(self.folder)}
+
+    def _file(self, suffix: str) -> Path:
+        return self.folder / f"{self.point}{suffix}"
+
+    def close(self) -> None:
+        self._file(".closed").touch()
+
+    def wait_held(self) -> None:
+        """Until the server is parked at the point (after something woke it to get there)."""
+        wait_until(self._file(".held").exists, f"the server parks at {self.point}")
+
+    def step(self) -> None:
+        """Let the parked server through once, and wait until it is parked there again."""
+        self._file(".held").unlink()
+        self._file(".step").touch()
+        self.wait_held()
+
+    def open(self) -> None:
+        self._file(".held").unlink(missing_ok=True)
+        self._file(".closed").unlink(missing_ok=True)
+
+
+def queued(server, n: int) -> None:
+    """Until the server's training queues hold at least `n` requests."""
+    wait_until(lambda: metric(server, "hosted_tinker_queue_depth") >= n, f"{n} training requests queued")
+
+
+def in_one_cycle(server, gate: Gate, *posts) -> list:
+    """Each `post()` sends one training request (an SDK call; its future is returned); all of them
+    are queued while the device loop is parked before planning (`gate` is the server's
+    `device_loop.before_plan`), so that its next cycle plans them together."""
+    gate.close()
+    depth = metric(server, "hosted_tinker_queue_depth")
+    futures = [posts[0]()]
+    queued(server, depth + 1)
+    gate.wait_held()
+    futures += [post() for post in posts[1:]]
+    queued(server, depth + len(posts))
+    gate.open()
+    return futures
+
+
 def tar_bytes(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> bytes:
     """An uncompressed tar archive of `files` (name -> content), plus members given as TarInfo."""
     buf = io.BytesIO()

@@ -1,7 +1,7 @@
 """Structural facts about the package, read from its source (no import of it runs).
 
 The house has floors, top to bottom:
-`cli → api/ → services/ → server → served_models → device_loop → worker → sampling/ →
+`cli → api/ → services/ → server → served_models → device_loop → worker (request_parts) → sampling/ →
 checkpoints/ → runtime/ → the ground floor (config, store, scheduler, errors, vision, wire, …)`.
 A module imports only from its own floor or below, and no two modules import each other, even
 through others or from inside a function. The API and the services see requests and their
@@ -33,7 +33,7 @@ FLOORS = [
     ("hosted_tinker.server", "hosted_tinker.startup", "hosted_tinker.access", "hosted_tinker.accounting"),
     ("hosted_tinker.served_models",),
     ("hosted_tinker.device_loop",),
-    ("hosted_tinker.worker",),
+    ("hosted_tinker.worker", "hosted_tinker.request_parts"),
     ("hosted_tinker.sampling",),
     ("hosted_tinker.checkpoints", "hosted_tinker.model_runtime"),
     ("hosted_tinker.runtime",),

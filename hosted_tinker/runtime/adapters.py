@@ -241,6 +241,43 @@ class GradientPass:
         _fill_slots(self._fresh, 0.0)
 
 
+class GradientSnapshot:
+    """One adapter's gradients as they are now, until `restore` puts them back.
+
+    A request that runs in parts (one per clock cycle) takes one before its first part: if a
+    later part fails, its earlier parts' gradients go and the acknowledged ones stay. Unlike
+    `GradientPass` it holds copies of the adapter's own tensors (in host memory), not slot rows:
+    the adapter may be paged out and in again, to another slot, between the parts."""
+
+    def __init__(self, adapter: LoRAAdapter):
+        self.adapter = adapter
+        self._grads = {path: (w.A.grad.to("cpu", copy=True), w.B.grad.to("cpu", copy=True))
+                       for path, w in adapter.weights.items() if w.A.grad is not None}
+
+    def restore(self) -> None:
+        if not self._grads:
+            zero_grads([self.adapter])
+            return
+        with torch.no_grad():
+            for path, w in self.adapter.weights.items():
+                saved = self._grads.get(path)
+                if saved is None:
+                    _drop_grads(w)
+                    continue
+                if w.A.grad is None:  # paged out: tensors of its own; live: its slot's rows
+                    w.A.grad, w.B.grad = w.grad_views or (torch.empty_like(w.A), torch.empty_like(w.B))
+                w.A.grad.copy_(saved[0])
+                w.B.grad.copy_(saved[1])
+
+
+def _drop_grads(w: LoRAWeights) -> None:
+    """Drop one projection's gradients (its slot's rows zeroed, while live)."""
+    if w.grad_views is not None:
+        for rows in w.grad_views:
+            rows.zero_()
+    w.A.grad = w.B.grad = None
+
+
 class AdamWState:
     """AdamW moments per tensor, in torch.optim's layout: state[p] = {step, exp_avg, exp_avg_sq}.
 

@@ -19,9 +19,13 @@ each pass:
   rank: they are rank 0's). Sampling runs on rank 0 (with a sharded base the others mirror
   each forward so that FSDP's all-gathers pair up).
 
-A rank that dies makes a collective fail (`PoolBroken`): the pass's requests fail with category
-`server` and rank 0's gradients are rolled back to before the pass (so no acknowledged gradient
-is lost). Before the next pass the pool is relaunched -- a new epoch, new processes -- and every
+A share that raises (one request's datum the model cannot take) aborts the pass on every rank, and
+rank 0 raises it as the pass's error: the worker reruns the pass's requests in halves until that
+request fails alone (isolation.py), as on one rank. A rank that dies makes a collective fail
+(`PoolBroken`), and so does a share that raises where the base is sharded (FSDP's collectives no
+longer pair up, and which request raised on another rank is lost with it): a `MachineFault`,
+the pass's requests fail with category `server`, nothing is rerun, and rank 0's gradients are
+rolled back to before the pass (so no acknowledged gradient is lost). Before the next pass the pool is relaunched -- a new epoch, new processes -- and every
 adapter is sent to them again from rank 0: training goes on from the last acknowledged step.
 """
 
@@ -38,6 +42,7 @@ import torch
 from torch import nn
 
 from .. import faults
+from ..isolation import MachineFault
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, zero_grads
 from .invariance import FusionPolicy
 from .losses import merge_metrics
@@ -415,7 +420,7 @@ class PoolRuntime(RankRuntime):
         try:
             self._ensure_pool()
         except Exception as e:
-            raise RuntimeError(f"the worker pool is down and could not be relaunched ({e}); resubmit") from e
+            raise MachineFault(f"the worker pool is down and could not be relaunched ({e}); resubmit") from e
         world = self.world
         split = [split_datums(w, world) for w in works]
         shares = [[FBWork(w.model_id, [w.data[i] for i in split[wi][r]], w.loss_fn, w.loss_config, w.forward_only)
@@ -452,7 +457,7 @@ class PoolRuntime(RankRuntime):
                 before.rollback()
                 zero_grads(fresh)
                 log.error("worker pool: %s", e)
-                raise RuntimeError(f"a rank of the worker pool failed during this pass ({e}); the pool is "
+                raise MachineFault(f"a rank of the worker pool failed during this pass ({e}); the pool is "
                                    "relaunched before the next one: resubmit") from e
         if error is not None:
             raise error

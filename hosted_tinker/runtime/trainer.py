@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import faults
 from .adamw import adamw_step
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, snapshot_gradient_rows
 from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
@@ -263,6 +264,7 @@ class TrainingRuntime(KernelChoices):
     def _launch(self, mb: MicroBatch, works: list[FBWork], metric_sums) -> Launched:
         """Queue one micro-batch's work; its per-token outputs are copied to host memory without
         waiting. A graphed micro-batch is a replay of its layout's graph (`StepGraphs`)."""
+        faults.check_poisoned("pass.poisoned_datum", (works[wi].data[di].tokens for wi, di in mb.rows))
         host, keys = self._host_inputs(mb, works)
         outputs = None
         if self.graphs is not None and mb.kind == GRAPHED:

@@ -269,7 +269,8 @@ class TrainingRequests:
             return future_ref(request_id, model_id)
         if isinstance(payload, FBWork):  # in parts of at most one cycle's budget (scheduler.py)
             (payload, tokens), *more = in_parts(payload, scheduler.max_tokens_per_cycle)
-            scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens, more=more))
+            scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens, more=more,
+                                     owner=owner))
         else:
             scheduler.submit(Request(request_id, kind, model_id, seq_id, payload))
         self.store.touch_model(model_id)
