@@ -84,6 +84,8 @@ def test_a_trace_url_is_the_only_permission_and_only_while_valid(team_server):
     assert httpx.get(forged, timeout=60).status_code == 403
     longer = url.replace("expires=", "expires=9")  # a later expiry is not what was signed
     assert httpx.get(longer, timeout=60).status_code == 403
+    unicode = url.replace("signature=", "signature=%C3%A9")  # not a hex digest at all: still a 403, not a 500
+    assert httpx.get(unicode, timeout=60).status_code == 403
 
 
 def test_the_cli_downloads_a_trace(team_server, tmp_path):

@@ -79,7 +79,9 @@ class UrlSigner:
         return hmac.new(self.key, grant.message(), hashlib.sha256).hexdigest()
 
     def valid(self, grant: Grant, signature: str) -> bool:
-        return hmac.compare_digest(self.signature(grant), signature)
+        # Compared as bytes: compare_digest raises TypeError on a str with a non-ASCII character,
+        # and a URL's signature is whatever its sender wrote.
+        return hmac.compare_digest(self.signature(grant).encode(), signature.encode("utf-8", "replace"))
 
 
 # -- tar archives out -------------------------------------------------------------------------------
