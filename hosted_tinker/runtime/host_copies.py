@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import MicroBatch
+from .step_audit import sync_observers
 
 
 @dataclass
@@ -34,7 +35,10 @@ def to_host(t: torch.Tensor, static: bool) -> torch.Tensor:
 
 def wait_for_device(device: torch.device) -> None:
     """The pass's one wait for the device: allowed under `torch.cuda.set_sync_debug_mode("error")`
-    (the GPU tests run a step that way: any other sync raises)."""
+    (the GPU tests run a step that way: any other sync raises). `step_audit.sync_observers` hear
+    of it on every device (the CPU suite counts a cycle's syncs)."""
+    for observe in sync_observers:
+        observe("wait_for_device")
     if device.type != "cuda":
         return
     mode = torch.cuda.get_sync_debug_mode()
