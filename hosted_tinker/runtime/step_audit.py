@@ -11,11 +11,14 @@ suite included -- from the aten ops the step dispatches:
   (`.item()`, `float(t)`, `bool(t)`: `aten::_local_scalar_dense`), ops whose output size depends
   on the data (`nonzero`, `masked_select`, `unique`, boolean indexing, `bincount`,
   `repeat_interleave` without `output_size`), `equal`, copies from the device to the host, a
-  fp32 `_grouped_mm` (a host loop reading each group's offsets), and `Tensor.tolist()`; plus the
-  runtime's own one sanctioned wait (`host_copies.wait_for_device`, which tells `sync_observers`).
+  `_grouped_mm` of other than bf16 operands (a host loop reading each group's offsets), a tensor
+  made from host data (`torch.tensor(...)`: a copy from pageable memory, which waits), and
+  `Tensor.tolist()`; plus the runtime's own one sanctioned wait (`host_copies.wait_for_device`,
+  which tells `sync_observers`).
   `.numpy()` of a host tensor is not a sync (the runtime reads its pinned host copies so).
 - `MatmulAudit` records every matmul (`mm`, `bmm`, `addmm`, `baddbmm`, `_grouped_mm`, ...) with
   its operand dtypes, FLOPs and, for a grouped call, its group count.
+- `host_op_counts` counts the aten ops a step dispatches (torch.profiler), all and top-level.
 
 Ops nested inside another op's kernel are not seen (a dispatch mode sees what the Python side
 and autograd dispatch), which is what a host pays per launch on a GPU.
@@ -68,8 +71,10 @@ def _sync_reason(func, args, kwargs) -> str | None:
                    else kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu")
         if isinstance(src, torch.Tensor) and src.device.type not in ("cpu", "meta") and dst_cpu:
             return f"{name} to the host"
-    if name == "aten::_grouped_mm" and args[0].dtype not in (torch.bfloat16, torch.float16):
+    if name == "aten::_grouped_mm" and args[0].dtype != torch.bfloat16:
         return f"{name} with {args[0].dtype} operands (a host loop on CUDA)"
+    if name == "aten::lift_fresh":
+        return "torch.tensor(...) of host data (a copy to the device, a sync on CUDA)"
     return None
 
 
@@ -168,3 +173,17 @@ class MatmulAudit(TorchDispatchMode):
 
 def total_flops(calls: list[Matmul]) -> float:
     return math.fsum(c.flops for c in calls)
+
+
+def host_op_counts(fn) -> tuple[int, int]:
+    """(all, top-level) aten ops that one call of fn dispatches, by torch.profiler on the host.
+
+    "All" counts ops nested inside others too (e.g. the per-tensor loops inside the CPU
+    implementations of multi-tensor kernels such as `_fused_adamw_`); "top-level" counts what
+    the Python side dispatches, which on a GPU is one or more kernel launches each.
+    """
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    ops = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in ops if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return len(ops), len(top)
