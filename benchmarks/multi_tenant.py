@@ -63,7 +63,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hosted_tinker.embedded_model import build_tiny_model  # noqa: E402,F401 (compare_revisions.py takes it from here)
 from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.request_types import FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
