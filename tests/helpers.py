@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +33,9 @@ from server_process import free_port
 BASE_MODEL = EMBEDDED_MODEL_NAME
 VOCAB = 1000  # ids used by tests stay below the embedded tokenizer's size
 API_KEY = "tml-test-key-alice"  # the shared server's default key (conftest's `service_client`)
+# The team server (conftest's `team_server`): owner -> API key, and who holds the admin role.
+TEAM = {"alice": "tml-team-alice", "bob": "tml-team-bob", "root": "tml-team-root"}
+TEAM_ADMINS = ("root",)
 WAIT = 300.0  # hang guard for what a server does on its own (a TTL sweep...): never reached when all is well
 
 # -- training the runtime in process (exactness tests: solo vs co-batched, eager vs graphed) -------
@@ -142,14 +146,14 @@ def assert_each_tenant_matches_solo(runtime: TrainingRuntime, tenants: list[int]
             assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
 
 
-def forward_backward_body(model_id: str, seq_id: int, datum) -> bytes:
-    """The protobuf body the SDK posts, for tests that send it by hand: their seq_ids and retries are the
-    test's, not the SDK's."""
+def forward_backward_body(model_id: str, seq_id: int, *data) -> bytes:
+    """The protobuf body the SDK posts, for tests that send it by hand: their seq_ids, retries and
+    request sizes are the test's, not the SDK's."""
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
     request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
-        types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
+        types.ForwardBackwardInput(data=list(data), loss_fn="cross_entropy")))
     return forward_backward_request_to_proto(request).SerializeToString()
 
 
@@ -237,6 +241,12 @@ def wait_until(predicate, what: str, timeout: float = WAIT):
     raise AssertionError(f"never happened (waited {timeout:.0f} s): {what}")
 
 
+def write_team_keys(path: Path, team: dict[str, str] = TEAM) -> Path:
+    """A keys file of `team` (owner -> key)."""
+    path.write_text("".join(f"{owner}: {key}\n" for owner, key in team.items()))
+    return path
+
+
 def tar_bytes(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> bytes:
     """An uncompressed tar archive of `files` (name -> content), plus members given as TarInfo."""
     buf = io.BytesIO()
@@ -278,3 +288,14 @@ def open_completion(srv, key: str, body: dict) -> socket.socket:
                  b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(data)).encode() +
                  b"\r\n\r\n" + data)
     return sock
+
+
+def open_gate(path) -> io.BufferedWriter:
+    """The gate at `path` (faults.gate), once the server has reached it: the writer end of its FIFO,
+    which lets the server go on when closed."""
+    opened: list = []
+    opener = threading.Thread(target=lambda: opened.append(open(path, "wb")), daemon=True)
+    opener.start()
+    opener.join(WAIT)  # a hang guard: the open returns as soon as the server's reader is there
+    assert opened, f"the server never reached the gate {path}"
+    return opened[0]

@@ -82,3 +82,32 @@ def test_an_adapter_with_non_finite_outputs_fails_only_its_own_job(runtime, engi
     for fine in (base, healthy):
         assert not fine.errors and [len(s.tokens) for s in fine.done[0].sequences] == [8, 8]
     assert not engine.has_work() and engine.reserved_kv_tokens == 0
+
+
+def test_a_decode_step_that_fails_part_way_leaves_no_trace_in_the_cache(engine):
+    """A decode step that raises after its first layer has cached the new keys (here: the second
+    layer refuses a batch of more than 2 rows) is put back as it was; each job then steps on alone
+    and both get the samples they get alone, as if the step had never been tried."""
+    def alone() -> list[list[int]]:
+        a = Answers(temperature=1.0, seed=5)
+        engine.submit(a.job)
+        engine.run(should_yield=lambda: False, max_seconds=60.0)
+        return [s.tokens for s in a.done[0].sequences]
+
+    want = alone()
+    layers = engine.model.model.layers
+
+    def refuse_wide_batches(module, args):
+        if args[0].shape[0] > 2 and args[0].shape[1] == 1:  # a decode step of both jobs
+            raise RuntimeError("this layer refuses batches of more than 2 rows")
+
+    first, second = Answers(temperature=1.0, seed=5), Answers(temperature=1.0, seed=5)
+    hook = layers[1].register_forward_pre_hook(refuse_wide_batches)
+    try:
+        engine.submit_all([first.job, second.job])  # one admission: one group of 4 rows
+        engine.run(should_yield=lambda: False, max_seconds=60.0)
+    finally:
+        hook.remove()
+    assert not first.errors and not second.errors
+    assert [s.tokens for s in first.done[0].sequences] == want == [s.tokens for s in second.done[0].sequences]
+    assert not engine.has_work() and engine.reserved_kv_tokens == 0

@@ -33,7 +33,6 @@ module: tinker_layout.py) loads, samples and imports as ours does; a malformed o
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 import transformers as T
 from safetensors.torch import load_file
 
+from family_models import save_family_model
 from helpers import checkpoint_dir, logprobs_of, read_adapter, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.export import export_checkpoint
@@ -90,26 +90,12 @@ VL = ("qwen3_5_vl", "qwen3_5_moe_vl")
 MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl")
 
 
-def build(root, name: str, config, tokenizer_dir) -> str:
-    out = root / name
-    torch.manual_seed(0)
-    model = (T.Gemma3ForCausalLM if name == "gemma3" else T.AutoModelForCausalLM.from_config)(config)
-    with torch.no_grad():  # transformers may leave 3-D expert weights uninitialised
-        for p in model.parameters():
-            if p.dim() == 3:
-                p.normal_(0, 0.1)
-    model.to(torch.float32).save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / f, out / f)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     tok_dir = ensure_embedded_model(root / "embedded")
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-    built = {name: build(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
+    built = {name: save_family_model(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
     return {**built, **{arch: str(build_tiny_vl_model(root / arch, family=arch.removesuffix("_vl")))
                         for arch in VL}}
 

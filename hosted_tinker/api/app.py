@@ -15,13 +15,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..access import Access
 from ..checkpoints.paths import InvalidPath
 from ..config import ServerConfig
-from ..errors import Busy, NotFound, UserError
+from ..errors import Busy, Forbidden, NotFound, UserError
 from ..server import Server
 from ..services.images import ImagePixelBudget
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
 from ..startup import base_url, summary_lines
-from . import dashboard, hub, openai_compat, ops, rest, sampling, service, training
+from . import admin, dashboard, hub, openai_compat, ops, rest, sampling, service, sessions, training
 from .access_log import AccessLog
 from .limits import BodyLimit
 from .metrics import Metrics
@@ -30,7 +30,7 @@ from .openai_compat import OpenAIErrorRoute, openai_error
 log = logging.getLogger(__name__)
 
 # The status code of each domain error (errors.py): the services raise them, only this module speaks HTTP.
-STATUS_CODES: dict[type[UserError], int] = {NotFound: 404, Busy: 429, UserError: 400}
+STATUS_CODES: dict[type[UserError], int] = {NotFound: 404, Forbidden: 403, Busy: 429, UserError: 400}
 
 
 def http_error_of(exc: UserError) -> StarletteHTTPException:
@@ -60,8 +60,10 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         app.state.metrics.bind(srv)
         srv.start()
         app.state.server = srv
-        app.state.access = Access(srv.store, srv.models.has_training_model)
-        images = ImagePixelBudget(srv.config.max_image_pixels_per_key)  # one per key, training and sampling
+        app.state.access = Access(srv.store, srv.models.has_training_model, admins=srv.config.admin_users,
+                                  on_read=srv.audit_read)
+        # one per key, training and sampling
+        images = ImagePixelBudget(srv.config.max_image_pixels_per_key, srv.config.max_image_decodes_per_key)
         app.state.training = TrainingRequests(srv, app.state.access, images)
         app.state.sampling = SamplingRequests(srv, app.state.access, images)
         pruner = asyncio.create_task(_prune_forever(srv))
@@ -106,11 +108,13 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse({"detail": f"internal server error: {type(exc).__name__}"}, status_code=500)
 
+    app.include_router(sessions.router)  # before service's /api/v1/sessions/{session_id}
     app.include_router(service.router)
     app.include_router(training.router)
     app.include_router(sampling.router)
     app.include_router(openai_compat.router)
     app.include_router(rest.router)
+    app.include_router(admin.router)
     app.include_router(ops.router)
     app.include_router(dashboard.router)
     app.include_router(hub.router)  # last: its routes match any "<org>/<name>/resolve/..." path

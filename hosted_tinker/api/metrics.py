@@ -169,6 +169,9 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
      lambda m: len(m.runtime.adapters)),
     (_G, "hosted_tinker_live_adapters", "adapters resident on the device", lambda m: len(m.runtime.live)),
     (_C, "hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", lambda m: m.runtime.page_outs),
+    (_C, "hosted_tinker_images_decoded",
+     "images decoded and processed (a request's, once its key's image budget holds them: a refused request "
+     "decodes none)", lambda m: 0 if m.images is None else m.images.decoded),
 ]
 
 

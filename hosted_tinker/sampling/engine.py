@@ -28,13 +28,19 @@ to the host in one copy per step, with their logprobs and top-k; the tokens also
 device as the next step's input. Seeded rows draw from their own counter-based streams, so a
 seed gives the same samples whatever else is in the batch.
 
-The jobs it runs and their results are jobs.py's; what a prompt's logits answer at its prefill
-(prompt logprobs, target logprobs, alternative draws) is prompt_logits.py's.
+A request's failure is its own: when a prefill group's forward raises (one job's prompt may break
+it), each of its jobs is prefilled alone, so only the job that fails alone fails; when a decode
+step raises, the group's cache is put back as before the step and each job's rows step on alone.
+A job fails with a user error (400) if its own request raised a `UserError`, else a server error.
+
+The jobs it runs and their results are jobs.py's; each job's rows, their recorded tokens and the
+job's one answer are rows.py's; what a prompt's logits answer at its prefill (prompt logprobs,
+target logprobs, alternative draws) is prompt_logits.py's.
 """
 
 from __future__ import annotations
 
-import functools
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -42,39 +48,25 @@ from typing import Callable
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
+from .. import faults
+from ..errors import UserError
 from ..runtime.lora_plan import LoRARouting
 from ..runtime.packing import segments_of
 from .image_positions import decode_positions, prefill_inputs
-from .jobs import SampleJob, SampleResult, SequenceResult, SequenceSoFar
+from .jobs import SampleJob
 from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
-from .pick import BatchPicker, Picked, RowSampling, row_seed
+from .pick import BatchPicker
 from .prompt_logits import needs_prompt_logits, prompt_logprobs, prompt_scores
+from .rows import JobState, Row, RowRecorder, failure, rows_of
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
-class _Row(SequenceSoFar):
-    job: "_JobState"
-    index: int
-    sampling: RowSampling
-    adapter_id: str | None = None
-
-
-@dataclass
-class _JobState:
-    job: SampleJob
-    rows_left: int
-    results: list[SequenceResult | None]
-    prompt_info: tuple = (None, None, None)
-    prompt_scores: tuple = (None, None)  # (ScoredTargets, PromptAlternatives), each None unless asked
-    failed: bool = False
-
-
 @dataclass
 class _Group:
-    rows: list[_Row]
+    rows: list[Row]
     cache: DynamicCache
     mask: torch.Tensor  # [rows, total_len] 1 = real token
     positions: torch.Tensor  # [rows] position of the last token
@@ -111,11 +103,17 @@ class SamplingEngine:
         self.peak_reserved_kv_tokens = 0  # the most the running groups ever reserved together
         self._pending: list[SampleJob] = []
         self._groups: list[_Group] = []
-        self.tokens_generated = 0
-        self.requests_done = 0
         self.requests_cancelled = 0
-        # Observation (api/metrics.py): a finished request and the tokens it generated.
-        self.on_request_done = on_request_done
+        # Rows' tokens recorded, jobs answered (and observed: api/metrics.py), counted.
+        self.recorder = RowRecorder(tokenizer, on_request_done)
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.recorder.tokens_generated
+
+    @property
+    def requests_done(self) -> int:
+        return self.recorder.requests_done
 
     # -- producer side (any thread; list.append/pop are atomic under the GIL) ------------------------
     def submit(self, job: SampleJob) -> None:
@@ -242,28 +240,51 @@ class SamplingEngine:
             rows += job.num_samples
             tokens += len(job.prompt)
             width, generated = new_width, new_generated
-        states: list[tuple[_JobState, str | None]] = []
+        states: list[tuple[JobState, str | None]] = []
         for job in jobs:
             try:
-                states.append((_JobState(job, job.num_samples, [None] * job.num_samples), resolve_adapter(job)))
+                states.append((JobState.of(job), resolve_adapter(job)))
             except Exception as e:  # e.g. an unreadable snapshot: only this request fails
                 job.on_error(f"cannot load the sampler weights: {e}")
-        if not states:
-            return
+        if states:
+            self._prefill_apart_on_failure(states)
+
+    def _prefill_apart_on_failure(self, states: list[tuple[JobState, str | None]]) -> None:
+        """Prefill the jobs as one group; if that raises (one job's prompt may break the group's
+        forward), prefill each on its own, so that the failure stays with the job that causes it
+        (the others' results do not depend on the batch)."""
         try:
             self._prefill(states)
         except Exception as e:
-            log.exception("prefill of %d sampling requests failed", len(states))
-            # It may have failed choosing the first tokens, with the new group already running: that
-            # group goes too, or its rows would decode on and answer requests already failed here.
-            failed = {id(st) for st, _ in states}
-            self._groups = [g for g in self._groups if not any(id(row.job) in failed for row in g.rows)]
-            for st, _ in states:
-                if not st.failed and st.rows_left > 0:  # rows_left 0: already answered
-                    st.failed = True
-                    st.job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+            if len(states) == 1:
+                self._prefill_failed(states, e)
+                return
+            log.warning("prefill of %d sampling requests failed (%s: %s); prefilling them one by one",
+                        len(states), type(e).__name__, e)
+            self._drop_groups_of(states)
+            for st, aid in states:
+                if st.started:  # answered already
+                    continue
+                alone = [(JobState.of(st.job), aid)]
+                try:
+                    self._prefill(alone)
+                except Exception as e:
+                    self._prefill_failed(alone, e)
 
-    def _prefill(self, states: list[tuple[_JobState, str | None]]) -> None:
+    def _prefill_failed(self, states: list[tuple[JobState, str | None]], e: Exception) -> None:
+        log.warning("prefill of a sampling request failed", exc_info=not isinstance(e, UserError))
+        # It may have failed choosing the first tokens, with the new group already running: that
+        # group goes too, or its rows would decode on and answer requests already failed here.
+        self._drop_groups_of(states)
+        for st, _ in states:
+            if st.rows_left > 0:  # rows_left 0: already answered
+                st.fail(failure(e))
+
+    def _drop_groups_of(self, states: list[tuple[JobState, str | None]]) -> None:
+        failed = {id(st) for st, _ in states}
+        self._groups = [g for g in self._groups if not any(id(row.job) in failed for row in g.rows)]
+
+    def _prefill(self, states: list[tuple[JobState, str | None]]) -> None:
         states.sort(key=lambda s: (s[1] or ""))  # rows of one adapter together: fewer segments
         width = max(len(st.job.prompt) for st, _ in states)
         n = len(states)
@@ -281,6 +302,7 @@ class SamplingEngine:
             inputs, deltas = prefill_inputs(self.model, ids, mask, positions, [st.job.pixels for st, _ in states])
         cache = _new_cache(self.model.config)
         with self.routing.batch(segments_of([aid for _, aid in states]), exact=self.exact_lora):
+            _check_poison("sampling.prefill_poisoned", [st.job for st, _ in states], faults.check_user)
             out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                              logits_to_keep=0 if need_prompt else 1, **inputs)
         logits = out.logits.float()
@@ -293,8 +315,7 @@ class SamplingEngine:
         expand = torch.tensor([r for r, (st, _) in enumerate(states) for _ in range(st.job.num_samples)],
                               device=self.device)
         cache.reorder_cache(expand)  # reorder_cache: linear-attention layers have no batch_select_indices
-        rows = [_Row(job=st, index=i, sampling=_row_sampling(st.job, i), adapter_id=aid)
-                for st, aid in states for i in range(st.job.num_samples)]
+        rows = [row for st, aid in states for row in rows_of(st, aid)]
         group = _Group(rows=rows, cache=cache, mask=mask[expand], positions=positions[expand, -1],
                        next_logits=logits[expand, -1], width=width,
                        picker=BatchPicker([row.sampling for row in rows], self.device),
@@ -327,6 +348,7 @@ class SamplingEngine:
         if not group.rows:
             self._groups.remove(group)
             return
+        before = (group.cache.get_seq_length(), group.mask, group.positions)
         try:
             last = group.last_tokens[:, None]
             group.mask = torch.cat([group.mask, group.mask.new_ones(len(group.rows), 1)], dim=1)
@@ -334,17 +356,48 @@ class SamplingEngine:
             positions = (group.positions[:, None] if group.rope_deltas is None
                          else decode_positions(group.positions, group.rope_deltas))
             with self.routing.batch(segments_of([row.adapter_id for row in group.rows]), exact=self.exact_lora):
+                _check_poison("sampling.decode_poisoned", [row.job.job for row in group.rows], faults.check)
                 out = self.model(input_ids=last, attention_mask=group.mask, position_ids=positions,
                                  past_key_values=group.cache, use_cache=True)
             group.next_logits = out.logits[:, -1].float()
             self._choose(group)
         except Exception as e:
-            log.exception("decode step failed")
-            self._groups.remove(group)
-            for row in group.rows:
-                if not row.job.failed:
-                    row.job.failed = True
-                    row.job.job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
+            self._decode_failed(group, e, *before)
+
+    def _decode_failed(self, group: _Group, e: Exception, length: int, mask: torch.Tensor,
+                       positions: torch.Tensor) -> None:
+        """A decode step failed before any token was recorded. With several jobs in the group, its
+        cache is put back as it was before the step and each job's rows step on as a group of their
+        own: the job whose rows fail alone fails, the others go on. (A cache whose layers keep a
+        recurrent state cannot be put back: its jobs fail together.)"""
+        jobs = list({id(row.job): row.job for row in group.rows}.values())
+        self._groups.remove(group)
+        if len(jobs) > 1 and _roll_back(group.cache, length):
+            log.warning("a decode step of %d sampling requests failed (%s: %s); stepping each on its own",
+                        len(jobs), type(e).__name__, e)
+            group.mask, group.positions = mask, positions
+            for st in jobs:
+                alone = self._split_off(group, [r for r, row in enumerate(group.rows) if row.job is st])
+                self._groups.append(alone)
+                self._decode_step(alone)
+            return
+        log.warning("a decode step failed", exc_info=not isinstance(e, UserError))
+        for st in jobs:
+            st.fail(failure(e))
+
+    def _split_off(self, group: _Group, rows: list[int]) -> _Group:
+        """A new group of `group`'s rows at the indices `rows`, with copies of their cache rows."""
+        idx = torch.tensor(rows, device=self.device)
+        cache = copy.copy(group.cache)
+        cache.layers = [copy.copy(layer) for layer in group.cache.layers]
+        cache.batch_select_indices(idx)  # new tensors: the group's own stay as they are
+        part = _Group(rows=[group.rows[r] for r in rows], cache=cache, mask=group.mask[idx],
+                      positions=group.positions[idx], next_logits=group.next_logits[idx], width=group.width,
+                      picker=BatchPicker([group.rows[r].sampling for r in rows], self.device),
+                      last_tokens=group.last_tokens[idx], steps=group.steps,
+                      rope_deltas=None if group.rope_deltas is None else group.rope_deltas[idx])
+        part.reserve()
+        return part
 
     def _choose(self, group: _Group) -> None:
         """Pick every row's next token in one batched call, record them, retire finished rows and
@@ -356,21 +409,21 @@ class SamplingEngine:
         keep: list[int] = []
         for r, (row, picked) in enumerate(zip(group.rows, picks)):
             if not picked.finite:
-                self._fail_job(row, "the next-token logits are not finite (NaN or inf): the sampler weights make the "
-                                    "model's outputs non-finite, so nothing can be sampled from them")
+                row.job.fail("the next-token logits are not finite (NaN or inf): the sampler weights make the "
+                             "model's outputs non-finite, so nothing can be sampled from them")
             elif row.sampling.logprobs_k > vocab:
-                self._fail_job(row, f"sampling failed on the server: {row.sampling.logprobs_k} top-k logprobs were "
-                                    f"asked per token, more than the model's {vocab} vocabulary entries")
+                row.job.fail(f"sampling failed on the server: {row.sampling.logprobs_k} top-k logprobs were "
+                             f"asked per token, more than the model's {vocab} vocabulary entries")
             if row.job.failed:
                 continue
             try:
-                done = self._record(row, picked)
+                done = self.recorder.record(row, picked)
             except Exception as e:
                 log.exception("recording a sampled token failed")
-                self._fail_job(row, f"sampling failed on the server: {type(e).__name__}: {e}")
+                row.job.fail(failure(e))
                 continue
             if done:
-                self._finish_row(row)
+                self.recorder.finish_row(row)
             else:
                 keep.append(r)
         keep = [r for r in keep if not group.rows[r].job.failed]  # a job failed by a later row of its own
@@ -378,31 +431,6 @@ class SamplingEngine:
             self._keep_rows(group, keep)
             if not keep:
                 self._groups.remove(group)
-
-    def _record(self, row: _Row, picked: Picked) -> bool:
-        """Record `row`'s next token; whether the row is finished."""
-        job = row.job.job
-        token = picked.token
-        row.tokens.append(token)
-        row.logprobs.append(picked.logprob)
-        if job.topk_sample_logprobs:
-            row.topk_ids.append(picked.topk_ids)
-            row.topk_logprobs.append(picked.topk_logprobs)
-        self.tokens_generated += 1
-        if token in job.stop_token_ids or (job.stop_strings and self._hit_stop_string(row, job)):
-            row.stop_reason = "stop"
-        elif len(row.tokens) >= job.max_tokens:
-            row.stop_reason = "length"
-        if job.on_token is not None:
-            _report_token(job, row)
-        return row.stop_reason is not None
-
-    @staticmethod
-    def _fail_job(row: _Row, reason: str) -> None:
-        """Fail the job of `row` (once); the caller drops its rows."""
-        if not row.job.failed:
-            row.job.failed = True
-            row.job.job.on_error(reason)
 
     def _keep_rows(self, group: _Group, keep: list[int]) -> None:
         """Retire every row of `group` but those at the indices `keep` (their KV cache rows too)."""
@@ -417,33 +445,23 @@ class SamplingEngine:
             group.picker = BatchPicker([row.sampling for row in group.rows], self.device)
         group.reserve()  # the rows that left give their reservation back
 
-    def _hit_stop_string(self, row: _Row, job: SampleJob) -> bool:
-        """Whether a stop string ends in the row's newest token: only the tail that can hold one is
-        decoded and scanned (the earlier text was scanned at earlier tokens), so a token costs the
-        stop strings' length, not the row's."""
-        tail = self.tokenizer.decode(row.tokens[-_stop_window(job.stop_strings):], skip_special_tokens=False)
-        return any(s in tail for s in job.stop_strings)
 
-    def _finish_row(self, row: _Row) -> None:
-        st = row.job
-        job = st.job
-        st.results[row.index] = row.result(with_topk=job.topk_sample_logprobs > 0)
-        st.rows_left -= 1
-        if st.rows_left == 0 and not st.failed:
-            lp, ids, lps = st.prompt_info
-            targets, alternatives = st.prompt_scores
-            self.requests_done += 1
-            try:
-                job.on_done(SampleResult(sequences=st.results, prompt_logprobs=lp, topk_prompt_ids=ids,
-                                         topk_prompt_logprobs=lps, target_prompt_logprobs=targets,
-                                         prompt_alt_tokens=alternatives))
-            except Exception as e:  # encoding the answer failed: the request fails, others go on
-                log.exception("delivering a sample result failed")
-                job.on_error(f"sampling failed on the server: {type(e).__name__}: {e}")
-            try:
-                self.on_request_done(job, sum(len(r.tokens) for r in st.results))
-            except Exception:  # an observer must not fail the requests
-                log.exception("a sampling observer failed")
+def _roll_back(cache: DynamicCache, length: int) -> bool:
+    """Put `cache` back to `length` positions after a step that failed part way through its layers;
+    False if it cannot be (a layer keeps a recurrent state, updated in place)."""
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return False
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
+        if extra > 0:
+            layer.crop(-extra)
+    return True
+
+
+def _check_poison(point: str, jobs: list[SampleJob], check: Callable[[str], None]) -> None:
+    """Test-only (faults.py): a forward holding a poisoned prompt raises, where the model would."""
+    if faults.armed(point) and any(faults.POISON[point] in job.prompt for job in jobs):
+        check(point)
 
 
 def _new_cache(config) -> DynamicCache:
@@ -452,26 +470,3 @@ def _new_cache(config) -> DynamicCache:
     every key even of sliding-window layers (the engine's masks span the whole row)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return DynamicCache(config=config) if "linear_attention" in (getattr(text, "layer_types", None) or ()) else DynamicCache()
-
-
-def _report_token(job: SampleJob, row: _Row) -> None:
-    """Hand a streaming consumer the token just chosen; its failure never stops the batch."""
-    top = bool(job.topk_sample_logprobs)
-    try:
-        job.on_token(row.index, row.tokens[-1], row.logprobs[-1], row.topk_ids[-1] if top else None,
-                     row.topk_logprobs[-1] if top else None, row.stop_reason)
-    except Exception:
-        log.exception("a streaming on_token callback failed")
-
-
-def _row_sampling(job: SampleJob, index: int) -> RowSampling:
-    return RowSampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, key=row_seed(job.seed, index),
-                       logprobs_k=job.topk_sample_logprobs)
-
-
-@functools.lru_cache(maxsize=256)
-def _stop_window(stop_strings: tuple[str, ...]) -> int:
-    """Tokens whose text holds every stop string that ends in the last of them. A token decodes
-    to at least one byte, so the last B + 1 tokens hold any B-byte span ending in the newest; a few
-    more absorb a partial character or a stripped leading space at the window's start."""
-    return max(len(s.encode()) for s in stop_strings) + 4

@@ -17,6 +17,12 @@ from ..vision import Pixels
 from .prompt_scoring import PromptAlternatives, PromptTargets, ScoredTargets
 
 
+class UserFailure(str):
+    """An `on_error` message for a failure the job's own request caused (a `UserError` raised while it
+    ran): its future fails with category "user" and the OpenAI routes answer 400, where any other
+    message is the server's fault."""
+
+
 @dataclass
 class SampleJob:
     prompt: list[int]

@@ -12,7 +12,7 @@ import numpy as np
 from ..futures import FutureStore
 from ..wire.codec import SampledSequenceOut, TensorOut, TopkOut, encode_sample_response
 from .backend import SamplingBackend
-from .jobs import SampleJob, SampleResult
+from .jobs import SampleJob, SampleResult, UserFailure
 
 
 class SamplingService:
@@ -38,7 +38,7 @@ class SamplingService:
 
         def error(message: str) -> None:
             own_error(message)
-            self.futures.fail(request_id, message, "server")
+            self.futures.fail(request_id, message, "user" if isinstance(message, UserFailure) else "server")
 
         job.on_done, job.on_error = done, error
         self.submit_job(job)

@@ -18,6 +18,8 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from ...access import Access
 from ...checkpoints.paths import TinkerPath
+from ...errors import UserError
+from ...sampling.jobs import UserFailure
 from ...server import Server
 from ...services.sampling import SamplingRequests
 from ..deps import get_access, get_sampling, get_server, require_owner
@@ -141,6 +143,11 @@ async def _unless_client_leaves(request: Request, work: Callable[[], Awaitable[T
     return finished, result
 
 
+def _job_failed(message: str) -> Exception:
+    """A failed job's answer: a 400 where its own request caused the failure (`UserFailure`), else a 500."""
+    return UserError(message) if isinstance(message, UserFailure) else HTTPException(500, message)
+
+
 def _event(body: dict | str) -> ServerSentEvent:
     return ServerSentEvent(data=body if isinstance(body, str) else json.dumps(body, separators=(",", ":")))
 
@@ -148,7 +155,7 @@ def _event(body: dict | str) -> ServerSentEvent:
 async def _answer(request: Request, sampling: SamplingRequests, owner: str, plan: Plan):
     channel = Channel(asyncio.get_running_loop())
     answer = Answer(plan)
-    _submit(sampling, owner, plan, channel)
+    await run_in_threadpool(_submit, sampling, owner, plan, channel)  # it decodes the plan's images
 
     if not plan.stream:
         results: list = [None] * len(plan.jobs)
@@ -170,7 +177,7 @@ async def _answer(request: Request, sampling: SamplingRequests, owner: str, plan
         if not stayed:
             return Response(status_code=499)  # "client closed request": nobody reads it
         if error is not None:
-            raise HTTPException(500, error)
+            raise _job_failed(error)
         return await run_in_threadpool(answer.from_results, results)
 
     # Wait for the first tokens before answering, so a request that fails at once (unreadable
@@ -186,7 +193,7 @@ async def _answer(request: Request, sampling: SamplingRequests, owner: str, plan
     chunks, error = await run_in_threadpool(answer.events, first)
     if error is not None:
         _stop(plan, channel)
-        raise HTTPException(500, error)
+        raise _job_failed(error)
 
     async def stream():
         nonlocal chunks, error
@@ -197,7 +204,8 @@ async def _answer(request: Request, sampling: SamplingRequests, owner: str, plan
                 for body in chunks:
                     yield _event(body)
                 if error is not None:
-                    yield _event({"error": {"message": error, "type": "server_error", "code": None}})
+                    kind = "invalid_request_error" if isinstance(error, UserFailure) else "server_error"
+                    yield _event({"error": {"message": error, "type": kind, "code": None}})
                     return
                 if answer.jobs_left == 0:
                     break
