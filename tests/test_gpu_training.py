@@ -136,9 +136,7 @@ def test_moe_tenants_on_the_gpu_get_their_solo_bits():
     """Expert LoRA on CUDA in bfloat16 (issue 23): a tiny Qwen3-MoE's expert slots live on the GPU, and
     four tenants of other losses, ranks and train flags, trained together two steps, get the bits each
     gets alone (whether the start-up probe let them share micro-batches is printed, not required)."""
-    from test_moe_lora import tiny_moe
-
-    rt = TrainingRuntime(tiny_moe("qwen3_moe").to(torch.bfloat16).to(CUDA), "qwen3_moe", device=CUDA)
+    rt = TrainingRuntime(tiny_decoder("moe", dtype=torch.bfloat16).to(CUDA), "qwen3_moe", device=CUDA)
     tenants = [0, 1, 3, 5]
     fused_hist, fused_state = train_tenants(rt, tenants, steps=2)
     assert all(t.device.type == "cuda" for state in fused_state.values() for t in state.values())
