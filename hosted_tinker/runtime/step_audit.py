@@ -69,8 +69,9 @@ def _sync_reason(func, args, kwargs) -> str | None:
         src = args[1] if name == "aten::copy_" else args[0]
         dst_cpu = (args[0].device.type == "cpu" if name == "aten::copy_"
                    else kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu")
-        if isinstance(src, torch.Tensor) and src.device.type not in ("cpu", "meta") and dst_cpu:
-            return f"{name} to the host"
+        non_blocking = (args[2] if name == "aten::copy_" and len(args) > 2 else kwargs.get("non_blocking", False))
+        if isinstance(src, torch.Tensor) and src.device.type not in ("cpu", "meta") and dst_cpu and not non_blocking:
+            return f"{name} to the host"  # a non-blocking copy into pinned memory waits for nothing
     if name == "aten::_grouped_mm" and args[0].dtype != torch.bfloat16:
         return f"{name} with {args[0].dtype} operands (a host loop on CUDA)"
     if name == "aten::lift_fresh":
