@@ -21,8 +21,8 @@ body. A case that fails writes its error into its summary entry; the other cases
         [--moe-body moe|a3b] [--warmup 2] [--seq-len 128] [--device auto]
 
 Presets: `gpu` (the default where CUDA is: the 1.4B Qwen3-1.7B-shaped body and the 256x4, 8-expert
-MoE body of multi_tenant.py, bf16) and `cpu` (the default elsewhere: the embedded tiny body and a
-64x2, 4-expert MoE, 32-token datums; seconds). `--moe-body a3b` profiles Qwen3-30B-A3B's layer
+MoE body of multi_tenant.py) and `cpu` (the default elsewhere: the embedded tiny body and a 64x2,
+4-expert MoE, 32-token datums; seconds); both in bf16 unless --dtype says otherwise. `--moe-body a3b` profiles Qwen3-30B-A3B's layer
 shapes cut to 4 layers (benchmarks/bodies.py) instead. Sized for 3 minutes on an H100 or H200
 (not yet run on a GPU: the CPU preset is what tests/test_profile_step.py runs).
 """
@@ -57,7 +57,10 @@ from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from bench_common import fb_work, host_op_counts, tenant_rows  # noqa: E402
 from bodies import LABELS, build_models  # noqa: E402
 
-PRESETS = {"gpu": {"dense": "1b", "moe": "moe", "seq_len": 128}, "cpu": {"dense": "tiny", "moe": "tiny-moe", "seq_len": 32}}
+# Both run in bf16 by default (--dtype): the dtype decides which paths a step takes (LoRA GEMMs,
+# grouped expert GEMMs), and bf16's are what a GPU runs.
+PRESETS = {"gpu": {"dense": "1b", "moe": "moe", "seq_len": 128},
+           "cpu": {"dense": "tiny", "moe": "tiny-moe", "seq_len": 32}}
 CASES = {"dense-1": ("dense", 1), "dense-16": ("dense", 16), "moe-16": ("moe", 16)}
 RANK, ALPHA, ROWS, TOP = 16, 32.0, 2, 30
 # CUDA runtime calls that launch work, and those that make the host wait for the device.
@@ -257,11 +260,12 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per datum (default: the preset's)")
     ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--dtype", default="bfloat16", help="the bodies' dtype (default bfloat16, as a GPU serves them)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    dtype = pick_dtype("auto", device)
+    dtype = pick_dtype(args.dtype, device)
     preset = PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")]
     args.seq_len = args.seq_len or preset["seq_len"]
     bodies = {"dense": preset["dense"], "moe": args.moe_body or preset["moe"]}
