@@ -97,18 +97,12 @@ REVISIONS = (("old", OLD_PACKAGE), ("new", PACKAGE))
 def training(args, tmp: Path) -> None:
     import multi_tenant as mt
     from bench_common import fb_work, paired_ratio, tenant_rows
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     device, tenants = torch.device("cpu"), [int(n) for n in args.tenants.split(",")]
     print(f"training: old = {args.old}, new = this checkout; torch threads {args.threads}; "
           "a/c and a/b are medians of per-round ratios; 'fused new/old' is the fused step's speed ratio")
     for size in args.sizes.split(","):
-        src = mt.build_tiny_model(tmp / size, mt.SIZES[size])
-        models = [AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32) for _ in range(3)]
+        models = mt.build_models(size, tmp, device, torch.float32, copies=3)
         runtimes, adams = {}, {}
         for (tag, package), model in zip(REVISIONS, models):
             trainer, adapters, _ = modules(package)
@@ -120,7 +114,7 @@ def training(args, tmp: Path) -> None:
                     for w in adapter.weights.values():
                         w.B.normal_(0, 1e-3)
             runtimes[tag], adams[tag] = runtime, adapters.AdamParams(learning_rate=mt.LR)
-        peft_model, opt = mt.make_peft(models[2], moe=False)  # SIZES: dense bodies only
+        peft_model, opt = mt.make_peft(models[2], moe=size in mt.MOE)
         vocab = min(runtimes["new"].vocab_size, 1000)
         rounds = max(3, int(mt.CPU_REPEATS[size] * args.rounds_scale))
         rows = tenant_rows(max(tenants), 2, 128, vocab)
@@ -362,7 +356,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=("training", "overhead", "images", "sampling"))
     ap.add_argument("--old", required=True, help="the git revision to compare this checkout with")
-    ap.add_argument("--sizes", default="tiny,small,medium", help="training: sizes of multi_tenant.py")
+    ap.add_argument("--sizes", default="tiny,small,medium",
+                    help="training: sizes of multi_tenant.py (benchmarks/bodies.py; moe and tiny-moe too)")
     ap.add_argument("--tenants", default="1,2,4,8,16", help="training: tenant counts (default 1,2,4,8,16)")
     ap.add_argument("--rounds-scale", type=float, default=1.0,
                     help="training: multi_tenant.py's CPU rounds (25/7/5) times this (default 1)")

@@ -83,6 +83,23 @@ def tenant_adam(i: int) -> AdamParams:
     return AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1e-3 if i % 2 else 0.0)
 
 
+def split_batch_gap(runtime: TrainingRuntime, work: FBWork, learning_rate: float) -> float:
+    """The same datums through two fresh adapters of one seed: all in one pass ("one"), or in two
+    passes of half each ("two"); one AdamW step each; the largest difference of their logprobs then."""
+    import dataclasses
+
+    for name in ("one", "two"):
+        runtime.create_adapter(name, LoRAConfig(rank=16, seed=4))
+    half = len(work.data) // 2
+    runtime.forward_backward([dataclasses.replace(work, model_id="one")])
+    runtime.forward_backward([dataclasses.replace(work, model_id="two", data=work.data[:half])])
+    runtime.forward_backward([dataclasses.replace(work, model_id="two", data=work.data[half:])])
+    adam = AdamParams(learning_rate=learning_rate)
+    runtime.optim_steps([("one", adam), ("two", adam)])
+    out = runtime.forward_backward([dataclasses.replace(work, model_id=m, forward_only=True) for m in ("one", "two")])
+    return max(float(np.abs(a["logprobs"] - b["logprobs"]).max()) for a, b in zip(out[0].outputs, out[1].outputs))
+
+
 def train_tenants(runtime: TrainingRuntime, tenants: list[int], steps: int = 2, fused: bool = True):
     """Train the given tenants for `steps` steps: one fused pass and one multi-adapter AdamW step
     per step (as a server cycle does), or a pass and a step per tenant."""

@@ -52,8 +52,8 @@ KNOWN_LONG_MODULES: set[str] = set()
 KNOWN_STRING_DISPATCH: set[str] = set()
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_SCHEME_LITERALS: set[str] = set()
-KNOWN_LONG_FUNCTIONS: set[str] = {"api.openai_compat.routes._answer", "runtime.adamw.adamw_step"}
-KNOWN_TEST_IMPORTS: set[tuple[str, str]] = {("test_gpu_training", "test_moe_lora")}
+KNOWN_LONG_FUNCTIONS: set[str] = {"api.openai_compat.routes._answer"}
+KNOWN_TEST_IMPORTS: set[tuple[str, str]] = set()
 # Limits (settings named max_*) that bound by doing something else than refusing a request: each says what.
 LIMITS_THAT_REFUSE_NOTHING = {
     "max_tokens_per_micro_batch": "a fused pass is cut into micro-batches of at most this many tokens",

@@ -151,6 +151,9 @@ class RankRuntime(TrainingRuntime):
     def _causal_kwargs(self) -> dict:
         return {}  # no trial forward on one rank (a sharded base's forward is a collective)
 
+    def _no_mask_attention(self) -> str | None:
+        return None  # as `_causal_kwargs`
+
     def run_share(self, works: list[FBWork], pad: tuple[int, int], model_ids: list[str]) -> list[FBOutcome]:
         """This rank's share of a pass. Every rank says whether its share worked (one
         `all_gather`); only if all did are the new gradients reduced into rank 0's, else every

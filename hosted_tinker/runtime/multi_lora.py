@@ -163,7 +163,7 @@ class MultiLoRALinear(AdapterSlots, nn.Module):
         elif call.first is not None and not call.pair and xs.dtype == stack.A.dtype == out_dtype:
             # fp32 activations, consecutive slots: views of the stack, autograd's own nodes
             d = lora_delta(xs, *stack.leaves(call.first, call.n), call.scaling)
-        else:  # a canonical pair, slots out of order, or a 16-bit base (fp32 LoRA math)
+        else:  # a canonical pair, slots out of order, or a 16-bit base (bf16 math on a bf16 one)
             d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), stack, call, out_dtype)
         return d.reshape(x.shape[:-1] + (self.out_features,))
 
