@@ -9,7 +9,7 @@ The rules, and why each keeps a tenant's bits independent of who shares the cycl
 - **Width buckets.** Every row is right-padded to `bucket_width(its own length)`; a row's padding
   never depends on the other rows.
 - **Pieces.** A model's rows of one bucket are cut, in request order, into pieces of at most
-  `budget // width` rows: the micro-batches it would run alone. Pieces depend on that model's
+  `max_rows(budget, width)` rows: the micro-batches it would run alone. Pieces depend on that model's
   own rows only, so it runs the same row blocks, accumulating its gradients in the same order,
   alone or co-batched.
 - **Sharing.** Pieces of several models share a micro-batch only where `may_mix(width, rows)`
@@ -39,6 +39,12 @@ def bucket_width(n: int) -> int:
     while width < n:
         width = width * 3 // 2 if (width & (width - 1)) == 0 else width * 4 // 3
     return width
+
+
+def max_rows(budget: int, width: int) -> int:
+    """The most rows a micro-batch of this width holds under a budget of `budget` tokens: what
+    packing cuts pieces by, and what the start-up fusion probe checks (kernel_choices.py)."""
+    return max(1, budget // width)
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ def candidates(requests: Sequence[Request], budget: int) -> Iterator[Candidate]:
                 key = (bucket_width(n), _sortable(req.kind))
                 buckets.setdefault(key, {}).setdefault(req.model_id, []).append((ri, di))
         for (width, kind) in sorted(buckets):
-            cap = max(1, budget // width)
+            cap = max_rows(budget, width)
             batch: list[tuple[Row, ...]] = []
             size = 0
             for model_id in sorted(buckets[(width, kind)]):
