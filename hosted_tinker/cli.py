@@ -25,6 +25,8 @@ def _serve(config: ServerConfig) -> int:
     from .startup import StartupError, preflight
 
     configure_logging(config.log_level, config.log_format)
+    for line in config.deprecations:
+        log.warning("%s", line)
     try:
         checked = preflight(config)  # before anything slow: the model loads only once all of this passed
     except StartupError as e:

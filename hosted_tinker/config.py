@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings, CliSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
     TomlConfigSettingsSource, YamlConfigSettingsSource,
@@ -38,6 +38,8 @@ _DEVICE_LIST_RE = re.compile(r"^\d+(,\d+)*$")
 _DEVICE_HELP = "use auto, cpu, cuda, cuda:N, mps or xpu"
 # max_sampling_kv_tokens = 0 off CUDA (sampling/kv_budget.py says why this much).
 DEFAULT_KV_TOKENS = 1 << 22
+# Settings renamed, old name -> new: the old one still works for one release, with a warning at start-up.
+RENAMED = {"max_models_per_key": "max_training_runs_per_key"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class ServerConfig(BaseSettings):
                                       use_attribute_docstrings=True)  # a setting's description: its docstring
 
     config: Path | None = None
+    _deprecations: list[str] = PrivateAttr(default_factory=list)  # old setting names used (RENAMED)
     """YAML (.yaml/.yml) or TOML (.toml) file of settings, keyed by setting name (base_model or base-model);
     flags and HOSTED_TINKER_* variables override it"""
     host: str = "127.0.0.1"
@@ -205,8 +208,10 @@ class ServerConfig(BaseSettings):
     another; a 4096 x 4096 image takes seconds of CPU and ~1 GB at its peak); beyond it, 429"""
     max_pending_per_key: int = Field(4096, ge=1)
     """unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)"""
-    max_models_per_key: int = Field(64, ge=1)
-    """live training models one API key may hold (unload one to make room)"""
+    max_training_runs_per_key: int = Field(64, ge=1)
+    """live training runs (training clients) one API key may hold (unload one to make room)"""
+    max_models_per_key: int | None = Field(None, ge=1)
+    """deprecated, to be removed in the next release: the old name of max_training_runs_per_key"""
     max_request_bytes: int = Field(512 << 20, ge=1)
     """largest forward_backward or checkpoint import body accepted (after decompression)"""
     max_json_request_bytes: int = Field(16 << 20, ge=1)
@@ -322,6 +327,27 @@ class ServerConfig(BaseSettings):
         if isinstance(value, bool):
             return "on" if value else "off"
         return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _renamed_settings(self) -> "ServerConfig":
+        """A setting given by its old name (`RENAMED`) sets the new one, and is listed in `deprecations`
+        for the start-up log; both names at once is a mistake."""
+        self._deprecations = []
+        for old, new in RENAMED.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            if new in self.model_fields_set:
+                raise ValueError(f"{old} is the old name of {new}: give only {new}")
+            setattr(self, new, value)
+            self._deprecations.append(f"{flag(old)} (${ENV_PREFIX}{old.upper()}, {old} in a config file) is deprecated "
+                                     f"and goes in the next release: use {flag(new)}")
+        return self
+
+    @property
+    def deprecations(self) -> list[str]:
+        """One line per deprecated setting name this configuration used."""
+        return list(self._deprecations)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -1,7 +1,7 @@
 """One data directory, one server: an exclusive lock taken before anything touches the store.
 
 A second server on the same `--data-dir` would run its start-up repair on the first one's SQLite
-(failing its running futures, marking its live models unloaded) before failing to bind the port.
+(failing its running futures, marking its live training runs unloaded) before failing to bind the port.
 `flock` on `<data-dir>/server.lock` stops it first; the kernel drops the lock when the holder
 exits, kill -9 included, so a stale lock file never blocks a restart. The file holds the
 holder's pid, for the refusal message.

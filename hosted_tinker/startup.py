@@ -342,7 +342,7 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
         f"{data_dir / TOKEN_KEY_FILE}, replaced by hosted-tinker rotate-token-key)",
         f"  admins     {admins} (usage, storage, audit log); costs "
         f"{f'from the rate card {c.rate_card}' if c.rate_card else 'null (no --rate-card)'}",
-        f"  limits     LoRA rank <= {c.max_lora_rank}; per key {c.max_models_per_key} live models and "
+        f"  limits     LoRA rank <= {c.max_lora_rank}; per key {c.max_training_runs_per_key} live training runs and "
         f"{c.max_pending_per_key} queued requests; {c.max_request_bytes / 2**20:.0f} MiB per request; "
         f"{c.max_tokens_per_cycle} tokens per cycle; {c.max_num_samples} samples per request",
     ]

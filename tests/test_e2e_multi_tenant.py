@@ -122,7 +122,7 @@ def test_pipelined_client_uses_one_cycle_per_step(tmp_path):
         long_pass = sft_batch(64, seed=1, min_len=100, max_len=128)
         for _ in range(WARM_UP_STEPS):
             pipelined_step(long_pass)
-            if metric(srv, "hosted_tinker_pipelining_models") == 1:
+            if metric(srv, "hosted_tinker_pipelining_training_runs") == 1:
                 break
         else:
             pytest.fail(f"the server did not learn in {WARM_UP_STEPS} steps that the client pipelines")

@@ -1,6 +1,6 @@
 """The per-request and per-key limits that no other test module reaches, each refused through the
 real SDK against a real server, with a message naming its setting, while another key is not
-affected: `max_lora_rank`, `max_models_per_key`, `max_datums_per_request`, `max_num_samples`,
+affected: `max_lora_rank`, `max_training_runs_per_key`, `max_datums_per_request`, `max_num_samples`,
 `max_request_bytes`
 (tests/test_architecture.py checks that every limit a refusal names has such a test somewhere)."""
 
@@ -22,7 +22,7 @@ def key(test: str) -> str:
     """A key of its own per test: the module's server keeps what earlier tests created."""
     return f"tml-limits-{test}"
 REQUEST_BYTES = 1 << 20
-LIMITS = ("--max-lora-rank", "8", "--max-models-per-key", "2", "--max-datums-per-request", "3",
+LIMITS = ("--max-lora-rank", "8", "--max-training-runs-per-key", "2", "--max-datums-per-request", "3",
           "--max-num-samples", "2", "--max-request-bytes", str(REQUEST_BYTES))
 
 
@@ -40,11 +40,11 @@ def test_a_rank_above_max_lora_rank_is_refused(srv):
         assert sc.create_lora_training_client(base_model=BASE_MODEL, rank=8).result().get_info().model_data.model_name
 
 
-def test_a_key_holds_at_most_max_models_per_key_live_training_runs(srv):
+def test_a_key_holds_at_most_max_training_runs_per_key_live_training_runs(srv):
     A = key("models")
     with srv.client(A) as a, srv.client(B) as b:
         live = [a.create_lora_training_client(base_model=BASE_MODEL, rank=4).result() for _ in range(2)]
-        with pytest.raises(tinker.BadRequestError, match=r"already has 2 live models \(max_models_per_key = 2\); "
+        with pytest.raises(tinker.BadRequestError, match=r"already has 2 live training runs \(max_training_runs_per_key = 2\); "
                                                          "unload one before creating another"):
             a.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         b.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()  # another key has its own bound

@@ -44,6 +44,21 @@ def test_metrics_are_prometheus_text(server, service_client):
                      text, re.M)
 
 
+def test_renamed_series_are_still_reported_until_the_next_release(server, service_client):
+    """A training run was called a "model" in four series' names: the new names are reported, and the
+    old ones too, with the same values, marked deprecated (api/metrics.py RENAMED_SERIES)."""
+    from hosted_tinker.api.metrics import RENAMED_SERIES
+
+    tc = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+    tc.forward_backward(sft_batch(2), "cross_entropy").result()
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics",
+                                                                            timeout=60).text)}
+    for old, new in RENAMED_SERIES.items():
+        assert families[old].documentation == f"deprecated, goes in the next release: the old name of {new}"
+        assert [(s.name.replace(old, new), s.labels, s.value) for s in families[old].samples] == [
+            (s.name, s.labels, s.value) for s in families[new].samples], old
+
+
 def test_refusals_are_logged_with_their_reason_and_request_id(server):
     r = httpx.post(f"{server.base_url}/api/v1/asample", json={"num_samples": 1},
                    headers={"X-API-Key": "tml-ops", "X-Request-ID": "refused-1"}, timeout=60)
@@ -91,7 +106,7 @@ def test_metrics_parse_with_histograms_for_requests_cycles_and_sampling(server, 
     assert count("hosted_tinker_queue_wait_seconds", kind="forward_backward") >= 1
     assert count("hosted_tinker_queue_wait_seconds", kind="optim_step") >= 1
     assert count("hosted_tinker_cycle_duration_seconds") >= 1
-    assert count("hosted_tinker_fused_pass_tokens") >= 1 and count("hosted_tinker_fused_pass_models") >= 1
+    assert count("hosted_tinker_fused_pass_tokens") >= 1 and count("hosted_tinker_fused_pass_training_runs") >= 1
     assert count("hosted_tinker_sampling_time_to_first_token_seconds") >= 1
     assert count("hosted_tinker_sampling_tokens_per_second") >= 1
     for counter in ("hosted_tinker_sample_requests", "hosted_tinker_sampled_tokens",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hosted_tinker.runtime.packing import Request, bucket_width, pack, shared_shapes
+from hosted_tinker.runtime.packing import RequestShape, bucket_width, pack, shared_shapes
 
 
 def always(width, rows):
@@ -33,8 +33,8 @@ def test_bucket_widths_grow_by_at_most_half():
 
 
 def test_a_model_runs_the_same_pieces_alone_and_with_others():
-    alone = [Request("a", (100, 30, 100, 100, 5))]
-    crowd = [Request("b", (100,) * 7), alone[0], Request("c", (30, 30)), Request("a", (100,), forward_only=True)]
+    alone = [RequestShape("a", (100, 30, 100, 100, 5))]
+    crowd = [RequestShape("b", (100,) * 7), alone[0], RequestShape("c", (30, 30)), RequestShape("a", (100,), forward_only=True)]
     for may_mix in (always, never):
         solo = pack(alone, 256, may_mix=may_mix)
         shared = pack(crowd, 256, may_mix=may_mix)
@@ -44,7 +44,7 @@ def test_a_model_runs_the_same_pieces_alone_and_with_others():
 
 
 def test_pieces_share_a_micro_batch_only_where_allowed_and_within_the_budget():
-    reqs = [Request(m, (20,) * 3) for m in "abcd"]  # width 24: 10 rows per 256-token micro-batch
+    reqs = [RequestShape(m, (20,) * 3) for m in "abcd"]  # width 24: 10 rows per 256-token micro-batch
     asked = []
     plan = pack(reqs, 256, may_mix=lambda w, r: asked.append((w, r)) or True)
     assert [len(mb.rows) for mb in plan.micro_batches] == [9, 3]
@@ -57,14 +57,14 @@ def test_pieces_share_a_micro_batch_only_where_allowed_and_within_the_budget():
 
 
 def test_requests_of_different_kinds_never_share():
-    reqs = [Request("a", (10, 10), kind="graph"), Request("b", (10,), kind="eager"), Request("c", (10,), kind="graph")]
+    reqs = [RequestShape("a", (10, 10), kind="graph"), RequestShape("b", (10,), kind="eager"), RequestShape("c", (10,), kind="graph")]
     plan = pack(reqs, 4096, may_mix=always)
     assert sorted((mb.kind, sorted(s[0] for s in mb.segments)) for mb in plan.micro_batches) == [
         ("eager", ["b"]), ("graph", ["a", "c"])]
 
 
 def test_gradient_micro_batches_come_first_then_forward_only():
-    reqs = [Request("a", (10,), forward_only=True), Request("b", (40,)), Request("c", (10,))]
+    reqs = [RequestShape("a", (10,), forward_only=True), RequestShape("b", (40,)), RequestShape("c", (10,))]
     plan = pack(reqs, 4096, may_mix=always)
     assert [mb.grad for mb in plan.micro_batches] == [True, True, False]
     assert plan.counts() == (2, 1)
@@ -72,14 +72,14 @@ def test_gradient_micro_batches_come_first_then_forward_only():
 
 
 def test_adapters_of_one_shape_sit_side_by_side():
-    reqs = [Request(m, (10,)) for m in "abcd"]
+    reqs = [RequestShape(m, (10,)) for m in "abcd"]
     rank = {"a": 8, "b": 16, "c": 8, "d": 16}
     plan = pack(reqs, 4096, may_mix=always, order_key=lambda m: (rank[m],))
     assert [s[0] for s in plan.micro_batches[0].segments] == ["a", "c", "b", "d"]
 
 
 def test_runs_and_segments_describe_the_rows():
-    reqs = [Request("a", (10, 12)), Request("a", (11,)), Request("b", (9,))]
+    reqs = [RequestShape("a", (10, 12)), RequestShape("a", (11,)), RequestShape("b", (9,))]
     mb = pack(reqs, 4096, may_mix=always).micro_batches[0]
     # pieces of one shape by size, then model id: b's one row, then a's three
     assert mb.rows == ((2, 0), (0, 0), (0, 1), (1, 0))
@@ -93,7 +93,7 @@ def test_runs_and_segments_describe_the_rows():
                           st.booleans(), st.sampled_from([0, 1])), min_size=1, max_size=10),
        st.sampled_from([64, 256, 1024]), st.booleans())
 def test_every_row_runs_once_and_each_model_keeps_its_solo_pieces(spec, budget, mix):
-    reqs = [Request(m, tuple(lengths), fwd, kind) for m, lengths, fwd, kind in spec]
+    reqs = [RequestShape(m, tuple(lengths), fwd, kind) for m, lengths, fwd, kind in spec]
     plan = pack(reqs, budget, may_mix=always if mix else never)
     seen = [row for mb in plan.micro_batches for row in mb.rows]
     assert sorted(seen) == sorted((ri, di) for ri, r in enumerate(reqs) for di in range(len(r.lengths)))

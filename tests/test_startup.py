@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 import torch
 
 from helpers import assert_one_line_error, database, serve
@@ -72,7 +73,8 @@ def test_help_lists_every_setting_dtype_and_env_var():
 
 
 def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
-    """file < environment < flag; the start-up summary shows the values that won."""
+    """file < environment < flag; the start-up summary shows the values that won. The training-run
+    bound is given by its old name (max_models_per_key), which still works and is logged as deprecated."""
     config = tmp_path / "server.yaml"
     config.write_text("max-lora-rank: 8\nmax_models_per_key: 3\nmax_num_samples: 5\nactivation_checkpointing: on\n")
     srv = ServerProcess(tmp_path / "srv", args=("--config", str(config), "--max-num-samples", "7"),
@@ -88,8 +90,18 @@ def test_config_file_env_and_flags_combine_in_priority_order(tmp_path):
     assert re.search(rf"database +{re.escape(str(database(srv.data_dir).resolve()))}\n", summary)
     assert re.search(r"model +hosted-tinker/tiny-qwen3-embedded on cpu \(float32, ", summary)
     assert "auth       DEV MODE" in summary
-    assert "LoRA rank <= 8; per key 4 live models" in summary and "7 samples per request" in summary
+    assert "LoRA rank <= 8; per key 4 live training runs" in summary and "7 samples per request" in summary
+    assert ("--max-models-per-key ($HOSTED_TINKER_MAX_MODELS_PER_KEY, max_models_per_key in a config file) is "
+            "deprecated and goes in the next release: use --max-training-runs-per-key") in log
     assert "activation checkpointing on (set to on)" in summary
+
+
+def test_a_renamed_setting_given_by_both_names_is_refused():
+    with pytest.raises(ValidationError, match="max_models_per_key is the old name of max_training_runs_per_key: "
+                                              "give only max_training_runs_per_key"):
+        ServerConfig(max_models_per_key=3, max_training_runs_per_key=4)
+    assert ServerConfig(max_models_per_key=3).max_training_runs_per_key == 3
+    assert ServerConfig().deprecations == [] and ServerConfig().max_training_runs_per_key == 64
 
 
 def test_a_toml_config_file_with_an_unknown_setting_is_refused(tmp_path):

@@ -63,9 +63,9 @@ class Metrics:
                                         ["base_model"], buckets=_SECONDS, registry=r)
         self.fused_tokens = Histogram("hosted_tinker_fused_pass_tokens", "tokens in a fused forward/backward pass",
                                       ["base_model"], buckets=_TOKENS, registry=r)
-        self.fused_models = Histogram("hosted_tinker_fused_pass_models",
-                                      "tenants (adapters) in a fused forward/backward pass", ["base_model"],
-                                      buckets=_TENANTS, registry=r)
+        self.fused_runs = [Histogram(name, help, ["base_model"], buckets=_TENANTS, registry=r) for name, help in (
+            ("hosted_tinker_fused_pass_training_runs", "training runs in a fused forward/backward pass"),
+            ("hosted_tinker_fused_pass_models", _deprecated("hosted_tinker_fused_pass_training_runs")))]
         self.ttft = Histogram("hosted_tinker_sampling_time_to_first_token_seconds",
                               "time from a sample request's arrival to its first generated token", ["base_model"],
                               buckets=_SECONDS, registry=r)
@@ -105,7 +105,8 @@ class Metrics:
                 stats = served.runtime.last_pass
                 tokens, tenants = stats.tokens, stats.models
                 self.fused_tokens.labels(base_model).observe(tokens)
-                self.fused_models.labels(base_model).observe(tenants)
+                for histogram in self.fused_runs:
+                    histogram.labels(base_model).observe(tenants)
         with self._lock:
             self._cycles.append({"t": time.time(), "base_model": base_model, "seconds": seconds, "tokens": tokens,
                                  "tenants": tenants, "requests": len(plan.compute) + len(plan.optim) + len(plan.tail),
@@ -139,6 +140,18 @@ class Metrics:
 _C, _G = CounterMetricFamily, GaugeMetricFamily
 
 
+# Series renamed (a training run was called a "model"), old name -> new: the old one is still
+# reported, marked deprecated, until the next release.
+RENAMED_SERIES = {"hosted_tinker_last_cycle_models": "hosted_tinker_last_cycle_training_runs",
+                  "hosted_tinker_last_fused_pass_models": "hosted_tinker_last_fused_pass_training_runs",
+                  "hosted_tinker_pipelining_models": "hosted_tinker_pipelining_training_runs",
+                  "hosted_tinker_fused_pass_models": "hosted_tinker_fused_pass_training_runs"}
+
+
+def _deprecated(new: str) -> str:
+    return f"deprecated, goes in the next release: the old name of {new}"
+
+
 # (family, name, help, value of one served model), read from its own parts at scrape time (its
 # sampling backend reports its own: `_backend_families`).
 _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
@@ -146,18 +159,18 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
      lambda m: m.scheduler.cycles),
     (_C, "hosted_tinker_cycle_seconds", "time spent in clock cycles", lambda m: m.scheduler.cycle_seconds_total),
     (_G, "hosted_tinker_last_cycle_seconds", "duration of the last cycle", lambda m: m.scheduler.last_cycle_seconds),
-    (_G, "hosted_tinker_last_cycle_models", "models served by the last cycle",
+    (_G, "hosted_tinker_last_cycle_training_runs", "training runs served by the last cycle",
      lambda m: m.scheduler.last_cycle_models),
     (_G, "hosted_tinker_last_cycle_requests", "requests executed by the last cycle",
      lambda m: m.scheduler.last_cycle_requests),
-    (_G, "hosted_tinker_last_fused_pass_models", "adapters packed into the last fused forward/backward",
+    (_G, "hosted_tinker_last_fused_pass_training_runs", "training runs packed into the last fused forward/backward",
      lambda m: m.worker.last_cycle_models),
     (_G, "hosted_tinker_last_fused_pass_tokens", "tokens in the last fused forward/backward",
      lambda m: m.worker.last_cycle_tokens),
     (_G, "hosted_tinker_last_fused_pass_padded_tokens",
      "token slots computed by the last fused pass, padding included (vs _tokens: padding waste)",
      lambda m: m.runtime.last_pass.padded_tokens),
-    (_C, "hosted_tinker_fused_passes", "forward/backward passes that carried several models",
+    (_C, "hosted_tinker_fused_passes", "forward/backward passes that carried several training runs",
      lambda m: m.worker.fused_passes),
     (_C, "hosted_tinker_trained_tokens", "tokens through forward/backward", lambda m: m.worker.tokens_total),
     (_C, "hosted_tinker_failed_passes", "forward/backward passes that raised (a pass of several requests is rerun in "
@@ -171,8 +184,8 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
     (_C, "hosted_tinker_parts_rolled_back", "requests in parts that failed after a part: their earlier parts' "
      "gradients put back", lambda m: m.worker.parts.rolled_back),
     (_G, "hosted_tinker_queue_depth", "training requests waiting", lambda m: m.scheduler.queue_depth()),
-    (_G, "hosted_tinker_pipelining_models",
-     "models whose client pipelines (posts optim_step before its forward_backward result): their "
+    (_G, "hosted_tinker_pipelining_training_runs",
+     "training runs whose client pipelines (posts optim_step before its forward_backward result): their "
      "forward_backward waits up to gather_window_s for it, so that both share a cycle",
      lambda m: m.scheduler.pipelining_models()),
     (_G, "hosted_tinker_adapters", "adapters held by the runtime (on the device or paged out)",
@@ -196,10 +209,12 @@ class _ServerCollector(Collector):
         if server is None:
             return
         for family, name, help, value in _PER_MODEL:
-            metric = family(name, help, labels=["base_model"])
-            for served in server.models:
-                metric.add_metric([served.name], value(served))
-            yield metric
+            names = [(name, help)] + [(old, _deprecated(new)) for old, new in RENAMED_SERIES.items() if new == name]
+            for series, text in names:
+                metric = family(series, text, labels=["base_model"])
+                for served in server.models:
+                    metric.add_metric([served.name], value(served))
+                yield metric
         yield from _backend_families(server.models)
         yield CounterMetricFamily("hosted_tinker_futures_resolved", "futures resolved",
                                   value=server.futures.resolved_total)

@@ -19,7 +19,7 @@ from .batch_invariant import training_kernels
 from .invariance import FusionPolicy, RowIndependenceProbe
 from .moe_lora import ExpertProjection
 from .multi_lora import fp32_logits_refused
-from .packing import bucket_width
+from .packing import bucket_width, max_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class KernelChoices:
 
     def check_fusion(self) -> None:
         """Whether tenants may share micro-batches, decided on this machine before any request, on
-        64 rows of the shortest bucket (0.1-0.4 s on the embedded model, 1 CPU thread); if that
+        the rows of a micro-batch of the shortest bucket (at most 64) (0.1-0.4 s on the embedded model, 1 CPU thread); if that
         fails, they never do; each other shape is probed when first used.
 
         On CPU, where the plain model fails, the probe is tried once more with the input gradients
@@ -74,7 +74,9 @@ class KernelChoices:
         `lm_head` gradient was the one call whose rows changed bits), at the cost of one more copy
         of the projections' weights. If it fails that way too, the copies are dropped."""
         width = bucket_width(1)
-        rows = max(2, min(64, self.max_tokens_per_micro_batch // width))
+        # As many rows as packing puts in a micro-batch of that width, up to 64 (the probe's cost);
+        # at least 2, or there is nothing to share.
+        rows = max(2, min(64, max_rows(self.max_tokens_per_micro_batch, width)))
         if (self.policy.check_at_startup(width, rows) or self.device.type != "cpu"
                 or not self.may_transpose_frozen_weights):
             return

@@ -9,7 +9,7 @@ The rules, and why each keeps a tenant's bits independent of who shares the cycl
 - **Width buckets.** Every row is right-padded to `bucket_width(its own length)`; a row's padding
   never depends on the other rows.
 - **Pieces.** A model's rows of one bucket are cut, in request order, into pieces of at most
-  `budget // width` rows: the micro-batches it would run alone. Pieces depend on that model's
+  `max_rows(budget, width)` rows: the micro-batches it would run alone. Pieces depend on that model's
   own rows only, so it runs the same row blocks, accumulating its gradients in the same order,
   alone or co-batched.
 - **Sharing.** Pieces of several models share a micro-batch only where `may_mix(width, rows)`
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 
 def bucket_width(n: int) -> int:
@@ -41,8 +42,14 @@ def bucket_width(n: int) -> int:
     return width
 
 
+def max_rows(budget: int, width: int) -> int:
+    """The most rows a micro-batch of this width holds under a budget of `budget` tokens: what
+    packing cuts pieces by, and what the start-up fusion probe checks (kernel_choices.py)."""
+    return max(1, budget // width)
+
+
 @dataclass(frozen=True)
-class Request:
+class RequestShape:
     """What packing needs to know of one forward / forward_backward request."""
 
     model_id: str
@@ -54,14 +61,22 @@ class Request:
 Row = tuple[int, int]  # (request index, datum index)
 
 
-def segments_of(row_keys: list) -> list[tuple[object, int, int]]:
-    """Runs of equal consecutive keys as (key, start, end): rows -> adapter, rows -> request."""
-    segs: list[tuple[object, int, int]] = []
+class RowRange(NamedTuple):
+    """Rows start..end-1 of a micro-batch that share `key`: a model id (one adapter's rows) or a
+    request index (one loss's rows)."""
+    key: Any
+    start: int
+    end: int
+
+
+def segments_of(row_keys: list) -> list[RowRange]:
+    """Runs of equal consecutive keys: rows -> adapter, rows -> request."""
+    segs: list[RowRange] = []
     for r, key in enumerate(row_keys):
-        if segs and segs[-1][0] == key:
-            segs[-1] = (key, segs[-1][1], r + 1)
+        if segs and segs[-1].key == key:
+            segs[-1] = segs[-1]._replace(end=r + 1)
         else:
-            segs.append((key, r, r + 1))
+            segs.append(RowRange(key, r, r + 1))
     return segs
 
 
@@ -73,8 +88,8 @@ class MicroBatch:
     width: int
     rows: tuple[Row, ...]
     lengths: tuple[int, ...]  # real tokens of each row
-    segments: tuple[tuple[str, int, int], ...]  # (model id, first row, end row): one adapter each
-    runs: tuple[tuple[int, int, int], ...]  # (request index, first row, end row): one loss each
+    segments: tuple[RowRange, ...]  # keyed by model id: one adapter each
+    runs: tuple[RowRange, ...]  # keyed by request index: one loss each
     kind: Hashable = 0
 
     @property
@@ -116,7 +131,7 @@ class Candidate:
         return sum(len(p) for p in self.pieces)
 
 
-def candidates(requests: Sequence[Request], budget: int) -> Iterator[Candidate]:
+def candidates(requests: Sequence[RequestShape], budget: int) -> Iterator[Candidate]:
     """Per phase, bucket and kind: each model's rows cut into pieces, packed greedily by model id."""
     for grad in (True, False):
         buckets: dict[tuple, dict[str, list[Row]]] = {}
@@ -127,7 +142,7 @@ def candidates(requests: Sequence[Request], budget: int) -> Iterator[Candidate]:
                 key = (bucket_width(n), _sortable(req.kind))
                 buckets.setdefault(key, {}).setdefault(req.model_id, []).append((ri, di))
         for (width, kind) in sorted(buckets):
-            cap = max(1, budget // width)
+            cap = max_rows(budget, width)
             batch: list[tuple[Row, ...]] = []
             size = 0
             for model_id in sorted(buckets[(width, kind)]):
@@ -147,13 +162,13 @@ def _sortable(kind: Hashable) -> tuple[str, Hashable]:
     return (repr(kind), kind)  # kinds of any type, in a stable order
 
 
-def shared_shapes(requests: Sequence[Request], budget: int) -> set[tuple[int, int]]:
+def shared_shapes(requests: Sequence[RequestShape], budget: int) -> set[tuple[int, int]]:
     """(width, rows) of every candidate micro-batch that holds several models: the shapes `pack`
     will ask `may_mix` about (a pool's rank 0 decides them for every rank)."""
     return {(c.width, c.rows) for c in candidates(requests, budget) if len(c.pieces) > 1}
 
 
-def pack(requests: Sequence[Request], budget: int, *, may_mix: Callable[[int, int], bool],
+def pack(requests: Sequence[RequestShape], budget: int, *, may_mix: Callable[[int, int], bool],
          order_key: Callable[[str], tuple] = lambda model_id: ()) -> PackingPlan:
     """The micro-batches of one fused pass over `requests` (see the module docstring)."""
     plan = PackingPlan()

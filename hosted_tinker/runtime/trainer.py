@@ -25,6 +25,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import groupby
 
 import torch
@@ -44,7 +45,7 @@ from .moe_lora import attach_moe_lora
 from .lora_plan import LoRARouting
 from .multi_lora import MultiLoRALinear, attach_multi_lora
 from .projections import discover
-from .packing import MicroBatch, PackingPlan, Request, pack, segments_of, shared_shapes
+from .packing import MicroBatch, PackingPlan, RequestShape, RowRange, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from ..request_types import FBOutcome, FBWork
 
@@ -56,20 +57,34 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                             reduction="none").reshape(rows, width)
 
 
-def _one_target_losses(works: list[FBWork], runs, logprobs, inputs, mask, metric_sums) -> torch.Tensor:
+@dataclass
+class ScoredRows:
+    """What a micro-batch's losses read of its forward: per-token target logprobs [rows, width], the
+    loss inputs the user sent or the server derived, the mask of real tokens, and with (N, K)
+    targets each such run's [rows, width, K] logprobs (keyed by its first row) and the K weights."""
+    logprobs: torch.Tensor
+    inputs: dict[str, torch.Tensor]
+    mask: torch.Tensor
+    topk: dict[int, torch.Tensor]
+    topk_weights: torch.Tensor | None
+
+
+def _one_target_losses(works: list[FBWork], runs: list[RowRange], scored: ScoredRows, metric_sums) -> torch.Tensor:
     """Per-token losses of consecutive runs of one model with (N,) targets: one `run_losses` call,
     given only the inputs their losses take (their specs name them: run_losses slices every input
     it is given, per block, and there is a block per model)."""
     specs = [LOSSES[works[wi].loss_fn] for wi, _, _ in runs]
-    used = {k: v for k, v in inputs.items() if any(k in sp.required_inputs or k in sp.inputs for sp in specs)}
+    used = {k: v for k, v in scored.inputs.items()
+            if any(k in sp.required_inputs or k in sp.inputs for sp in specs)}
     tok_loss, run_metrics = run_losses(
-        [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in runs], logprobs, used, mask)
+        [(works[wi].loss_fn, works[wi].loss_config, rs, re) for wi, rs, re in runs], scored.logprobs, used,
+        scored.mask)
     for (wi, _, _), metrics in zip(runs, run_metrics):
         merge_metrics(metric_sums[wi], metrics)
     return tok_loss
 
 
-# Packing kinds (runtime/packing.py `Request.kind`) where steps run as CUDA graphs: micro-batches
+# Packing kinds (runtime/packing.py `RequestShape.kind`) where steps run as CUDA graphs: micro-batches
 # of graphed and of eager requests are never shared, so a tenant's path never depends on others.
 GRAPHED, EAGER = "graph", "eager"
 # A request with images runs eagerly in micro-batches of its own: the fusion probe and the
@@ -246,7 +261,7 @@ class TrainingRuntime(KernelChoices):
             wait_for_device(self.device)
 
     # -- the packing plan (runtime/packing.py) -----------------------------------------------------
-    def requests(self, works: list[FBWork]) -> list[Request]:
+    def request_shapes(self, works: list[FBWork]) -> list[RequestShape]:
         """What the packing plan needs of each request. Where steps run as CUDA graphs, a loss that
         computes on the host (`Loss.host_side`) makes its request of the eager kind."""
         def kind(i: int, w: FBWork):
@@ -255,11 +270,11 @@ class TrainingRuntime(KernelChoices):
             if self.graphs is None:
                 return 0
             return EAGER if LOSSES[w.loss_fn].host_side else GRAPHED
-        return [Request(w.model_id, tuple(len(d.tokens) for d in w.data), w.forward_only, kind(i, w))
+        return [RequestShape(w.model_id, tuple(len(d.tokens) for d in w.data), w.forward_only, kind(i, w))
                 for i, w in enumerate(works)]
 
     def plan(self, works: list[FBWork]) -> PackingPlan:
-        return pack(self.requests(works), self.max_tokens_per_micro_batch, may_mix=self.policy.mix_tenants,
+        return pack(self.request_shapes(works), self.max_tokens_per_micro_batch, may_mix=self.policy.mix_tenants,
                     order_key=self._adapter_shape)
 
     def _adapter_shape(self, model_id: str) -> tuple:
@@ -270,7 +285,7 @@ class TrainingRuntime(KernelChoices):
     def mixing_shapes(self, works: list[FBWork]) -> set[tuple[int, int]]:
         """(width, rows) of every micro-batch of `works` that could hold several tenants: the shapes
         `FusionPolicy.mix_tenants` will be asked about, without asking."""
-        return shared_shapes(self.requests(works), self.max_tokens_per_micro_batch)
+        return shared_shapes(self.request_shapes(works), self.max_tokens_per_micro_batch)
 
     def micro_batch_counts(self, works: list[FBWork]) -> tuple[int, int]:
         """How many gradient and forward-only micro-batches `forward_backward(works)` runs."""
@@ -312,9 +327,8 @@ class TrainingRuntime(KernelChoices):
             logits = self.model(input_ids=ids, use_cache=False, **self.forward_kwargs, **self._image_kwargs(ids, t)).logits
             logprobs, topk = self._target_logprobs(mb, works, logits, targets, t.get("topk_targets"))
             del logits
-            tok_loss = self._losses(works, list(mb.runs), segments, logprobs, inputs, mask,
-                                    metric_sums if metric_sums is not None else [{} for _ in works],
-                                    topk, t.get("topk_weights"))
+            scored = ScoredRows(logprobs, inputs, mask, topk, t.get("topk_weights"))
+            tok_loss = self._losses(works, mb, scored, metric_sums if metric_sums is not None else [{} for _ in works])
             if mb.grad and tok_loss.requires_grad:
                 tok_loss.sum().backward()
         if not topk:
@@ -373,8 +387,7 @@ class TrainingRuntime(KernelChoices):
         return snapshot_gradient_rows([self.adapters[mid] for mid, _, _ in mb.segments])
 
     @staticmethod
-    def _losses(works, runs, segments, logprobs, inputs, mask, metric_sums, topk=None, topk_weights=None
-                ) -> torch.Tensor:
+    def _losses(works: list[FBWork], mb: MicroBatch, scored: ScoredRows, metric_sums) -> torch.Tensor:
         """Per-token losses, one `run_losses` call per model with its own runs only: the loss ops
         then see the model's rows exactly as when it trains alone (row slices of the same shape),
         and never a block merged with another model's rows (elementwise kernels may round a value
@@ -382,15 +395,15 @@ class TrainingRuntime(KernelChoices):
         targets takes `topk_cross_entropy` on its own logprobs and a contiguous copy of its own
         weights (its K columns of the micro-batch's), as alone."""
         parts = []
-        for _, s, e in segments:
-            mine = [(wi, rs, re) for wi, rs, re in runs if s <= rs < e]
-            for topk_runs, chunk in groupby(mine, key=lambda run: bool(works[run[0]].targets_k)):
+        for segment in mb.segments:
+            mine = [run for run in mb.runs if segment.start <= run.start < segment.end]
+            for topk_runs, chunk in groupby(mine, key=lambda run: bool(works[run.key].targets_k)):
                 if not topk_runs:
-                    parts.append(_one_target_losses(works, list(chunk), logprobs, inputs, mask, metric_sums))
+                    parts.append(_one_target_losses(works, list(chunk), scored, metric_sums))
                     continue
                 for wi, rs, re in chunk:
-                    weights = topk_weights[rs:re, :, :works[wi].targets_k].contiguous()
-                    parts.append(topk_cross_entropy(topk[rs], weights) * mask[rs:re])
+                    weights = scored.topk_weights[rs:re, :, :works[wi].targets_k].contiguous()
+                    parts.append(topk_cross_entropy(scored.topk[rs], weights) * scored.mask[rs:re])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # -- the fusion probe's run (kernel_choices.py) ------------------------------------------------

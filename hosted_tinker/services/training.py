@@ -100,9 +100,9 @@ class TrainingRequests:
             if existing is not None:
                 return future_ref(existing, model_id)
         live = self.store.count_active_models(owner)
-        if live >= self.config.max_models_per_key:
-            raise UserError(f"this API key already has {live} live models (max_models_per_key = "
-                            f"{self.config.max_models_per_key}); unload one before creating another")
+        if live >= self.config.max_training_runs_per_key:
+            raise UserError(f"this API key already has {live} live training runs (max_training_runs_per_key = "
+                            f"{self.config.max_training_runs_per_key}); unload one before creating another")
         self.store.create_model(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
         served.scheduler.open_model(model_id, 0)
         request_id, is_new = self.futures.create(owner, kind, model_id, 0)
