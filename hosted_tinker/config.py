@@ -124,10 +124,9 @@ class ServerConfig(BaseSettings):
     compute for a fraction of the activation memory); auto = on where a full micro-batch's activations would
     outgrow half the GPU's free memory, off on CPU"""
     cuda_graphs: Literal["on", "off"] = "on"
-    """on CUDA, run each training micro-batch layout seen before as one CUDA graph replay (its forward and
-    backward; the first step of a layout also captures it), and each layout of the built-in sampler's decode
-    steps likewise; off = every step eager, thousands of kernel launches. No effect on CPU; a worker pool's
-    training steps stay eager"""
+    """on CUDA, run each training micro-batch layout and sampler decode step layout seen before as one CUDA
+    graph replay (the first step of a layout captures it); off = every step eager, thousands of kernel
+    launches. No effect on CPU or in a worker pool's training"""
     max_tokens_per_cycle: int = Field(65536, ge=1)
     """tokens of forward/backward work packed into one clock cycle, shared fairly across models; a larger
     request runs in parts of whole datums, one per cycle, with other models' work and sampling between them"""
@@ -150,7 +149,8 @@ class ServerConfig(BaseSettings):
     # Its description is given here, not as a docstring: it prints DEFAULT_KV_TOKENS' value.
     max_sampling_kv_tokens: int = Field(
         0, ge=0, description="KV-cache tokens the built-in sampler's running requests may hold together (its "
-                             "page pool's size), each reserving num_samples x (prompt + max_tokens) while it runs; "
+                             "page pool's size: on CUDA allocated whole at start-up, unless vLLM samples), each "
+                             "reserving num_samples x (prompt + max_tokens) while it runs; "
                              "others wait (a smaller later one that fits starts; an older one that could start by "
                              "pausing younger ones does) and one larger than all of it is refused with a 400. "
                              "0 = auto: on CUDA half "

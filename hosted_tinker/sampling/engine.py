@@ -70,7 +70,7 @@ class SamplingEngine:
     def __init__(self, model: torch.nn.Module, routing: LoRARouting, tokenizer, device: torch.device,
                  *, max_rows: int = 256, prefill_chunk_tokens: int = 2048, max_prefill_tokens: int = 16384,
                  kv_budget_tokens: int = DEFAULT_KV_TOKENS, kv_share_per_key: float = 1.0, cuda_graphs: bool = True,
-                 graphs: StepGraphs | None = None,
+                 preallocate: bool = True, graphs: StepGraphs | None = None,
                  on_request_done: Callable[[SampleJob, int], None] = lambda job, tokens: None):
         self.model = model
         self.routing = routing
@@ -92,8 +92,10 @@ class SamplingEngine:
                                                            or ["full_attention"] * text.num_hidden_layers)]
         self.recurrent = any(linear)  # its prompts prefill alone: a padded row would run its state on
         self.rope = getattr(model.config, "image_token_id", None) is not None  # Qwen-VL's 3-D positions
+        # On CUDA the whole pool is made now (`preallocate`): a captured step reads fixed addresses, and
+        # the memory is the sampler's from start-up. Elsewhere it grows with what rows need.
         self.pool = KVPool(kv_budget_tokens, device, max_rows=max_rows, linear=linear,
-                           preallocate=device.type == "cuda")
+                           preallocate=preallocate and device.type == "cuda")
         self.masks = AttentionMasks(model.config)
         # Decode steps as CUDA graphs on CUDA; `graphs` puts a stand-in capture in (tests, on CPU).
         if graphs is None and cuda_graphs and device.type == "cuda":
@@ -109,6 +111,16 @@ class SamplingEngine:
         self.requests_preempted = 0
         # Rows' tokens recorded, jobs answered (and observed: api/metrics.py), counted.
         self.recorder = RowRecorder(tokenizer, on_request_done)
+        self._allocate_pool()
+
+    def _allocate_pool(self) -> None:
+        """Make the pool's storage now (all of the budget on CUDA), with one forward of one token
+        that writes only the trash page: each layer's keys, values and states take their shapes
+        from the model itself (latent caches, linear-attention states)."""
+        host = forward_inputs([ForwardRow(seq=None, tokens=[0], start=0)], 1, rope=self.rope)
+        with torch.no_grad():
+            run_forward(self.model, self.pool, self.masks, {k: t.to(self.device) for k, t in host.items()}, 1,
+                        continues=False)
 
     # -- producer side (any thread; deque appends and pops are atomic) ---------------------------------
     def submit(self, job: SampleJob) -> None:

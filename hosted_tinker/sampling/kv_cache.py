@@ -1,11 +1,12 @@
 """The built-in engine's KV cache: one pool of pages, preallocated and shared by every running row.
 
 Storage, as vLLM's paged attention keeps it: per attention layer, keys and values in pages of
-`PAGE_TOKENS` tokens, `[pages, PAGE_TOKENS, heads, dim]`, made at the layer's first write. Their
-number is fixed by the KV-cache budget (`--max-sampling-kv-tokens`, kv_budget.py) plus one page
-per running row (a row's last page is partly empty): on CUDA all of them at once (a captured decode
-step reads fixed addresses); elsewhere grown by doubling up to that bound, as rows need them (CPU
-memory is shared with everything else on the machine, and the default budget there is generous).
+`PAGE_TOKENS` tokens, `[pages, PAGE_TOKENS, heads, dim]`, made at a layer's first write (the
+engine makes one at its start: each layer's shapes are then the model's own). Their number is
+fixed by the KV-cache budget (`--max-sampling-kv-tokens`, kv_budget.py) plus one page per running
+row (a row's last page is partly empty): on CUDA all of them at once (a captured decode step reads
+fixed addresses); elsewhere grown by doubling up to that bound, as rows need them (CPU memory is
+shared with everything else on the machine, and the default budget there is generous).
 
 A sequence (`Seq`: a prompt being prefilled, or one sample's row) holds a page table. The samples
 of one prompt share its full pages (counted references) and each gets its own copy of the last,
@@ -92,6 +93,7 @@ class KVPool:
         self.states: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(linear)
         self._free_slots = list(range(self.slot_capacity - 1, DUMMY_SLOT, -1))
         self.has_linear = any(linear)
+        self.storage_version = 0  # bumped when the storage moves (it grows): captured steps over it are stale
 
     # -- pages --------------------------------------------------------------------------------------
     def new_seq(self) -> Seq:
@@ -170,6 +172,7 @@ class KVPool:
         self.refs = np.concatenate([self.refs, np.zeros(new - self.capacity, dtype=np.int64)])
         self._free = list(range(new - 1, self.capacity - 1, -1)) + self._free
         self.capacity = new
+        self.storage_version += 1
 
     def _copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for store in (*self.keys, *self.values):

@@ -146,9 +146,10 @@ class DecodeLayout:
     segments: tuple[tuple[str | None, int, int], ...]  # the LoRA routing (runtime/lora_plan.py)
     width: int
 
-    def key(self, routing: LoRARouting) -> Hashable:
-        """What a captured step depends on: the layout, the width, where the adapters' slots are."""
-        return (self.segments, self.width, routing.storage_version, routing.slot_version)
+    def key(self, routing: LoRARouting, pool: KVPool) -> Hashable:
+        """What a captured step depends on: the layout, the width, where the adapters' slots and the
+        pool's pages are."""
+        return (self.segments, self.width, routing.storage_version, routing.slot_version, pool.storage_version)
 
 
 def bucket(n: int, sizes: tuple[int, ...]) -> int:
@@ -270,7 +271,7 @@ class DecodeStep:
             return (logits[:, -1],)
 
         if self.graphs is not None:
-            outputs = self.graphs.run(layout.key(self.routing), host, step, put_back=self._put_back(host),
+            outputs = self.graphs.run(layout.key(self.routing, self.pool), host, step, put_back=self._put_back(host),
                                       keep=lambda: self.routing.last_plans)
             if outputs is not None:
                 return outputs[0]
