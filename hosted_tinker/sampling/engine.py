@@ -93,7 +93,8 @@ class SamplingEngine:
         self.recurrent = any(linear)  # its prompts prefill alone: a padded row would run its state on
         self.rope = getattr(model.config, "image_token_id", None) is not None  # Qwen-VL's 3-D positions
         # On CUDA the whole pool is made now (`preallocate`): a captured step reads fixed addresses, and
-        # the memory is the sampler's from start-up. Elsewhere it grows with what rows need.
+        # the memory is the sampler's from start-up. Elsewhere it is made at the first prefill and
+        # grows with what rows need.
         self.pool = KVPool(kv_budget_tokens, device, max_rows=max_rows, linear=linear,
                            preallocate=preallocate and device.type == "cuda")
         self.masks = AttentionMasks(model.config)
@@ -111,12 +112,15 @@ class SamplingEngine:
         self.requests_preempted = 0
         # Rows' tokens recorded, jobs answered (and observed: api/metrics.py), counted.
         self.recorder = RowRecorder(tokenizer, on_request_done)
-        self._allocate_pool()
+        if preallocate and device.type == "cuda":
+            # Not on CPU, where the first prefill makes it: a forward here, on the thread that builds
+            # the server, would leave an OpenMP team behind (runtime/cpu_threads.py).
+            self._allocate_pool()
 
     def _allocate_pool(self) -> None:
-        """Make the pool's storage now (all of the budget on CUDA), with one forward of one token
-        that writes only the trash page: each layer's keys, values and states take their shapes
-        from the model itself (latent caches, linear-attention states)."""
+        """Make the whole pool's storage now, with one forward of one token that writes only the
+        trash page: each layer's keys, values and states take their shapes from the model itself
+        (latent caches, linear-attention states)."""
         host = forward_inputs([ForwardRow(seq=None, tokens=[0], start=0)], 1, rope=self.rope)
         with torch.no_grad():
             run_forward(self.model, self.pool, self.masks, {k: t.to(self.device) for k, t in host.items()}, 1,

@@ -1,8 +1,8 @@
 """The built-in engine's KV cache: one pool of pages, preallocated and shared by every running row.
 
 Storage, as vLLM's paged attention keeps it: per attention layer, keys and values in pages of
-`PAGE_TOKENS` tokens, `[pages, PAGE_TOKENS, heads, dim]`, made at a layer's first write (the
-engine makes one at its start: each layer's shapes are then the model's own). Their number is
+`PAGE_TOKENS` tokens, `[pages, PAGE_TOKENS, heads, dim]`, made at a layer's first write (on CUDA
+the engine makes one at its start: each layer's shapes are then the model's own). Their number is
 fixed by the KV-cache budget (`--max-sampling-kv-tokens`, kv_budget.py) plus one page per running
 row (a row's last page is partly empty): on CUDA all of them at once (a captured decode step reads
 fixed addresses); elsewhere grown by doubling up to that bound, as rows need them (CPU memory is
