@@ -25,6 +25,7 @@ on. A job larger than its key's share could never start and is refused before it
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from .rows import JobState
@@ -85,9 +86,12 @@ class Admission:
         room = _Room(self.budget_tokens - sum(held.values()),
                      self.max_rows - sum(job.rows_left for job in self.running), held)
         plan = AdmissionPlan()
+        by_age = sorted(self.running, key=lambda j: j.number)  # a job's younger ones: a suffix
+        numbers = [j.number for j in by_age]
         for job in self.waiting:
             if max(room.shortfall(job, self.tokens_per_key)) > 0:
-                paused = self._make_room(job, room, plan.pause)
+                younger = by_age[bisect.bisect_right(numbers, job.number):]
+                paused = self._make_room(job, room, [j for j in reversed(younger) if j not in plan.pause])
                 if paused is None:
                     continue
                 plan.pause += paused
@@ -95,11 +99,11 @@ class Admission:
             plan.start.append(job)
         return plan
 
-    def _make_room(self, job: JobState, room: _Room, paused: list[JobState]) -> list[JobState] | None:
-        """The running jobs younger than `job` (not paused yet), youngest first, whose pausing makes
+    def _make_room(self, job: JobState, room: _Room, younger: list[JobState]) -> list[JobState] | None:
+        """Of `younger` (running jobs younger than `job`, youngest first), those whose pausing makes
         it fit, their room given back to `room`; None where pausing all of them would not."""
-        younger = sorted((j for j in self.running if j.number > job.number and j not in paused),
-                         key=lambda j: -j.number)
+        if not younger:
+            return None
         tokens, key, rows = room.shortfall(job, self.tokens_per_key)
         chosen: list[JobState] = []
         for other in younger:
