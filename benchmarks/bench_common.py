@@ -17,19 +17,10 @@ def cpu_stall_us() -> float | None:
 
 
 def host_op_counts(fn) -> tuple[int, int]:
-    """(all, top-level) aten ops that one call of fn dispatches, by torch.profiler on the host.
+    """(all, top-level) aten ops that one call of fn dispatches (runtime/step_audit.py's count)."""
+    from hosted_tinker.runtime.step_audit import host_op_counts as count
 
-    "All" counts ops nested inside others too (e.g. the per-tensor loops inside the CPU
-    implementations of multi-tensor kernels such as `_fused_adamw_`); "top-level" counts what
-    the Python side dispatches, which on a GPU is one or more kernel launches each.
-    """
-    import torch
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    ops = [e for e in prof.events() if e.name.startswith("aten::")]
-    top = [e for e in ops if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    return len(ops), len(top)
+    return count(fn)
 
 
 def matmul_peak_tflops(device, dtype, n: int | None = None, repeats: int = 5) -> float:

@@ -15,6 +15,11 @@ Here both revisions' code runs in every round, in rotating order:
              in-process runtimes here; a round is one step each of (a) in-process and (b) SDK
              pipelined for each revision. Prints each revision's ratio median(b)/median(a), as
              overhead.py does, and the paired differences new - old.
+  images     one server per revision (each runs its own checkout's code) on a tiny Qwen3-VL; the
+             requests issue 33 found costly although refused: one forward_backward of 17 flat
+             4096 x 4096 PNGs over the key's image budget, 6 of them at once, and 64 such images
+             over the model's context (with the budget raised). Prints, per revision and case, the
+             status codes and the server process's CPU-seconds and peak-RSS growth.
   sampling   one process holds both revisions' SamplingEngine, each on its own copy of one model
              (sampling.py's preset) with the same adapters; a round runs sampling.py's load
              (--requests concurrent x --new-tokens, 4 adapters of rank --rank, temperature 1, seeded)
@@ -27,6 +32,7 @@ Here both revisions' code runs in every round, in rotating order:
     .venv/bin/python benchmarks/compare_revisions.py training --old REV [--sizes tiny,small,medium]
         [--tenants 1,2,4,8,16] [--rounds-scale 1.0] [--threads 1]
     .venv/bin/python benchmarks/compare_revisions.py overhead --old REV [--rounds 150]
+    .venv/bin/python benchmarks/compare_revisions.py images --old REV
     .venv/bin/python benchmarks/compare_revisions.py sampling --old REV [--rounds 5] [--preset small]
         [--requests 64] [--new-tokens 64] [--rank 16] [--threads 1]
 
@@ -94,18 +100,12 @@ REVISIONS = (("old", OLD_PACKAGE), ("new", PACKAGE))
 def training(args, tmp: Path) -> None:
     import multi_tenant as mt
     from bench_common import fb_work, paired_ratio, tenant_rows
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     device, tenants = torch.device("cpu"), [int(n) for n in args.tenants.split(",")]
     print(f"training: old = {args.old}, new = this checkout; torch threads {args.threads}; "
           "a/c and a/b are medians of per-round ratios; 'fused new/old' is the fused step's speed ratio")
     for size in args.sizes.split(","):
-        src = mt.build_tiny_model(tmp / size, mt.SIZES[size])
-        models = [AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32) for _ in range(3)]
+        models = mt.build_models(size, tmp, device, torch.float32, copies=3)
         runtimes, adams = {}, {}
         for (tag, package), model in zip(REVISIONS, models):
             trainer, adapters, _ = modules(package)
@@ -117,7 +117,7 @@ def training(args, tmp: Path) -> None:
                     for w in adapter.weights.values():
                         w.B.normal_(0, 1e-3)
             runtimes[tag], adams[tag] = runtime, adapters.AdamParams(learning_rate=mt.LR)
-        peft_model, opt = mt.make_peft(models[2], moe=False)  # SIZES: dense bodies only
+        peft_model, opt = mt.make_peft(models[2], moe=size in mt.MOE)
         vocab = min(runtimes["new"].vocab_size, 1000)
         rounds = max(3, int(mt.CPU_REPEATS[size] * args.rounds_scale))
         rows = tenant_rows(max(tenants), 2, 128, vocab)
@@ -218,6 +218,81 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
         print(f"  ({mode}) new - old, median of paired differences: {statistics.median(diffs):+.2f} ms")
 
 
+# ---- images ---------------------------------------------------------------------------------------
+IMAGE_KEY = "tml-bench-images"
+
+
+def image_body(model_id: str, seq_id: int, image: bytes, n_images: int) -> bytes:
+    """A forward_backward of one datum: `n_images` copies of `image`, a text token before each."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    chunks = [c for _ in range(n_images) for c in (types.EncodedTextChunk(tokens=[5]),
+                                                    types.ImageChunk(data=image, format="png"))]
+    datum = types.Datum(model_input=types.ModelInput(chunks=[*chunks, types.EncodedTextChunk(tokens=[6])]),
+                        loss_fn_inputs={"target_tokens": [1], "weights": [1.0]})
+    request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
+        types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def refusal_costs(server, base_model: str, image: bytes, cases: dict[str, tuple[int, int]]) -> dict[str, str]:
+    """Per case (concurrent requests, images each): their status codes, and the server's CPU-seconds
+    and peak-RSS growth while it answered them."""
+    import threading
+
+    import httpx
+    import psutil
+
+    from helpers import metric
+
+    proc, out = psutil.Process(server.proc.pid), {}
+    with server.client(IMAGE_KEY) as sc, httpx.Client(base_url=server.base_url, timeout=900,
+                                                      headers={"X-API-Key": IMAGE_KEY}) as http:
+        model_id, seq = sc.create_lora_training_client(base_model=base_model, rank=4).result().model_id, 0
+        for case, (concurrent, n_images) in cases.items():
+            codes: list[int] = []
+            bodies = [image_body(model_id, seq + i + 1, image, n_images) for i in range(concurrent)]
+            seq += concurrent
+            post = [threading.Thread(target=lambda b=b: codes.append(http.post(
+                "/api/v1/forward_backward", content=b, headers={"Content-Type": "application/x-protobuf"}).status_code))
+                for b in bodies]
+            cpu, peak = sum(proc.cpu_times()[:2]), metric(server, "hosted_tinker_process_max_rss_bytes")
+            for t in post:
+                t.start()
+            for t in post:
+                t.join()
+            grew = (metric(server, "hosted_tinker_process_max_rss_bytes") - peak) / 2**20
+            out[case] = (f"status {sorted(codes)}, {sum(proc.cpu_times()[:2]) - cpu:.2f} CPU-s, "
+                         f"peak RSS +{grew:.0f} MiB")
+    return out
+
+
+def images(args, tmp: Path, old_tree: Path) -> None:
+    import io
+
+    from PIL import Image
+
+    from server_process import ServerProcess
+    from tiny_vl_model import build_tiny_vl_model
+
+    base_model = str(build_tiny_vl_model(tmp / "tiny-qwen3-vl"))
+    buf = io.BytesIO()
+    Image.new("RGB", (4096, 4096), (120, 30, 200)).save(buf, format="PNG")
+    runs = [({}, {"17 images over the key's budget": (1, 17), "6 such requests at once": (6, 17)}),
+            ({"HOSTED_TINKER_MAX_IMAGE_PIXELS_PER_KEY": str(1 << 31)}, {"64 images over the context": (1, 64)})]
+    print(f"images: old = {args.old}, new = this checkout; a flat 4096 x 4096 PNG of {len(buf.getvalue())} bytes")
+    for env, cases in runs:
+        for tag, _ in REVISIONS:
+            server = ServerProcess(tmp / f"images-{tag}-{len(cases)}", env=env, args=("--base-model", base_model),
+                                   checkout=old_tree if tag == "old" else ROOT).start()
+            try:
+                for case, cost in refusal_costs(server, base_model, buf.getvalue(), cases).items():
+                    print(f"  {tag}: {case}: {cost}")
+            finally:
+                server.stop()
+
+
 # ---- sampling -------------------------------------------------------------------------------------
 SAMPLING_ADAPTERS = 4
 
@@ -304,9 +379,10 @@ def report_sampling(args, runs: dict, first: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("training", "overhead", "sampling"))
+    ap.add_argument("what", choices=("training", "overhead", "images", "sampling"))
     ap.add_argument("--old", required=True, help="the git revision to compare this checkout with")
-    ap.add_argument("--sizes", default="tiny,small,medium", help="training: sizes of multi_tenant.py")
+    ap.add_argument("--sizes", default="tiny,small,medium",
+                    help="training: sizes of multi_tenant.py (benchmarks/bodies.py; moe and tiny-moe too)")
     ap.add_argument("--tenants", default="1,2,4,8,16", help="training: tenant counts (default 1,2,4,8,16)")
     ap.add_argument("--rounds-scale", type=float, default=1.0,
                     help="training: multi_tenant.py's CPU rounds (25/7/5) times this (default 1)")
@@ -325,6 +401,8 @@ def main() -> int:
         elif args.what == "overhead":
             args.rounds = args.rounds or 150
             overhead(args, tmp, old_tree)
+        elif args.what == "images":
+            images(args, tmp, old_tree)
         else:
             args.rounds = args.rounds or 5
             sampling(args)

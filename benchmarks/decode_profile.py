@@ -2,7 +2,7 @@
 
 Both revisions' `SamplingEngine`s live in one process (the old package taken with `git archive`
 and imported under another name, as compare_revisions.py does), each on its own copy of one model
-(multi_tenant.py's sizes: `1b` is the issue's 1.4B Qwen3-1.7B-shaped body) with the same adapters
+(benchmarks/bodies.py's sizes: `1b` is the issue's 1.4B Qwen3-1.7B-shaped body) with the same adapters
 (rank 16 on every projection, B non-zero). Each gets --rows concurrent requests of ~32-token
 prompts over --adapters adapters (temperature 1, seeded, no stop), is driven tick by tick until
 every row decodes, runs --warmup more steps (a captured step is a replay from its second on), and
@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import bodies  # noqa: E402
 import compare_revisions as revisions  # noqa: E402
-import multi_tenant as mt  # noqa: E402
 
 RANK = 16
 
@@ -102,7 +102,7 @@ def profile(step, device: torch.device, steps: int) -> tuple[float, float, dict[
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--old", required=True, help="the git revision to compare this checkout with")
-    ap.add_argument("--size", default=None, help="multi_tenant.py's model size (default: 1b on a GPU, small on CPU)")
+    ap.add_argument("--size", default=None, help="a size of benchmarks/bodies.py (default: 1b on a GPU, small on CPU)")
     ap.add_argument("--rows", type=int, default=64, help="concurrent requests, one row each (default 64)")
     ap.add_argument("--adapters", type=int, default=4, help="distinct adapters (default 4)")
     ap.add_argument("--steps", type=int, default=3, help="decode steps profiled (default 3)")
@@ -117,7 +117,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="ht-decode-profile-"))
     try:
         revisions.checkout(args.old, tmp)
-        models = mt.load_pair(size, tmp, device, dtype)
+        models = bodies.build_models(size, tmp, device, dtype, copies=2)
         vocab = models[0].get_input_embeddings().num_embeddings
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, min(vocab, 1000), int(rng.integers(28, 37))).tolist() for _ in range(args.rows)]
@@ -138,7 +138,7 @@ def main() -> int:
 
 def report(args, size: str, device: torch.device, dtype: torch.dtype, results: dict) -> None:
     what = "device (CUDA) time" if device.type == "cuda" else "self CPU time (no GPU here: aten ops)"
-    print(f"decode step profile: old = {args.old}, new = this checkout; model {mt.LABELS.get(size, size)} "
+    print(f"decode step profile: old = {args.old}, new = this checkout; model {bodies.LABELS.get(size, size)} "
           f"({dtype}) on {device}, {args.rows} rows over {args.adapters} adapters (LoRA rank {RANK}), "
           f"{args.steps} steps after {args.warmup}")
     for tag, (wall, busy, _) in results.items():

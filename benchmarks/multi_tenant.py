@@ -34,7 +34,9 @@ Sizes: tiny (the embedded model, hidden 64 x 2 layers), small (hidden 256 x 4), 
 vocabulary; randomly initialised in memory, on by default only when a GPU is present), moe (a
 Qwen3-MoE body, hidden 256 x 4, 8 experts of 256, top-2; the tenants' LoRA and the ideal's PEFT
 adapter cover attention and every expert; on request only: --sizes small,moe compares it with
-its dense twin).
+its dense twin), a3b (Qwen3-30B-A3B's layers -- 128 experts of 768, top-8, hidden 2048 -- cut to 4
+layers, 2.5B parameters; for a GPU: --sizes a3b --tenants 1,4,16) and tiny-moe; benchmarks/bodies.py
+builds them all.
 
 A benchmark, not a test: it asserts nothing about time and exits 0.
 """
@@ -61,11 +63,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hosted_tinker.embedded_model import SPEC_PRESETS, TinyModelSpec, build_tiny_model  # noqa: E402
 from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.request_types import FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
+from bodies import LABELS, MOE, SIZES, build_models  # noqa: E402
 from bench_common import (cpu_stall_us, fb_work, host_op_counts, matmul_peak_tflops, paired_ratio,  # noqa: E402
                           tenant_rows)
 
@@ -75,66 +77,14 @@ LR = 1e-4
 # PEFT "all-linear" for a Qwen3 (no lm_head): its attention and MLP projections
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-SIZES: dict[str, TinyModelSpec] = {
-    "tiny": SPEC_PRESETS["tiny"],
-    "small": SPEC_PRESETS["small"],
-    "medium": SPEC_PRESETS["medium"],
-    # Qwen3-1.7B's body (28 x 2048, GQA 16/8, head_dim 128, MLP 6144), the embedded vocabulary.
-    "1b": TinyModelSpec(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-                        intermediate_size=6144),
-}
-# A Qwen3-MoE body (transformers' fused 3-D experts): its tenants' LoRA covers every expert's w1, w3
-# and w2 too (runtime/moe_lora.py); the ideal's PEFT adapter covers them as `target_parameters`.
-MOE = {"moe": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=64, intermediate_size=512, moe_intermediate_size=256, num_experts=8,
-                   num_experts_per_tok=2)}
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-CPU_REPEATS = {"tiny": 25, "small": 7, "medium": 5, "1b": 1, "moe": 7}
-LABELS = {"tiny": "tiny 64x2", "small": "256x4", "medium": "512x8", "1b": "2048x28 (1.4B)",
-          "moe": "MoE 256x4 8e"}
+CPU_REPEATS = {"tiny": 25, "small": 7, "medium": 5, "1b": 1, "moe": 7, "a3b": 1, "tiny-moe": 7}
 
 
 # ---- models ---------------------------------------------------------------------------------------
 def load_pair(size: str, tmp: Path, device: torch.device, dtype: torch.dtype):
     """Two identical copies of the base model: one for the runtime, one for PEFT."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    if size in MOE:
-        from transformers import Qwen3MoeConfig
-
-        vocab = AutoConfig.from_pretrained(build_tiny_model(tmp / "tiny-for-config", SIZES["tiny"])).vocab_size
-        config = Qwen3MoeConfig(vocab_size=vocab, **MOE[size])
-        models = []
-        for _ in range(2):
-            torch.manual_seed(0)
-            models.append(AutoModelForCausalLM.from_config(config, dtype=dtype).to(device))
-        return models[0], models[1]
-    spec = SIZES[size]
-    if size == "1b":
-        # Too big to write to disk and read back for a benchmark: same config as the builder
-        # would write (taken from the embedded model's), initialised in memory on the device.
-        src = build_tiny_model(tmp / "tiny-for-config", SIZES["tiny"])
-        config = AutoConfig.from_pretrained(src)
-        for k, v in dict(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-                         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                         max_window_layers=spec.num_layers).items():
-            setattr(config, k, v)
-        # One attention type per layer: the tiny config's list has its own 2 layers' entries.
-        config.layer_types = [config.layer_types[0]] * spec.num_layers
-        models = []
-        for _ in range(2):
-            torch.manual_seed(0)
-            with torch.device(device):
-                models.append(AutoModelForCausalLM.from_config(config, dtype=dtype))
-        models[1].load_state_dict(models[0].state_dict())
-        return models[0], models[1]
-    src = build_tiny_model(tmp / size, spec)
-    # The server's loading path (AutoModelForCausalLM.from_pretrained), twice.
-    return tuple(AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device) for _ in range(2))
+    return tuple(build_models(size, tmp, device, dtype, copies=2))
 
 
 def make_peft(model, moe: bool):
@@ -284,7 +234,7 @@ def measure_size(size: str, args, tenants: list[int], device: torch.device, dtyp
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default=None,
-                    help="comma-separated of tiny,small,medium,1b,moe (default: tiny,small,medium, plus 1b "
+                    help="comma-separated of tiny,small,medium,1b,moe,a3b,tiny-moe (default: tiny,small,medium, plus 1b "
                          "when a GPU is present)")
     ap.add_argument("--tenants", default="1,2,4,8,16", help="tenant counts (default 1,2,4,8,16)")
     ap.add_argument("--rows", type=int, default=2, help="datums per tenant per step (default 2)")

@@ -14,11 +14,11 @@ over privately under the same name, the next request is refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from .checkpoints.catalog import is_expired
 from .checkpoints.paths import TinkerPath
-from .errors import NotFound
+from .errors import Forbidden, NotFound
 from .store import Store
 from .store_records import CheckpointRecord, FutureRecord, ModelRecord, SamplingSessionRecord, SessionRecord
 
@@ -39,9 +39,18 @@ class SamplerGrant:
 
 
 class Access:
-    def __init__(self, store: Store, is_loaded: Callable[[str], bool]):
+    def __init__(self, store: Store, is_loaded: Callable[[str], bool], admins: Iterable[str] = (),
+                 on_read: Callable[[str, CheckpointRecord, str], None] = lambda owner, row, purpose: None):
         self.store = store
         self._is_loaded = is_loaded
+        self.admins = frozenset(admins)  # owners with the admin role (--admin-users)
+        self._on_read = on_read  # (owner, checkpoint, purpose) of each read: the audit log
+
+    def admin(self, owner: str) -> None:
+        """The admin role's calls (usage, storage, audit log): `Forbidden` naming the role for anyone else."""
+        if owner not in self.admins:
+            raise Forbidden(f"this call needs the admin role, which {owner!r} does not hold (the server's operator "
+                            "grants it with --admin-users)")
 
     def session(self, owner: str, session_id: str) -> SessionRecord:
         return owned(self.store.get_session(session_id), owner, f"session {session_id!r} not found")
@@ -66,6 +75,13 @@ class Access:
         row = self.store.get_checkpoint(run_id, checkpoint_id)
         if row is None or is_expired(row) or (row.owner != owner and (write or not row.public)):
             raise NotFound(f"checkpoint {TinkerPath.of_record(run_id, checkpoint_id)} not found")
+        return row
+
+    def read(self, owner: str, run_id: str, checkpoint_id: str, purpose: str) -> CheckpointRecord:
+        """A checkpoint this key reads (`purpose`: download, load or sample), checked as `checkpoint` and
+        recorded in the audit log."""
+        row = self.checkpoint(owner, run_id, checkpoint_id)
+        self._on_read(owner, row, purpose)
         return row
 
     def run(self, owner: str, run_id: str, *, accessible: bool) -> tuple[ModelRecord, bool]:

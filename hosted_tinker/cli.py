@@ -39,12 +39,13 @@ def _serve(config: ServerConfig) -> int:
     from .api.metrics import Metrics
     from .data_dir_lock import DataDirInUse
     from .server import Server
-    from .store import StoreUnavailable
+    from .sqlite_db import StoreUnavailable
+    from .vision import MissingPackage
 
     metrics = Metrics()
     try:
         srv = Server(config, observer=metrics)  # the data-dir lock first, then the store, then the model load
-    except (DataDirInUse, StoreUnavailable) as e:
+    except (DataDirInUse, StoreUnavailable, MissingPackage) as e:
         checked.sock.close()
         return _fail("serve", [str(e)])
     # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:
@@ -111,6 +112,19 @@ def _with_progress(command: str, label: str, work: Callable[[_ProgressBar], str]
     return 0
 
 
+def _rotate_token_key(args: argparse.Namespace) -> int:
+    from .auth_tokens import rotate_token_key
+
+    if not args.data_dir.is_dir():
+        print(f"hosted-tinker rotate-token-key: {args.data_dir} is not a directory: give the server's --data-dir",
+              file=sys.stderr)
+        return 1
+    path = rotate_token_key(args.data_dir)
+    print(f"new token signing key in {path}: every token issued before now is refused (the SDK exchanges its "
+          "API key for a new one by itself)")
+    return 0
+
+
 def _add_remote(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", help="server URL (default: $TINKER_BASE_URL)")
     p.add_argument("--api-key", help="API key (default: $TINKER_API_KEY)")
@@ -153,6 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     _add_remote(imp)
     imp.set_defaults(func=_import)
+
+    rotate = sub.add_parser(
+        "rotate-token-key", help="replace the key that signs the SDK's JWTs (every token issued before is refused)",
+        description="Write a new JWT signing key into the server's data directory (DATA_DIR/jwt_signing.key). A "
+                    "running server uses it from its next request on: tokens issued before are refused with 401 "
+                    "invalid_token, and SDK clients exchange their API key for a new token by themselves.")
+    rotate.add_argument("--data-dir", type=Path, default=Path("./data"), help="the server's --data-dir (default ./data)")
+    rotate.set_defaults(func=_rotate_token_key)
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:

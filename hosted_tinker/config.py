@@ -84,7 +84,7 @@ class ServerConfig(BaseSettings):
     """address to listen on (0.0.0.0: every interface)"""
     port: int = Field(8000, ge=0, le=65535)
     """port to listen on"""
-    # NoDecode: a variable holds names, not JSON (`_model_list` splits them).
+    # NoDecode: a variable holds names, not JSON (`_comma_separated` splits them).
     base_model: Annotated[ModelEntries, NoDecode] = Field([EMBEDDED_MODEL_NAME], min_length=1)
     """Hugging Face causal LM id or local directory (e.g. Qwen/Qwen3-8B), optionally with its own device after
     an '@' (Qwen/Qwen3-8B@cuda:1; else --device). Give it once per model to serve several (or a
@@ -199,8 +199,13 @@ class ServerConfig(BaseSettings):
     max_images_per_request: int = Field(64, ge=1)
     """image chunks in one forward_backward, forward or sample request"""
     max_image_pixels_per_key: int = Field(1 << 28, ge=1)
-    """pixels (width x height) of the images in one API key's waiting and running requests together, training
-    (forward_backward, forward) and sampling in one budget; beyond it, 429 (one request over it alone, 400)"""
+    """pixels of the images in one API key's waiting and running requests together, training (forward_backward,
+    forward) and sampling in one budget, each image counted at the larger of its size as sent and as the model's
+    processor resizes it (Qwen-VL holds 24 bytes per resized pixel until the request is answered); checked from
+    the images' headers before any is decoded; beyond it, 429 (one request over it alone, 400)"""
+    max_image_decodes_per_key: int = Field(2, ge=1)
+    """requests of one API key whose images are being decoded at once (each decodes its images one after
+    another; a 4096 x 4096 image takes seconds of CPU and ~1 GB at its peak); beyond it, 429"""
     max_pending_per_key: int = Field(4096, ge=1)
     """unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)"""
     max_models_per_key: int = Field(64, ge=1)
@@ -212,6 +217,16 @@ class ServerConfig(BaseSettings):
     api_keys_file: Path | None = None
     """file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also read:
     $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode accepts any tml- key"""
+    admin_users: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """owners in the keys file who hold the admin role: AdminClient's usage, storage and audit log
+    (comma-separated, or given once per owner)"""
+    jwt_lifetime_s: int = Field(3600, ge=300, le=86400)
+    """lifetime in seconds of the JWTs the SDK gets for its API key (/api/v1/auth/token; it refreshes them at
+    half); the signing key is DATA_DIR/jwt_signing.key, replaced by `hosted-tinker rotate-token-key`"""
+    rate_card: Path | None = None
+    """YAML or JSON file of USD rates per base model (training, sampling_prefill, sampling_prefill_cached,
+    sampling_sample per million tokens) and for storage per GB-month: billing usage then carries estimated
+    costs as the SDK computes them; without one every cost is null"""
     telemetry_max_bytes: int = Field(64 << 20, ge=1 << 20)
     """size at which the data dir's telemetry.jsonl (the SDK's telemetry batches) is rotated; one previous file
     is kept"""
@@ -258,9 +273,9 @@ class ServerConfig(BaseSettings):
             raise ValueError(f"{value!r} is not a device: {_DEVICE_HELP}")
         return value
 
-    @field_validator("base_model", mode="before")
+    @field_validator("base_model", "admin_users", mode="before")
     @classmethod
-    def _model_list(cls, value: Any) -> Any:
+    def _comma_separated(cls, value: Any) -> Any:
         """A string (a variable, a file's scalar) or list items may each be a comma-separated list."""
         if not isinstance(value, (str, list)):
             return value  # pydantic says what is wrong with it

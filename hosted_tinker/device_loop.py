@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import faults
 from .futures import FutureStore
 from .sampling.backend import SamplingBackend
 from .scheduler import ClockCycleScheduler, CyclePlan
@@ -74,6 +75,7 @@ class DeviceLoop:
     def _run(self) -> None:
         while not self._stopping:
             self.wake.clear()  # a producer that rings from here on is seen by the next wait
+            faults.hold("device_loop.before_plan")
             plan, deadline = self.scheduler.next_plan()
             if plan:
                 self._training_cycle(plan)
@@ -98,6 +100,9 @@ class DeviceLoop:
                 log.error("a cycle left %d request(s) unanswered; failed them", len(unanswered))
         except Exception:
             log.exception("could not fail the unanswered requests of a cycle")
+        for r in plan.compute:  # a request in parts that failed: its later parts never run
+            if not r.final and not self.futures.is_pending(r.request_id):
+                self.scheduler.drop_rest(r)
         seconds = time.perf_counter() - start
         self.scheduler.cycle_done(plan, seconds)
         try:

@@ -7,7 +7,7 @@ request is the server's fault (category "server"), whatever its class: a `KeyErr
 `ValueError` from a bug must not be blamed on the user.
 
 The service layer (`services/`, `access.py`) raises these and never speaks HTTP: `api/app.py`
-alone maps each class to a status code (`UserError` 400, `NotFound` 404, `Busy` 429).
+alone maps each class to a status code (`UserError` 400, `Forbidden` 403, `NotFound` 404, `Busy` 429).
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ class UserError(Exception):
 
 class NotFound(UserError):
     """The object does not exist, or this key may not see it (told apart by nobody)."""
+
+
+class Forbidden(UserError):
+    """This key may not make this call at all: it lacks the role the message names."""
 
 
 class Busy(UserError):

@@ -8,7 +8,17 @@ times (default every time). What firing does is the point's kind:
 - `check(point)` raises `InjectedFault` (a server fault in the middle of a cycle);
 - `check_user(point)` raises `InjectedUserFault`, a `UserError` (a request the code below the
   API finds it cannot take);
-- `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write).
+- `check_poisoned(point, rows)` raises `InjectedFault` where one of `rows` (datums' tokens) begins
+  with the point's `POISONED_PREFIX`: a request whose datum the model cannot take, raising wherever
+  it is fused, as validation lets no real one through; only such reaches count;
+- `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write);
+- `gate(point)` holds the thread there until the test opens the point's gate (a FIFO in the
+  folder `HOSTED_TINKER_GATES` names): work held in flight by construction, not by a race;
+- `hold(point)`, for a point a thread passes again and again (the device loop's): every reach
+  parks while the test keeps the point closed (a file `<point>.closed` in the same folder): it
+  writes `<point>.held` and waits until the test removes `.closed` (open) or writes `<point>.step`
+  (one reach through: the file is taken, and the next reach parks again). A test acts while the
+  server is parked at a known moment (`helpers.Gate`); an armed point left open costs a file lookup.
 
 Nothing else sets the variable; an unarmed point costs one dict lookup. Every point is declared
 in `POINTS`, so a test can walk all of them and a misspelled one fails at start-up instead of
@@ -20,15 +30,29 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import UserError
 
 ENV_VAR = "HOSTED_TINKER_FAULTS"
+GATES_VAR = "HOSTED_TINKER_GATES"
+# What a datum poisoned for each check_poisoned() point begins with (ids every test model has).
+POISONED_PREFIX = {"pass.poisoned_datum": (4, 8, 15, 16, 23, 42),
+                   "cycle.poisoned_after_passes": (42, 23, 16, 15, 8, 4)}
+HOLD_AT_MOST_S = 600.0  # a gate the test never opens lets go after this: a stuck test, not a stuck server
 
 POINTS = {
     # check(): raises InjectedFault
     "after_forward_backward": "the fused pass done, its results not yet answered",
+    # check_poisoned(): raises InjectedFault where a datum begins with the point's POISONED_PREFIX
+    "pass.poisoned_datum": "a micro-batch (of any rank) holding a poisoned datum, in a forward or forward_backward "
+                           "pass, after the pass's earlier micro-batches added their gradients",
+    "cycle.poisoned_after_passes": "a cycle whose compute holds a poisoned datum, its passes done and not yet "
+                                   "answered (a fault no rerun mends: the cycle fails)",
+    # hold(): parks while the test's gate is closed
+    "device_loop.before_plan": "the device loop, before it plans its next training cycle",
     # crash_point(): SIGKILL. The moments inside a checkpoint write (save, overwrite, import,
     # delete, TTL sweep) where a kill leaves a distinct state on disk; checkpoints/recovery.py
     # repairs each of them.
@@ -47,6 +71,11 @@ POINTS = {
     # cannot take does (issue 33: a poisoned image prompt once failed every job prefilled beside it)
     "sampling.prefill_poisoned": "check_user(): a prefill holding a prompt poisoned for it",
     "sampling.decode_poisoned": "check(): a decode step holding a row of a prompt poisoned for it",
+    # trace_exports.py: a session trace's build
+    "trace.build": "gate(): a session trace's build has started, nothing read yet",
+    "trace.build_fails": "check(): a session trace's build fails",
+    # services/images.py
+    "image.decode": "gate(): a request's images about to be decoded, one of its key's decode slots taken",
 }
 
 # The token that poisons a prompt for each sampling.* point (ids every test model's vocabulary has).
@@ -79,6 +108,9 @@ def _parse(spec: str) -> dict[str, _Armed]:
 
 
 _armed = _parse(os.environ.get(ENV_VAR, ""))
+HOLDS = {"device_loop.before_plan"}  # the points that hold(): they need the gate dir
+if HOLDS & set(_armed) and not os.environ.get(GATES_VAR):
+    raise RuntimeError(f"{ENV_VAR} arms {sorted(HOLDS & set(_armed))}: set {GATES_VAR} to the test's gate dir")
 _lock = threading.Lock()
 
 
@@ -118,7 +150,45 @@ def check_user(point: str) -> None:
         raise InjectedUserFault(f"fault injected at {point!r} (${ENV_VAR})")
 
 
+def check_poisoned(point: str, rows) -> None:
+    """Raise `InjectedFault` if a test armed this point and one of `rows` (token id arrays, read only
+    when armed) begins with the point's `POISONED_PREFIX`."""
+    if point not in _armed:
+        return
+    prefix = POISONED_PREFIX[point]
+    if any(tuple(int(t) for t in row[:len(prefix)]) == prefix for row in rows) and _fires(point):
+        raise InjectedFault(f"fault injected at {point!r} (${ENV_VAR}): a datum beginning with {list(prefix)}")
+
+
+def hold(point: str) -> None:
+    """If a test armed this point and closed its gate: park here until it opens the gate or lets one
+    reach through (`.step`), saying so (`.held`)."""
+    if point not in _armed:
+        return
+    gates = Path(os.environ[GATES_VAR])
+    closed, held, step = (gates / f"{point}{suffix}" for suffix in (".closed", ".held", ".step"))
+    if not closed.exists():
+        return
+    held.touch()  # once: the test removes it before it lets a reach through
+    deadline = time.monotonic() + HOLD_AT_MOST_S
+    while closed.exists() and time.monotonic() < deadline:
+        try:
+            step.unlink()
+            return
+        except FileNotFoundError:
+            time.sleep(0.005)
+
+
 def crash_point(point: str) -> None:
     """Kill this process with SIGKILL if a test armed this point: a real kill -9, right here."""
     if _fires(point):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def gate(point: str) -> None:
+    """If a test armed this point, wait here until it opens the gate: the FIFO named `point` in the
+    folder $HOSTED_TINKER_GATES. The test's open of it for writing returns once this thread has it
+    open (the point is reached); its close lets this thread go on. Neither side polls."""
+    if _fires(point):
+        with open(os.path.join(os.environ[GATES_VAR], point), "rb") as fifo:
+            fifo.read()  # until the test closes its end

@@ -11,6 +11,7 @@ at start-up rather than a long traceback after transformers' retries.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -98,6 +99,25 @@ def check_model_available(name: str) -> str:
         raise ModelUnavailable(f"--base-model {name}: {constants.ENDPOINT} answered {answer.status_code}: no such "
                                "model, or a gated one (accept its licence on the hub and set HF_TOKEN)")
     return f"a download from {constants.ENDPOINT} (not cached yet)"
+
+
+def local_config(name: str) -> dict | None:
+    """`name`'s config.json as this machine has it (a local directory, or the Hugging Face cache);
+    None for the embedded model and a model not downloaded yet. Read as JSON: no transformers import."""
+    if name == EMBEDDED_MODEL_NAME:
+        return None
+    if _is_path(name):
+        found: str | Path | None = Path(name).expanduser() / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+    if not isinstance(found, (str, Path)) or not Path(found).is_file():
+        return None
+    try:
+        return json.loads(Path(found).read_text())
+    except (OSError, ValueError):
+        return None  # the model's own load says what is wrong with it
 
 
 def model_directory(name: str, data_dir: Path) -> Path:

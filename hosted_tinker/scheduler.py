@@ -30,7 +30,11 @@ A compute request larger than a cycle's budget arrives in parts (`Request.more`,
 `services/training.py`): each cycle plans its next part alone (`final=False` until the last), the
 request keeps its place in its model's queue until the last part is planned, and the other
 models' work and sampling rounds run between the parts. Gradients add up across cycles exactly as
-across micro-batches, so no one request holds the device for longer than one cycle's budget.
+across micro-batches, so no one request holds the device for longer than one cycle's budget. Each
+part is its model's only compute in its cycle (the model's earlier compute runs a cycle before the
+first part, its later compute a cycle after the last), so that a failed part can put back exactly
+the gradients from before the request (worker.py); a failed request's later parts are dropped
+(`drop_rest`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 from typing import Callable
 
 from .request_types import FBWork, Payload, RequestKind
@@ -60,6 +65,17 @@ class Request:
     # A compute request split across cycles: the (payload, tokens) of the parts after this one.
     more: list[tuple[FBWork, int]] = field(default_factory=list)
     final: bool = True  # False for a planned part with more to come: answered after its last part
+    part: int = 0  # a request in parts: which part this is (0 the first)
+    owner: str = ""  # the API key's owner (a key whose request failed a pass runs apart: isolation.py)
+
+    @property
+    def in_parts(self) -> bool:
+        """A request (or a planned part of one) that runs in parts over several cycles."""
+        return bool(self.more) or self.part > 0 or not self.final
+
+    @property
+    def first_part(self) -> bool:
+        return self.part == 0 and not self.final
 
 
 @dataclass
@@ -110,6 +126,43 @@ class _ModelQueue:
             while seq in self.skipped:
                 seq += 1
         return out
+
+
+class _Stage(IntEnum):
+    """Where a model's prefix of a cycle stands: its compute, then at most one optim_step, then
+    its tail requests (create, save, load, unload)."""
+    COMPUTE = 0
+    OPTIM = 1
+    TAIL = 2
+
+
+@dataclass
+class _CycleBudget:
+    """A cycle's fair share: compute up to `max_tokens` tokens and `max_models` models, whole
+    requests only, and at least one compute request per cycle however large."""
+    max_tokens: int
+    max_models: int
+    tokens: int = 0
+    models: set[str] = field(default_factory=set)
+
+    def admit(self, mid: str, take: list[Request]) -> int:
+        """How many of `take`'s leading compute requests fit, counted in."""
+        admitted = 0
+        for r in take:
+            if r.kind not in COMPUTE:
+                break
+            over = (self.tokens + r.tokens > self.max_tokens
+                    or (mid not in self.models and len(self.models) >= self.max_models))
+            if over and (self.tokens > 0 or admitted > 0):
+                break
+            self.tokens += r.tokens
+            admitted += 1
+            self.models.add(mid)
+        return admitted
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 class ClockCycleScheduler:
@@ -204,6 +257,19 @@ class ClockCycleScheduler:
             q.advance_past_skipped()
         self._on_work()
 
+    def drop_rest(self, req: Request) -> None:
+        """A request in parts failed (a part of it, or its cycle): its later parts never run, and its
+        model's next request is free to go."""
+        with self._lock:
+            q = self._queues.get(req.model_id)
+            rest = q.pending.get(req.seq_id) if q is not None else None
+            if rest is None or rest.request_id != req.request_id:
+                return
+            del q.pending[req.seq_id]
+            q.next_seq = req.seq_id + 1
+            q.advance_past_skipped()
+        self._on_work()
+
     def queue_depth(self) -> int:
         with self._lock:
             return sum(len(q.pending) for q in self._queues.values())
@@ -241,49 +307,23 @@ class ClockCycleScheduler:
         now = self.clock()
         plan = CyclePlan()
         deadline: float | None = None
-        held: list[list[Request]] = []
+        held: list[list[Request]] = []  # pipelining models' compute waiting for their optim_step
         deferred: list[str] = []  # models cut short by the budget: first in line next cycle
-        tokens = 0
-        compute_models: set[str] = set()
+        budget = _CycleBudget(self.max_tokens_per_cycle, self.max_models_per_cycle)
         for mid in list(self._rr):
-            q = self._queues[mid]
-            ready = q.ready()
-            if not ready:
-                ready, gap_deadline = self._handle_gap(mid, q, now)
-                if gap_deadline is not None:
-                    deadline = gap_deadline if deadline is None else min(deadline, gap_deadline)
-                if not ready:
-                    continue
-            q.gap_since = None
-            take = self._prefix(ready)
-            # Fair share of the cycle's budget: whole requests, at least one per cycle overall.
-            n_compute = 0
-            for r in take:
-                if r.kind not in COMPUTE:
-                    break
-                over = (tokens + r.tokens > self.max_tokens_per_cycle
-                        or (mid not in compute_models and len(compute_models) >= self.max_models_per_cycle))
-                if over and (tokens > 0 or n_compute > 0):
-                    break
-                tokens += r.tokens
-                n_compute += 1
-                compute_models.add(mid)
-            if n_compute < sum(r.kind in COMPUTE for r in take):
-                take = take[:n_compute]
+            take, wait_until = self._ready_prefix(mid, now)
+            deadline = _earliest(deadline, wait_until)
+            admitted = budget.admit(mid, take)
+            if admitted < sum(r.kind in COMPUTE for r in take):
+                take = take[:admitted]
                 deferred.append(mid)
-                if not take:
-                    continue
-            # Only forward_backward waits for an optim_step (a forward never has one).
-            only_compute = all(r.kind == RequestKind.FORWARD_BACKWARD for r in take)
-            if only_compute and q.pipelined and mid not in deferred and not take[-1].more:
-                # This client posts optim_step right after forward_backward: give it a moment
-                # so both run in this cycle instead of costing two.
-                d = max(r.arrived_at for r in take) + self.gather_window_s
-                if now < d:
-                    held.append(take)
-                    deadline = d if deadline is None else min(deadline, d)
-                    continue
-                q.pipelined = False  # the window passed with no optim_step: stop waiting for one
+            if not take:
+                continue
+            wait_until = self._gather_window(mid, take, now, cut_short=mid in deferred)
+            if wait_until is not None:
+                held.append(take)
+                deadline = _earliest(deadline, wait_until)
+                continue
             self._add(plan, take)
         unloads = [r.model_id for r in self._after if r.kind == RequestKind.UNLOAD_MODEL]
         plan.tail.extend(self._after)
@@ -300,6 +340,32 @@ class ClockCycleScheduler:
             self._close(mid)
         plan.orphaned, self._orphaned = self._orphaned, []
         return plan, (None if plan else deadline)
+
+    def _ready_prefix(self, mid: str, now: float) -> tuple[list[Request], float | None]:
+        """What the model may add to this cycle (`_prefix` of its ready requests), or, while its next
+        seq_id is missing, nothing and when the gap times out."""
+        q = self._queues[mid]
+        ready = q.ready()
+        if not ready:
+            ready, gap_deadline = self._handle_gap(mid, q, now)
+            if not ready:
+                return [], gap_deadline
+        q.gap_since = None
+        return self._prefix(ready), None
+
+    def _gather_window(self, mid: str, take: list[Request], now: float, *, cut_short: bool) -> float | None:
+        """Until when a pipelining model's forward_backward waits for its optim_step to arrive, so that
+        both run in this cycle instead of costing two; None: it goes now."""
+        q = self._queues[mid]
+        # Only forward_backward waits for an optim_step (a forward never has one).
+        only_fb = all(r.kind == RequestKind.FORWARD_BACKWARD for r in take)
+        if not (only_fb and q.pipelined and not cut_short and not take[-1].more):
+            return None
+        until = max(r.arrived_at for r in take) + self.gather_window_s
+        if now < until:
+            return until
+        q.pipelined = False  # the window passed with no optim_step: stop waiting for one
+        return None
 
     def _close(self, model_id: str) -> None:
         """Forget a model that is being unloaded: nothing per model outlives it."""
@@ -325,18 +391,21 @@ class ClockCycleScheduler:
 
     @staticmethod
     def _prefix(ready: list[Request]) -> list[Request]:
+        """The longest prefix of the module docstring's form. A part of a request in parts is its
+        model's only compute in its cycle: the model's gradients before its first part are then the
+        ones a failed part puts back (worker.py)."""
         take: list[Request] = []
-        phase = 0  # 0: compute, 1: after optim, 2: tail
+        stage = _Stage.COMPUTE
         for r in ready:
             if r.kind in COMPUTE:
-                if phase > 0:
+                if stage > _Stage.COMPUTE or (r.in_parts and take) or (take and take[-1].in_parts):
                     break
             elif r.kind == RequestKind.OPTIM_STEP:
-                if phase > 0:
+                if stage > _Stage.COMPUTE:
                     break
-                phase = 1
+                stage = _Stage.OPTIM
             else:
-                phase = 2
+                stage = _Stage.TAIL
             take.append(r)
             if r.more:  # a split request: nothing after it until its last part
                 break
@@ -347,7 +416,7 @@ class ClockCycleScheduler:
         for r in take:
             if r.more:  # plan this part; the rest keeps the request's place in the queue
                 payload, tokens = r.more[0]
-                q.pending[r.seq_id] = replace(r, payload=payload, tokens=tokens, more=r.more[1:])
+                q.pending[r.seq_id] = replace(r, payload=payload, tokens=tokens, more=r.more[1:], part=r.part + 1)
                 q.in_flight_compute = True
                 plan.compute.append(replace(r, more=[], final=False))
                 return

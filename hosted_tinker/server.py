@@ -21,10 +21,13 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
-from .auth import ENV_VAR, KeyRing
+from .auth import ENV_VAR, Authenticator, KeyRing
+from .accounting import Accounting
+from .auth_tokens import TokenSigner
 from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
+from .checkpoints.paths import TinkerPath
 from .checkpoints.recovery import recover
 from .checkpoints.transfer import UrlSigner
 from .config import ModelEntry, ServerConfig
@@ -32,6 +35,7 @@ from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
 from .model_loading import pick_device, resolve_model_source
+from .rate_card import load_rate_card
 from .runtime.cpu_threads import on_passing_thread
 from .sampling.backends import SamplingObserver, make_backend
 from .sampling.jobs import SampleJob, SampleResult
@@ -41,7 +45,9 @@ from .sampling.service import SamplingService
 from .scheduler import ClockCycleScheduler, CyclePlan
 from .served_models import ModelRegistry, ServedModel, make_runtime
 from .store import Store, db_path
+from .store_records import CheckpointRecord
 from .telemetry_log import TelemetryLog
+from .trace_exports import TraceExports
 from .vision import ImageLimits, image_encoder
 from .worker import TrainingWorker
 
@@ -79,6 +85,31 @@ class _Unobserved:
         pass
 
 
+class FanOut:
+    """Several observers as one: each hears every observation, and one that raises does not keep it
+    from the others (the metrics and the accounting watch the same loops)."""
+
+    def __init__(self, *observers: Observer):
+        self.observers = observers
+
+    def _each(self, what: str, observe: Callable[[Observer], None]) -> None:
+        for observer in self.observers:
+            try:
+                observe(observer)
+            except Exception:
+                log.exception("an observer failed in %s", what)
+
+    def observe_cycle(self, base_model: str, plan: CyclePlan, seconds: float) -> None:
+        self._each("observe_cycle", lambda o: o.observe_cycle(base_model, plan, seconds))
+
+    def observe_sample(self, base_model: str, job: SampleJob, generated_tokens: int) -> None:
+        self._each("observe_sample", lambda o: o.observe_sample(base_model, job, generated_tokens))
+
+    def observe_vllm_request(self, base_model: str, job: SampleJob, result: SampleResult | None,
+                             seconds: float) -> None:
+        self._each("observe_vllm_request", lambda o: o.observe_vllm_request(base_model, job, result, seconds))
+
+
 def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, store: Store,
                 checkpoints: CheckpointCatalog, data_dir: Path, observer: Observer) -> ServedModel:
     """Load one base model onto its device and build the parts that serve it, each given what it needs."""
@@ -101,7 +132,7 @@ def serve_model(entry: ModelEntry, config: ServerConfig, futures: FutureStore, s
                        loop=DeviceLoop(scheduler, worker, backend, futures, wake,
                                        on_cycle=functools.partial(observer.observe_cycle, name)),
                        kv_budget=kv_budget,
-                       images=image_encoder(model, resolve_model_source(name, data_dir), ImageLimits(
+                       images=image_encoder(model, resolve_model_source(name, data_dir), tokenizer, ImageLimits(
                            config.max_image_bytes, config.max_image_pixels, config.max_images_per_request)))
 
 
@@ -120,6 +151,7 @@ class Server:
             log.warning("=" * 78)
         else:
             log.info("%d API key(s) configured", len(self.keyring))
+        self.auth = Authenticator(self.keyring, TokenSigner(data_dir, config.jwt_lifetime_s))
         self.store = Store(db_path(data_dir))
         interrupted = self.store.fail_interrupted_futures(
             "the server restarted while this request was running; resubmit it")
@@ -131,11 +163,15 @@ class Server:
         self.sample_records = SampleRecords(self.store, ttl_s=config.sample_record_ttl_s)
         # Checkpoints of every served model: one catalog, one expiry sweep, one URL signing key.
         self.checkpoints = CheckpointCatalog(self.store, data_dir / "checkpoints")
-        self.expiry = ExpirySweeper(self.checkpoints)
+        self.expiry = ExpirySweeper(self.checkpoints, on_removed=self._expired)
         self.url_signer = UrlSigner(data_dir / "url_signing.key")
         self.uploads = data_dir / "uploads"  # imports being received
         self.telemetry = TelemetryLog(data_dir / "telemetry.jsonl", config.telemetry_max_bytes)
-        observer = observer or _Unobserved()
+        # Usage, the audit log and request timings; it watches the device loops beside the metrics.
+        self.accounting = Accounting(self.store, self.futures)
+        self.traces = TraceExports(self.accounting.tables, data_dir / "traces")
+        self.rate_card = load_rate_card(config.rate_card, [entry.name for entry in config.served_models])
+        observer = FanOut(observer or _Unobserved(), self.accounting)
         self.models = ModelRegistry([serve_model(entry, config, self.futures, self.store, self.checkpoints, data_dir,
                                                  observer) for entry in config.served_models])
 
@@ -145,6 +181,22 @@ class Server:
         for model in self.models:
             model.loop.start()
         self.expiry.start()
+        self.accounting.start()
+
+    def audit_checkpoint(self, event: str, actor: str, row: CheckpointRecord, **details) -> None:
+        """An audit log entry about checkpoint `row` (accounting.AUDIT_EVENTS names the events)."""
+        self.accounting.audit(event, actor, tinker_path=str(TinkerPath.of_record(row.model_id, row.checkpoint_id)),
+                              model_id=row.model_id, owner=row.owner, **details)
+
+    def audit_read(self, owner: str, row: CheckpointRecord, purpose: str) -> None:
+        self.audit_checkpoint("checkpoint_read", owner, row, purpose=purpose)
+
+    def _expired(self, row: CheckpointRecord) -> None:
+        self.audit_checkpoint("checkpoint_delete", "", row, reason="expired")
+
+    def cycles_started(self) -> dict[str, int]:
+        """Each served model's clock cycles started so far (what `Accounting.settle` waits for)."""
+        return {served.name: served.scheduler.cycles for served in self.models}
 
     def stop(self) -> None:
         log.info("shutting down: finishing the running cycle")
@@ -152,6 +204,8 @@ class Server:
         for model in self.models:
             model.loop.stop()
             model.runtime.close()
+        self.accounting.stop()  # after the loops: their last cycles are counted
+        self.traces.close()
         self.store.close()
         self.telemetry.close()
         self.data_dir_lock.release()

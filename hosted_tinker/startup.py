@@ -25,10 +25,13 @@ from pathlib import Path
 
 from . import __version__
 from .auth import ENV_VAR, KeyConfigError, KeyRing
+from .auth_tokens import TOKEN_KEY_FILE
 from .config import ModelEntry, ServerConfig, flag
-from .model_loading import ModelUnavailable, check_model_available
+from .model_loading import ModelUnavailable, check_model_available, local_config
+from .rate_card import RateCardError, load_rate_card
 from .runtime.projections import coverage
 from .sampling.vllm_sidecar import VLLM_LORA_RANKS, vllm_python
+from .vision import MissingPackage, require_pillow
 
 
 class StartupError(RuntimeError):
@@ -52,6 +55,8 @@ def preflight(config: ServerConfig) -> Preflight:
     _check_pool(config)
     python = _check_vllm(config) if config.samples_on_vllm else None
     _check_keys(config.api_keys_file)
+    _check_admins(config)
+    _check_rate_card(config)
     _check_data_dir(Path(config.data_dir))
     sock = bind_port(config.host, config.port)
     try:
@@ -94,12 +99,15 @@ def _device_problem(spec: str, fix: str) -> str | None:
 
 
 def _check_models(config: ServerConfig) -> dict[str, str]:
-    """Where each served model will come from; every one that cannot be found is a line."""
+    """Where each served model will come from; every one that cannot be found, or that needs a package
+    not installed here (Pillow, for a vision-language model's images), is a line."""
     sources, problems = {}, []
     for entry in config.served_models:
         try:
             sources[entry.name] = check_model_available(entry.name)
-        except ModelUnavailable as e:
+            if "vision_config" in (local_config(entry.name) or {}):  # a download is checked as it loads
+                require_pillow(entry.name)
+        except (ModelUnavailable, MissingPackage) as e:
             problems.append(str(e))
     if problems:
         raise StartupError(*problems)
@@ -218,6 +226,27 @@ def _check_keys(keys_file: Path | None) -> None:
         raise StartupError(str(e) if e.in_env else f"{flag('api_keys_file')}: {e}") from None
 
 
+def _check_admins(config: ServerConfig) -> None:
+    """Every admin owns a key (the keys are checked first)."""
+    if not config.admin_users:
+        return
+    ring = KeyRing.load(config.api_keys_file)
+    if ring.dev_mode:
+        raise StartupError(f"{flag('admin_users')}: admins are owners of API keys, and none are configured (dev "
+                           f"mode accepts any key): give {flag('api_keys_file')} or ${ENV_VAR}")
+    unknown = [name for name in config.admin_users if name not in ring.owners()]
+    if unknown:
+        raise StartupError(f"{flag('admin_users')}: {', '.join(map(repr, unknown))} owns no API key (the keys' owners: "
+                           f"{', '.join(sorted(ring.owners()))})")
+
+
+def _check_rate_card(config: ServerConfig) -> None:
+    try:
+        load_rate_card(config.rate_card, [m.name for m in config.served_models])
+    except RateCardError as e:
+        raise StartupError(f"{flag('rate_card')} {e}") from None
+
+
 def _check_data_dir(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise StartupError(f"{flag('data_dir')} {path}: exists and is not a directory")
@@ -289,6 +318,7 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
     else:
         auth = f"{len(server.keyring)} API key(s); each key sees only its own runs, checkpoints and sessions"
     c = config
+    admins = ", ".join(c.admin_users) or f"none (name owners with {flag('admin_users')})"
     listening = "" if url.endswith(f"//{c.host}:{c.port}") else f" (listening on {c.host}:{c.port})"
     pool = []
     if c.workers * c.nnodes > 1:  # one served model (preflight): its runtime is the pool's rank 0
@@ -308,7 +338,10 @@ def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
         *pool,
         f"  sampling   {_sampling_line(config)}",
         f"  tokenizer  export HF_ENDPOINT={url} and tc.get_tokenizer() fetches it from this server",
-        f"  auth       {auth}",
+        f"  auth       {auth}; the SDK exchanges keys for JWTs valid {c.jwt_lifetime_s} s (signing key "
+        f"{data_dir / TOKEN_KEY_FILE}, replaced by hosted-tinker rotate-token-key)",
+        f"  admins     {admins} (usage, storage, audit log); costs "
+        f"{f'from the rate card {c.rate_card}' if c.rate_card else 'null (no --rate-card)'}",
         f"  limits     LoRA rank <= {c.max_lora_rank}; per key {c.max_models_per_key} live models and "
         f"{c.max_pending_per_key} queued requests; {c.max_request_bytes / 2**20:.0f} MiB per request; "
         f"{c.max_tokens_per_cycle} tokens per cycle; {c.max_num_samples} samples per request",

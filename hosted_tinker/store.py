@@ -1,10 +1,7 @@
 """Durable state in one embedded SQLite file: sessions, models, futures, checkpoints, sample records.
 
-WAL journaling with synchronous=NORMAL: a commit survives kill -9 of the server (the WAL is
-in the OS page cache and is replayed at the next open), at the price of one fsync per
-checkpoint of the WAL rather than per commit. Every statement goes through one connection under
-a lock: the API's event loop and the scheduler thread both write, and SQLite serialises writers
-anyway.
+The connection, its WAL journaling and its one lock are `SQLiteDB`'s (sqlite_db.py), shared with the
+tables other modules keep (`store_accounting.py`: usage, audit log, request timings).
 
 Futures are keyed by request id and, for training requests, unique per (model_id, seq_id): a
 resubmitted chunk finds its original request id here, which is what makes retries idempotent.
@@ -13,16 +10,14 @@ resubmitted chunk finds its original request id here, which is what makes retrie
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from .request_types import Failure
+from .sqlite_db import SQLiteDB
 from .store_records import (CheckpointRecord, FutureRecord, LossPoint, ModelRecord, Record, SamplingSessionRecord,
-                            SessionRecord, StoredSample, from_row)
+                            SessionRecord, StoredBytes, StoredSample, from_row)
 
 DB_FILENAME = "hosted_tinker.sqlite3"  # inside --data-dir
 
@@ -148,56 +143,33 @@ CREATE TABLE IF NOT EXISTS request_losses (
 );
 """
 
-
-class StoreUnavailable(RuntimeError):
-    """The database cannot be opened or written at start-up; the message says where and why."""
-
-
-def _free_space(path: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(path).free / 2**20:,.0f} MiB free there"
-    except OSError as e:
-        return f"free space unknown: {e}"
+REST_INDEXES = """
+CREATE INDEX IF NOT EXISTS checkpoints_expiry ON checkpoints(expires_at) WHERE expires_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS checkpoints_owner ON checkpoints(owner, created_at);
+CREATE INDEX IF NOT EXISTS models_owner ON models(owner, created_at);
+CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, created_at);
+"""
 
 
 class Store:
     def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # One connection under one lock, shared with the tables of other modules (`Store.db`).
+        self.db = SQLiteDB(path)
         self.path = path
-        self._lock = threading.Lock()
-        try:
-            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-            self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA busy_timeout=30000")
-            with self._lock:
-                self._db.executescript(SCHEMA)
-                self._db.executescript(SAMPLING_SCHEMA)
-                self._db.executescript(SAMPLE_RECORDS_SCHEMA)
-                self._db.executescript(LOSS_SCHEMA)
-            self._migrate_rest()
-        except sqlite3.Error as e:
-            # SQLite reports a full disk in WAL mode as a bare "disk I/O error" (its -shm file cannot
-            # grow): name the file and the free space, the two things an operator checks next.
-            raise StoreUnavailable(f"cannot open the database {path}: {e} ({_free_space(path.parent)}; "
-                                   "a full disk or a file-size limit gives this error)") from e
+        self._lock, self._db = self.db.lock, self.db.connection
+        self.db.create(SCHEMA + SAMPLING_SCHEMA + SAMPLE_RECORDS_SCHEMA + LOSS_SCHEMA + REST_INDEXES)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()
 
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        with self._lock:
-            return self._db.execute(sql, args)
+        return self.db.execute(sql, args)
 
     def _one(self, sql: str, args: tuple = ()) -> sqlite3.Row | None:
-        with self._lock:
-            return self._db.execute(sql, args).fetchone()
+        return self.db.one(sql, args)
 
     def _all(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        return self.db.all(sql, args)
 
     def _record(self, cls: type[Record], sql: str, args: tuple = ()) -> Record | None:
         row = self._one(sql, args)
@@ -395,15 +367,6 @@ class Store:
     # Listings never show an expired checkpoint, even before the sweeper has removed it.
     _LIVE = "(c.expires_at IS NULL OR c.expires_at > ?)"
 
-    def _migrate_rest(self) -> None:
-        with self._lock:
-            self._db.executescript(
-                "CREATE INDEX IF NOT EXISTS checkpoints_expiry ON checkpoints(expires_at)"
-                " WHERE expires_at IS NOT NULL;"
-                "CREATE INDEX IF NOT EXISTS checkpoints_owner ON checkpoints(owner, created_at);"
-                "CREATE INDEX IF NOT EXISTS models_owner ON models(owner, created_at);"
-                "CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, created_at);")
-
     def list_runs(self, owner: str, *, accessible: bool, project_id: str | None, limit: int,
                   offset: int) -> tuple[list[ModelRecord], int]:
         """Runs owned by `owner` (plus, if `accessible`, others' runs with a public checkpoint), newest first.
@@ -466,6 +429,13 @@ class Store:
     def all_checkpoints(self) -> list[CheckpointRecord]:
         return self._records(CheckpointRecord, "SELECT * FROM checkpoints")
 
+    def live_checkpoint_storage(self) -> list[StoredBytes]:
+        """Unexpired checkpoints' count and bytes per (owner, base model, session) of their runs."""
+        return self._records(
+            StoredBytes, f"SELECT c.owner, COALESCE(m.base_model, '') AS base_model, COALESCE(m.session_id, '') AS"
+            " session_id, COUNT(*) AS checkpoints, SUM(c.size_bytes) AS size_bytes FROM checkpoints c LEFT JOIN models"
+            f" m ON m.model_id = c.model_id WHERE {self._LIVE} GROUP BY 1, 2, 3", (time.time(),))
+
     def list_sessions(self, owner: str, limit: int, offset: int) -> tuple[list[str], int]:
         total = self._one("SELECT COUNT(*) FROM sessions WHERE owner=?", (owner,))[0]
         rows = self._all("SELECT session_id FROM sessions WHERE owner=? ORDER BY created_at DESC, session_id"
@@ -494,7 +464,3 @@ class Store:
             LossPoint, "SELECT step, SUM(CASE WHEN forward_only = 0 THEN loss_sum END) AS train_loss_sum,"
             " SUM(CASE WHEN forward_only = 1 THEN loss_sum END) AS eval_loss_sum, COUNT(*) AS requests"
             " FROM request_losses WHERE model_id = ? GROUP BY step ORDER BY step", (model_id,))
-
-
-def loads(text: str | bytes | None, default: Any = None) -> Any:
-    return default if text is None else json.loads(text)

@@ -120,3 +120,14 @@ class LossPoint:
     train_loss_sum: float | None
     eval_loss_sum: float | None
     requests: int
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """Live checkpoints of one owner's runs of one base model in one session: how many, how many bytes."""
+
+    owner: str
+    base_model: str  # '' for a run the store has no record of
+    session_id: str  # '' for none (imported runs)
+    checkpoints: int
+    size_bytes: int

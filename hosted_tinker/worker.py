@@ -5,6 +5,10 @@ over every model's compute requests, then each ready optimizer step, then checkp
 loads, in per-model order. A request that cannot be done fails with category "user" only when
 validation code said so (`UserError`, `CheckpointError`); anything else is the server's fault.
 An exception that escapes a cycle is the device loop's to answer (device_loop.py).
+
+A request's failure is its own: a fused pass that raises is rerun in halves until the request
+that made it raise fails alone, the others getting their own results (isolation.py); a request
+that runs in parts applies all of its gradients or none (request_parts.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import faults
@@ -27,8 +32,9 @@ from .request_types import (
     CreateModelResult, ExternalWeightsResult, FBOutcome, FBWork, LoadSpec, LoadWeightsResult, LoRAConfig,
     OptimStepResult, RequestKind, SamplerWeightsResult, SaveSpec, SaveWeightsResult, TailResult, UnloadModelResult,
 )
-from .runtime.adapters import SkippedStep
-from .runtime.losses import merge_metrics
+from .isolation import MachineFault, Quarantine, run_isolating
+from .request_parts import PartsLedger
+from .runtime.adapters import GradientSnapshot, SkippedStep
 from .runtime.projections import refusal
 from .sampling.backend import SamplingBackend
 from .scheduler import CyclePlan, Request
@@ -49,18 +55,22 @@ class TrainingWorker:
         self.store = store
         self.checkpoints = checkpoints
         self.sampling = sampling  # told when a model's weights change
-        self._parts_done: dict[str, FBOutcome] = {}  # split requests: their parts' outcomes so far, merged
+        self.parts = PartsLedger()  # requests in parts: their outcomes so far, their gradients before
+        self.quarantine = Quarantine()  # keys whose request failed a pass alone: their requests run apart
         # metrics
         self.tokens_total = 0
         self.last_cycle_tokens = 0
         self.last_cycle_models = 0
         self.fused_passes = 0  # passes that carried more than one model
+        self.failed_passes = 0  # passes that raised (each rerun in halves: isolation.py)
+        self.isolation_reruns = 0  # the passes run to find which request failed a pass
 
     def run_cycle(self, plan: CyclePlan, on_compute_answered: Callable[[set[str]], None]) -> None:
         """Run the plan, answering each request as it completes. `on_compute_answered` hears
         which models' compute results are handed out, just before the first of them is (a
         request that a client posts once it has seen its result then always finds the scheduler
         told: it is never taken for a pipelining client's), and before the optimizer steps run."""
+        self.parts.settle(self.futures.is_pending)  # requests in parts that failed since the last cycle
         if plan.compute:
             models = {r.model_id for r in plan.compute}
             self._run_compute(plan.compute, answering=lambda: on_compute_answered(models))
@@ -71,6 +81,7 @@ class TrainingWorker:
         for req in plan.orphaned:
             self.futures.fail(req.request_id, f"{req.kind}: model {req.model_id!r} is not loaded (it was unloaded)",
                               "user")
+        self.parts.settle(self.futures.is_pending)  # e.g. a request in parts orphaned by its model's unload
 
     def _tail_step(self, req: Request) -> None:
         if req.kind in NEEDS_ADAPTER and req.model_id not in self.runtime.adapters:
@@ -136,48 +147,85 @@ class TrainingWorker:
         return loaded
 
     def _run_compute(self, reqs: list[Request], answering: Callable[[], None]) -> None:
-        """The cycle's fused pass; `answering()` runs once the pass is over, before any answer.
-        A part of a split request (`final=False`) adds its outcome to the request's earlier parts;
-        the last part answers. A part whose request already failed (an earlier part did) is dropped."""
-        for r in reqs:
-            if not self.futures.is_pending(r.request_id):
-                self._parts_done.pop(r.request_id, None)
+        """The cycle's passes (`_passes`); `answering()` runs once they are over, before any answer.
+        A part of a request in parts (`final=False`) adds its outcome to the request's earlier
+        parts' and the last part answers (`PartsLedger`); a failed part fails the request and puts
+        its model's gradients back as they were before its first part, before the cycle's
+        optimizer steps. A part whose request already failed is dropped."""
         live = self._loaded([r for r in reqs if self.futures.is_pending(r.request_id)])
         if not live:
             answering()
             return
-        works: list[FBWork] = [r.payload for r in live]
-        try:
-            outcomes = self.runtime.forward_backward(works)
-        except Exception as e:
-            log.exception("fused forward/backward over %d requests failed", len(live))
-            answering()
-            for r in live:
-                self.futures.fail(r.request_id, f"forward_backward failed on the server: {type(e).__name__}: {e}",
-                                  "server")
-            return
+        for r in live:
+            if r.first_part:
+                before = None if r.payload.forward_only else GradientSnapshot(self.runtime.adapter(r.model_id))
+                self.parts.begin(r.request_id, before)
+        results = self._passes(live)
         faults.check("after_forward_backward")
-        stats = self.runtime.last_pass
-        self.tokens_total += stats.tokens
-        self.last_cycle_tokens = stats.tokens
-        self.last_cycle_models = stats.models
-        self.fused_passes += stats.models > 1
-        finished = []
-        for r, out in zip(live, outcomes):
-            earlier = self._parts_done.pop(r.request_id, None)
-            if earlier is not None:
-                out = _joined(earlier, out)
+        faults.check_poisoned("cycle.poisoned_after_passes", (d.tokens for r in live for d in r.payload.data))
+        finished: list[tuple[Request, FBOutcome]] = []
+        failed: list[tuple[Request, Failed]] = []
+        for r, out in zip(live, results):
+            if isinstance(out, Failed):
+                failed.append((r, out))
+                continue
+            if r.in_parts:
+                out = self.parts.add(r.request_id, out, last=r.final)
             if r.final:
                 finished.append((r, out))
-            else:
-                self._parts_done[r.request_id] = out
         # The dashboard's loss curves; written before the results are visible, so it never lags a client.
         self.store.record_losses([
             (r.model_id, r.seq_id, self.runtime.adapters[r.model_id].step, r.payload.forward_only, out.metrics["loss:sum"])
             for r, out in finished if math.isfinite(out.metrics.get("loss:sum", math.nan))])
         answering()
+        for r, failure in failed:
+            self._fail_compute(r, failure)
+        self.parts.settle(self.futures.is_pending)
         for r, out in finished:
             self._guarded(r, lambda req: self.futures.resolve(req.request_id, out.to_wire(), is_proto=True))
+
+    def _passes(self, reqs: list[Request]) -> list[FBOutcome | Failed]:
+        """Each request's outcome, or the error it failed with alone: one fused pass of the
+        trusted keys' requests, then one per quarantined key, each rerun in parts where it raises
+        until the request that made it raise is found (isolation.py)."""
+        batches: dict[str | None, list[int]] = {}
+        for i, r in enumerate(reqs):
+            batches.setdefault(_key(r) if _key(r) in self.quarantine else None, []).append(i)
+        self.last_cycle_tokens = self.last_cycle_models = 0
+        results: list[FBOutcome | Failed] = [None] * len(reqs)  # type: ignore[list-item]
+        for key, idx in batches.items():
+            report = run_isolating(self._pass, [reqs[i].payload for i in idx], [reqs[i].model_id for i in idx])
+            self.failed_passes += report.failed_passes
+            self.isolation_reruns += report.reruns
+            for j, i in enumerate(idx):
+                error = report.errors[j]
+                results[i] = report.outcomes[j] if error is None else Failed(error, report.reruns > 0)
+            for j in report.culprits:
+                self.quarantine.convict(_key(reqs[idx[j]]))
+            if key is not None and not report.failed_passes:
+                self.quarantine.passed(key)
+        return results
+
+    def _pass(self, works: list[FBWork]) -> list[FBOutcome]:
+        outcomes = self.runtime.forward_backward(works)
+        stats = self.runtime.last_pass
+        self.tokens_total += stats.tokens
+        self.last_cycle_tokens += stats.tokens
+        self.last_cycle_models += stats.models
+        self.fused_passes += stats.models > 1
+        return outcomes
+
+    def _fail_compute(self, req: Request, failure: Failed) -> None:
+        """A request that failed a pass of its own (or a pass the machine failed): its own failure."""
+        error = failure.error
+        user = isinstance(error, (UserError, CheckpointError))
+        if not user:
+            log.error("%s of model %s failed: %s: %s", req.kind, req.model_id, type(error).__name__, error,
+                      exc_info=error)
+        alone = ("; it failed in a pass of its own: the requests of its cycle ran again without it"
+                 if failure.others_rerun and not isinstance(error, MachineFault) else "")
+        self.futures.fail(req.request_id, f"{req.kind} failed{'' if user else ' on the server'}: "
+                                          f"{type(error).__name__}: {error}{alone}", "user" if user else "server")
 
     def _optim_steps(self, reqs: list[Request]) -> None:
         """All of the cycle's optimizer steps in one multi-adapter AdamW step."""
@@ -262,8 +310,16 @@ class TrainingWorker:
         return LoadWeightsResult(path=spec.path, model_id=req.model_id)
 
 
-def _joined(earlier: FBOutcome, later: FBOutcome) -> FBOutcome:
-    """One request's outcome from its parts' (run in successive cycles), in datum order."""
-    metrics = dict(earlier.metrics)
-    merge_metrics(metrics, later.metrics)
-    return FBOutcome(earlier.outputs + later.outputs, metrics)
+
+
+@dataclass
+class Failed:
+    """A compute request's failure: its error, and whether the others of its pass were rerun without it."""
+
+    error: BaseException
+    others_rerun: bool
+
+
+def _key(req: Request) -> str:
+    """Whose request it is, for the quarantine: its API key's owner (its model where none is known)."""
+    return req.owner or req.model_id

@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import leak_guard  # noqa: E402
-from helpers import API_KEY  # noqa: E402
+from helpers import API_KEY, TEAM_ADMINS, write_team_keys  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 _SESSION_SERVERS: set[int] = set()  # pids of servers that session fixtures own (they outlive modules)
@@ -19,6 +19,20 @@ def server(tmp_path_factory):
     """One real server process on the embedded model, shared by the end-to-end tests. Its clients
     are each test's (or module's) to close: the module guard below fails a module that leaves one."""
     proc = ServerProcess(tmp_path_factory.mktemp("server")).start()
+    _SESSION_SERVERS.add(proc.proc.pid)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def team_server(tmp_path_factory):
+    """A server with a keys file (helpers.TEAM: alice, bob and the admin root), shared by the tests of
+    the team features (identity, usage, storage, audit, copies, search, traces): each reads only what
+    its own sessions and checkpoints did."""
+    root = tmp_path_factory.mktemp("team")
+    keys = write_team_keys(root / "keys")
+    proc = ServerProcess(root / "srv", args=("--api-keys-file", str(keys), "--admin-users", ",".join(TEAM_ADMINS)))
+    proc.start()
     _SESSION_SERVERS.add(proc.proc.pid)
     yield proc
     proc.stop()

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from server_process import free_port
 BASE_MODEL = EMBEDDED_MODEL_NAME
 VOCAB = 1000  # ids used by tests stay below the embedded tokenizer's size
 API_KEY = "tml-test-key-alice"  # the shared server's default key (conftest's `service_client`)
+# The team server (conftest's `team_server`): owner -> API key, and who holds the admin role.
+TEAM = {"alice": "tml-team-alice", "bob": "tml-team-bob", "root": "tml-team-root"}
+TEAM_ADMINS = ("root",)
 WAIT = 300.0  # hang guard for what a server does on its own (a TTL sweep...): never reached when all is well
 
 # -- training the runtime in process (exactness tests: solo vs co-batched, eager vs graphed) -------
@@ -104,6 +108,23 @@ def tenant_adam(i: int) -> AdamParams:
     return AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1e-3 if i % 2 else 0.0)
 
 
+def split_batch_gap(runtime: TrainingRuntime, work: FBWork, learning_rate: float) -> float:
+    """The same datums through two fresh adapters of one seed: all in one pass ("one"), or in two
+    passes of half each ("two"); one AdamW step each; the largest difference of their logprobs then."""
+    import dataclasses
+
+    for name in ("one", "two"):
+        runtime.create_adapter(name, LoRAConfig(rank=16, seed=4))
+    half = len(work.data) // 2
+    runtime.forward_backward([dataclasses.replace(work, model_id="one")])
+    runtime.forward_backward([dataclasses.replace(work, model_id="two", data=work.data[:half])])
+    runtime.forward_backward([dataclasses.replace(work, model_id="two", data=work.data[half:])])
+    adam = AdamParams(learning_rate=learning_rate)
+    runtime.optim_steps([("one", adam), ("two", adam)])
+    out = runtime.forward_backward([dataclasses.replace(work, model_id=m, forward_only=True) for m in ("one", "two")])
+    return max(float(np.abs(a["logprobs"] - b["logprobs"]).max()) for a, b in zip(out[0].outputs, out[1].outputs))
+
+
 def train_tenants(runtime: TrainingRuntime, tenants: list[int], steps: int = 2, fused: bool = True):
     """Train the given tenants for `steps` steps: one fused pass and one multi-adapter AdamW step
     per step (as a server cycle does), or a pass and a step per tenant."""
@@ -150,14 +171,14 @@ def assert_each_tenant_matches_solo(runtime: TrainingRuntime, tenants: list[int]
             assert same_bits(fused_state[i][k], solo_state[i][k]), (i, k)
 
 
-def forward_backward_body(model_id: str, seq_id: int, datum) -> bytes:
-    """The protobuf body the SDK posts, for tests that send it by hand: their seq_ids and retries are the
-    test's, not the SDK's."""
+def forward_backward_body(model_id: str, seq_id: int, *data) -> bytes:
+    """The protobuf body the SDK posts, for tests that send it by hand: their seq_ids, retries and
+    request sizes are the test's, not the SDK's."""
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
     request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
-        types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
+        types.ForwardBackwardInput(data=list(data), loss_fn="cross_entropy")))
     return forward_backward_request_to_proto(request).SerializeToString()
 
 
@@ -245,6 +266,65 @@ def wait_until(predicate, what: str, timeout: float = WAIT):
     raise AssertionError(f"never happened (waited {timeout:.0f} s): {what}")
 
 
+def write_team_keys(path: Path, team: dict[str, str] = TEAM) -> Path:
+    """A keys file of `team` (owner -> key)."""
+    path.write_text("".join(f"{owner}: {key}\n" for owner, key in team.items()))
+    return path
+
+
+class Gate:
+    """The test's side of a server's `hold` fault point (hosted_tinker/faults.py): the server is
+    started with the point armed and `gates_env()` in its environment; while the gate is closed the
+    server parks at the point, and the test lets it through one reach at a time or for good."""
+
+    def __init__(self, folder: Path, point: str):
+        self.folder, self.point = Path(folder), point
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def gates_env(self) -> dict[str, str]:
+        return {"HOSTED_TINKER_GATES": str(self.folder)}
+
+    def _file(self, suffix: str) -> Path:
+        return self.folder / f"{self.point}{suffix}"
+
+    def close(self) -> None:
+        self._file(".closed").touch()
+
+    def wait_held(self) -> None:
+        """Until the server is parked at the point (after something woke it to get there)."""
+        wait_until(self._file(".held").exists, f"the server parks at {self.point}")
+
+    def step(self) -> None:
+        """Let the parked server through once, and wait until it is parked there again."""
+        self._file(".held").unlink()
+        self._file(".step").touch()
+        self.wait_held()
+
+    def open(self) -> None:
+        self._file(".held").unlink(missing_ok=True)
+        self._file(".closed").unlink(missing_ok=True)
+
+
+def queued(server, n: int) -> None:
+    """Until the server's training queues hold at least `n` requests."""
+    wait_until(lambda: metric(server, "hosted_tinker_queue_depth") >= n, f"{n} training requests queued")
+
+
+def in_one_cycle(server, gate: Gate, *posts) -> list:
+    """Each `post()` sends one training request (an SDK call; its future is returned); all of them
+    are queued while the device loop is parked before planning (`gate` is the server's
+    `device_loop.before_plan`), so that its next cycle plans them together."""
+    gate.close()
+    depth = metric(server, "hosted_tinker_queue_depth")
+    futures = [posts[0]()]
+    queued(server, depth + 1)
+    gate.wait_held()
+    futures += [post() for post in posts[1:]]
+    queued(server, depth + len(posts))
+    gate.open()
+    return futures
+
+
 def tar_bytes(files: dict[str, bytes], extra: list[tarfile.TarInfo] = ()) -> bytes:
     """An uncompressed tar archive of `files` (name -> content), plus members given as TarInfo."""
     buf = io.BytesIO()
@@ -286,3 +366,14 @@ def open_completion(srv, key: str, body: dict) -> socket.socket:
                  b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(data)).encode() +
                  b"\r\n\r\n" + data)
     return sock
+
+
+def open_gate(path) -> io.BufferedWriter:
+    """The gate at `path` (faults.gate), once the server has reached it: the writer end of its FIFO,
+    which lets the server go on when closed."""
+    opened: list = []
+    opener = threading.Thread(target=lambda: opened.append(open(path, "wb")), daemon=True)
+    opener.start()
+    opener.join(WAIT)  # a hang guard: the open returns as soon as the server's reader is there
+    assert opened, f"the server never reached the gate {path}"
+    return opened[0]

@@ -1,7 +1,7 @@
 """Structural facts about the package, read from its source (no import of it runs).
 
 The house has floors, top to bottom:
-`cli → api/ → services/ → server → served_models → device_loop → worker → sampling/ →
+`cli → api/ → services/ → server → served_models → device_loop → worker (request_parts) → sampling/ →
 checkpoints/ → runtime/ → the ground floor (config, store, scheduler, errors, vision, wire, …)`.
 A module imports only from its own floor or below, and no two modules import each other, even
 through others or from inside a function. The API and the services see requests and their
@@ -20,18 +20,20 @@ import sys
 from functools import cache
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hosted_tinker"
+TESTS = pathlib.Path(__file__).resolve().parent
 GENERATED = {"hosted_tinker.wire.tinker_wire_pb2"}
 MAX_LINES = 500
+MAX_FUNCTION_LINES = 60  # a function a reader follows without scrolling
 
 # Floors, from the top down; a module's floor is that of its longest listed prefix.
 FLOORS = [
     ("hosted_tinker.__main__", "hosted_tinker.cli", "hosted_tinker.export"),
     ("hosted_tinker.api",),
     ("hosted_tinker.services",),
-    ("hosted_tinker.server", "hosted_tinker.startup", "hosted_tinker.access"),
+    ("hosted_tinker.server", "hosted_tinker.startup", "hosted_tinker.access", "hosted_tinker.accounting"),
     ("hosted_tinker.served_models",),
     ("hosted_tinker.device_loop",),
-    ("hosted_tinker.worker",),
+    ("hosted_tinker.worker", "hosted_tinker.request_parts"),
     ("hosted_tinker.sampling",),
     ("hosted_tinker.checkpoints", "hosted_tinker.model_runtime"),
     ("hosted_tinker.runtime",),
@@ -50,6 +52,14 @@ KNOWN_LONG_MODULES: set[str] = set()
 KNOWN_STRING_DISPATCH: set[str] = set()
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_SCHEME_LITERALS: set[str] = set()
+KNOWN_LONG_FUNCTIONS: set[str] = {"api.openai_compat.routes._answer"}
+KNOWN_TEST_IMPORTS: set[tuple[str, str]] = set()
+# Limits (settings named max_*) that bound by doing something else than refusing a request: each says what.
+LIMITS_THAT_REFUSE_NOTHING = {
+    "max_tokens_per_micro_batch": "a fused pass is cut into micro-batches of at most this many tokens",
+    "max_live_adapters": "idle training runs beyond it are paged out to CPU memory, and back on their next request",
+    "max_sampler_snapshots": "the least recently used sampler snapshots beyond it are let go, and read again on use",
+}
 
 
 def short(name: str) -> str:
@@ -209,6 +219,56 @@ def test_tinker_paths_are_built_in_one_module():
                     and node.value.startswith("tinker://")):
                 found.add(short(name))
     assert found - {"checkpoints.paths"} == KNOWN_SCHEME_LITERALS
+
+
+def functions(node: ast.AST, prefix: str = ""):
+    """(qualified name, node) of every function and method, nested ones included."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{child.name}"
+            if not isinstance(child, ast.ClassDef):
+                yield name, child
+            yield from functions(child, name + ".")
+
+
+def test_no_function_is_over_60_lines():
+    """Counted from its `def` to its last line, docstring included."""
+    long = {f"{short(m)}.{name}" for m in modules() for name, node in functions(tree(m))
+            if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES}
+    assert long == KNOWN_LONG_FUNCTIONS
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in modules that are not tests (helpers.py, tiny_model.py, ...):
+    importing a test module runs its module-level code and ties the two files together."""
+    tests = {p.stem for p in TESTS.glob("test_*.py")}
+    found = set()
+    for path in TESTS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found |= {(path.stem, n) for n in names if n in tests}
+    assert found == KNOWN_TEST_IMPORTS
+
+
+def strings_of(name: str) -> str:
+    """Every string literal of a module, f-strings' literal parts included, docstrings excluded."""
+    skip = docstrings(tree(name))
+    return "\n".join(node.value for node in ast.walk(tree(name))
+                     if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip)
+
+
+def test_every_limit_is_refused_by_name_and_tested():
+    """Each `max_*` setting is either named by a refusal's message (so the user knows which setting
+    refused them) and that name appears in a test, or is listed above with what it does instead."""
+    config = tree("hosted_tinker.config")
+    settings = {node.target.id for node in ast.walk(config)
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    limits = {s for s in settings if s.startswith("max_")} - set(LIMITS_THAT_REFUSE_NOTHING)
+    messages = "\n".join(strings_of(m) for m in modules() if m not in ("hosted_tinker.config", "hosted_tinker.startup"))
+    tests = "\n".join(p.read_text() for p in TESTS.glob("test_*.py") if p.name != pathlib.Path(__file__).name)
+    assert sorted(s for s in limits if s not in messages) == [], "refusals that do not name their setting"
+    assert sorted(s for s in limits if s not in tests) == [], "limits whose refusal no test shows"
 
 
 def test_ruff_finds_nothing():

@@ -54,7 +54,7 @@ def watched_server(tmp_path):
     port = free_port()
     config = ServerConfig(data_dir=tmp_path, port=port)
     srv = Server(config)
-    srv.store._lock = watched = WatchedLock(srv.store._lock)
+    srv.store.db.lock = srv.store._lock = watched = WatchedLock(srv.store.db.lock)  # every table module's lock
     uv = uvicorn.Server(uvicorn.Config(create_app(config, server=srv), port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()

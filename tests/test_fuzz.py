@@ -17,6 +17,7 @@ from collections import Counter
 import httpx
 import numpy as np
 import pytest
+import tinker
 import zstandard
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
@@ -192,6 +193,89 @@ def test_hostile_shapes_are_4xx(srv, fuzz_world):
                 tally.failures.append(f"accepted: {method} {path} {body[:120]!r}: {r.text[:200]}")
     assert not tally.failures, "\n".join(tally.failures)
     assert httpx.get(f"{srv.base_url}/api/v1/healthz", timeout=60).json() == {"status": "ok"}
+
+
+# Integers a JSON body may hold that numpy, torch and SQLite do not (and the largest they do).
+HUGE = (2**63 - 1, 2**63, 2**64, 2**70, -(2**63) - 1)
+
+
+def huge_integer_cases(world: dict) -> list[tuple[str, dict, str, int]]:
+    """(route, JSON body, the field, its value) for every integer field of the sampling and training
+    requests that reaches numpy or torch, each with each of HUGE."""
+    sampler, session, model = world["sampling_session_id"], world["session_id"], world["model_id"]
+    seq = iter(range(10**6, 2 * 10**6))
+
+    def asample(**fields) -> dict:
+        body = {"sampling_session_id": sampler, "seq_id": next(seq), "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4]}]},
+                "sampling_params": {"max_tokens": 1}}
+        for name, value in fields.items():
+            *path, last = name.split(".")
+            target = body
+            for part in path:
+                target = target[part]
+            target[last] = value
+        return body
+
+    def targets(field: str, value: int) -> dict:
+        t = {"data": [1, 2, 3], "dtype": "int64", "shape": [3, 2], "sparse_crow_indices": [0, 1, 2, 3],
+             "sparse_col_indices": [0, 1, 0]}
+        t[field] = [value if i == 1 else x for i, x in enumerate(t[field])]
+        return t
+
+    cases: list[tuple[str, dict, str, int]] = []
+    for v in HUGE:
+        some = [("/api/v1/asample", asample(**{f: v}), f) for f in (
+            "seq_id", "num_samples", "sampling_params.max_tokens", "sampling_params.seed", "sampling_params.top_k",
+            "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k", "prompt_logprobs_last_n")]
+        some += [("/api/v1/asample", asample(**{"sampling_params.stop": [v]}), "stop"),
+                 ("/api/v1/asample", asample(**{"prompt.chunks": [{"type": "encoded_text", "tokens": [1, v]}]}),
+                  "prompt token")]
+        some += [("/api/v1/asample", asample(target_prompt_logprobs=targets(f, v)), f)
+                 for f in ("data", "shape", "sparse_crow_indices", "sparse_col_indices")]
+        some += [("/api/v1/create_model", {"session_id": session, "model_seq_id": 90, "base_model": BASE_MODEL,
+                                           "lora_config": {"rank": 2, "seed": v}}, "seed"),
+                 ("/api/v1/create_model", {"session_id": session, "model_seq_id": 91, "base_model": BASE_MODEL,
+                                           "lora_config": {"rank": v}}, "rank"),
+                 ("/api/v1/save_weights", {"model_id": model, "seq_id": 10**6, "path": "x", "ttl_seconds": v},
+                  "ttl_seconds")]
+        for route, extra, fields in (
+                ("/v1/completions", {"prompt": "Hi"}, ("logprobs", "best_of")),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]},
+                 ("top_logprobs", "max_completion_tokens"))):
+            some += [(route, {"model": BASE_MODEL, "max_tokens": 1, **extra, f: v}, f)
+                     for f in ("n", "max_tokens", "seed", "top_k", *fields)]
+        some += [("/v1/completions", {"model": BASE_MODEL, "max_tokens": 1, "prompt": [1, v]}, "prompt")]
+        cases += [(route, body, field, v) for route, body, field in some]
+    return cases
+
+
+def test_integers_beyond_int64_are_4xx_naming_the_field(srv, fuzz_world):
+    """Issue 33: a CSR `target_prompt_logprobs` column index of 2**70 was a 500 (OverflowError in
+    numpy), and so were its row pointers and an OpenAI top_k of 2**63; now each is a 4xx naming
+    the field. Every other integer field of a sample or training request that reaches numpy or
+    torch, at the int64 edges and beyond, is an answer or a 4xx too (never a 5xx), through the SDK
+    as through HTTP."""
+    tally = Tally("huge integers")
+    with httpx.Client(base_url=srv.base_url, timeout=REQUEST_TIMEOUT, headers={"X-API-Key": FUZZ_KEY}) as http:
+        for route, body, field, value in huge_integer_cases(fuzz_world):
+            what = f"{route} {field}={value}"
+            try:
+                r = http.post(route, json=body)
+            except httpx.TransportError as e:  # the server dropped the connection
+                tally.failures.append(f"{type(e).__name__} on {what}: {e}")
+                continue
+            tally.check(what, r.status_code, r.content, r.headers.get("content-type", ""))
+            if not -(2**63) <= value < 2**63 and not (400 <= r.status_code < 500 and field in r.text):
+                tally.failures.append(f"{r.status_code} on {what}, not a 4xx naming {field}: {r.text[:200]}")
+    assert not tally.failures, "\n".join(tally.failures[:15])
+    sampler = srv.client(FUZZ_KEY).create_sampling_client(base_model=BASE_MODEL).result()
+    col = types.TensorData(data=[5], dtype="int64", shape=[3, 2], sparse_crow_indices=[0, 1, 1, 1],
+                           sparse_col_indices=[2**70])
+    with pytest.raises(tinker.APIStatusError, match="sparse_col_indices") as refused:
+        sampler.sample(types.ModelInput.from_ints([1, 2, 3, 4]), 1, types.SamplingParams(max_tokens=1),
+                       target_prompt_logprobs=col).result()
+    assert 400 <= refused.value.status_code < 500
 
 
 # -- schemathesis ------------------------------------------------------------------------------------

@@ -145,3 +145,32 @@ def test_published_checkpoints_are_loadable_and_sampleable_by_others(server, ali
     finally:
         rc.unpublish_checkpoint_from_tinker_path(alice["state"]).result()
         rc.unpublish_checkpoint_from_tinker_path(alice["sampler"]).result()
+
+
+def test_another_keys_encrypted_export_is_a_404_like_any_other_object(server, alice, tmp_path, monkeypatch):
+    """Issue 33, not probed before: A's age-encrypted export, and the cookbook's encrypted download
+    of A's training checkpoint, are 404s to B at every step (the signed URLs, the archive, its info,
+    its deletion; the download's load into a run of B's), as any other object of A's is."""
+    import pyrage
+    from tinker_cookbook import weights
+    from tinker_cookbook.exceptions import WeightsDownloadError
+
+    identity = pyrage.x25519.Identity.generate()
+    enc = alice["tc"].save_weights_external("private-encrypted", age_encryption_recipients=[
+        str(identity.to_public())]).result().path
+    u = server.base_url + "/api/v1"
+    with httpx.Client(timeout=30, headers={"X-API-Key": B}) as http:
+        for method, url, body in [("GET", _ckpt_url(server, enc, "/external_weights_urls"), None),
+                                  ("GET", _ckpt_url(server, enc, "/archive"), None),
+                                  ("POST", f"{u}/weights_info", {"tinker_path": enc}),
+                                  ("DELETE", _ckpt_url(server, enc), None)]:
+            r = http.request(method, url, json=body)
+            assert r.status_code == 404 and r.json()["detail"], (method, url, r.status_code, r.text)
+    monkeypatch.setenv("TINKER_API_KEY", B)
+    for path in (enc, alice["state"]):
+        with pytest.raises((tinker.NotFoundError, WeightsDownloadError), match="404|not found"):
+            weights.download(tinker_path=path, output_dir=str(tmp_path / "stolen"), base_url=server.base_url)
+        assert not (tmp_path / "stolen" / "adapter_model.safetensors").exists()
+    rc = tinker.RestClient(base_url=server.base_url, api_key=A)  # still A's, and whole
+    assert set(rc.get_external_weights_urls(enc).result().urls) == {
+        "adapter_config.json.age", "adapter_model.safetensors.age", "manifest.json.age"}

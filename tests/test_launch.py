@@ -1,4 +1,5 @@
-"""`./launch.sh serve` after `./launch.sh test` installs nothing (the test install is a superset).
+"""`./launch.sh serve` after `./launch.sh test` installs nothing (the test install is a superset), and
+what it installs (pyproject's `dependencies`, no extras) holds every package the server imports.
 
 A stand-in virtualenv: its `python` records any call and fails (so a reinstall would show and could
 not touch a real environment); its `hosted-tinker` prints the arguments it was started with.
@@ -6,10 +7,17 @@ not touch a real environment); its `hosted-tinker` prints the arguments it was s
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import subprocess
+import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,3 +55,53 @@ def test_a_stale_stamp_installs_again(tmp_path):
                          env={**os.environ, "HOSTED_TINKER_VENV": str(venv)})
     assert out.returncode != 0 and "installing into" in out.stderr
     assert "pip install --disable-pip-version-check torch==2.13.0" in (tmp_path / "calls").read_text()
+
+
+def imported_packages() -> dict[str, set[str]]:
+    """Top-level modules outside the standard library that hosted_tinker imports (at a module's top
+    or inside a function), each with the files that import it."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "hosted_tinker").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.partition(".")[0]
+                if top not in sys.stdlib_module_names and top != "hosted_tinker":
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def installed_with(requirements: list[str]) -> set[str]:
+    """The distributions `pip install` of `requirements` brings: they and their dependencies, with the
+    extras each is asked for, as this environment's metadata says."""
+    todo, seen, names = [Requirement(r) for r in requirements], set(), set()
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        extras = {"", *req.extras}
+        if {(name, e) for e in extras} <= seen:
+            continue
+        seen |= {(name, e) for e in extras}
+        names.add(name)
+        for line in metadata.requires(name) or []:
+            dep = Requirement(line)
+            if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in extras):
+                todo.append(dep)
+    return names
+
+
+def test_the_serve_install_has_every_package_the_server_imports():
+    """`./launch.sh serve` installs the project without extras: each package the server imports comes
+    with its `dependencies`, directly or as one's dependency. Pillow did not (only the test extras'
+    cookbook brought it), so a served vision-language model died at start-up with an empty ImportError."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    installed = installed_with(dependencies)
+    providers = metadata.packages_distributions()
+    missing = {module: sorted(files)[0] for module, files in imported_packages().items()
+               if not {canonicalize_name(d) for d in providers.get(module, ())} & installed}
+    assert not missing, f"imported, but not installed by the serve install (pyproject's dependencies): {missing}"

@@ -557,3 +557,40 @@ def test_a_plain_loss_is_one_entry(monkeypatch):
     tok, _ = run_losses([("scaled_ce", cfg, 0, 1)], t([-1.0, -2.0])[None], {k: v[None] for k, v in arrays.items()},
                         torch.ones(1, 2, dtype=torch.float64))
     assert tok[0].tolist() == [2.0, 2.0]
+
+
+def valid_inputs(loss: Loss, n: int) -> dict[str, np.ndarray]:
+    """A datum of `n` tokens with every input `loss` declares, each a valid value."""
+    return {key: np.arange(n, dtype=np.int64) % V if key == "target_tokens" else np.full(n, 0.5, np.float32)
+            for key in loss.user_inputs}
+
+
+@pytest.mark.parametrize("loss_fn, key", [(name, key) for name, loss in sorted(LOSSES.items())
+                                          for key in loss.user_inputs if key != "target_tokens"])
+def test_every_float_input_a_loss_declares_is_checked_for_shape_and_finiteness(loss_fn, key):
+    """Validation reads a loss's inputs from its entry (`required_inputs`, `optional_inputs`): no
+    separate list to keep in step, so no input of any loss reaches the trainer unchecked (a wrong
+    shape would be broadcast over the row)."""
+    inputs = valid_inputs(LOSSES[loss_fn], 3)
+    check([1, 2, 3], inputs, loss_fn)
+    with pytest.raises(LossInputError, match=rf"datum 7: loss_fn_inputs\['{key}'\] has shape \[1\], expected \[3\]"):
+        check([1, 2, 3], {**inputs, key: np.ones(1, np.float32)}, loss_fn)
+    with pytest.raises(LossInputError, match=rf"datum 7: loss_fn_inputs\['{key}'\] has a non-finite value at position 2"):
+        check([1, 2, 3], {**inputs, key: np.float32([0.5, 0.5, np.nan])}, loss_fn)
+
+
+def test_a_new_loss_input_is_validated_by_its_declaration_alone(monkeypatch):
+    """A loss with a float input of a new name (required or optional) needs no other list: the
+    entry's declaration makes validation check its shape and finiteness."""
+    def baseline_ce(lp, inputs, config):
+        return LossOut(-(lp - inputs["baseline"]) * inputs["weights"] * inputs.get("scale", 1.0))
+
+    entry = Loss("baseline_ce", baseline_ce, ("target_tokens", "weights", "baseline"), optional_inputs=("scale",))
+    monkeypatch.setitem(LOSSES, "baseline_ce", entry)
+    good = valid_inputs(entry, 3)
+    check([1, 2, 3], good, "baseline_ce")
+    for key in ("baseline", "scale"):
+        with pytest.raises(LossInputError, match=rf"loss_fn_inputs\['{key}'\] has shape \[\], expected \[3\]"):
+            check([1, 2, 3], {**good, key: np.float32(1.0)}, "baseline_ce")
+        with pytest.raises(LossInputError, match=rf"loss_fn_inputs\['{key}'\] has a non-finite value at position 0"):
+            check([1, 2, 3], {**good, key: np.float32([np.inf, 0, 0])}, "baseline_ce")

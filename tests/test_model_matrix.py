@@ -33,7 +33,6 @@ module: tinker_layout.py) loads, samples and imports as ours does; a malformed o
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import numpy as np
@@ -42,7 +41,7 @@ import torch
 import transformers as T
 from safetensors.torch import load_file
 
-from family_configs import configs
+from family_models import configs, save_family_model
 from helpers import checkpoint_dir, logprobs_of, read_adapter, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.export import export_checkpoint
@@ -61,26 +60,12 @@ VL = ("qwen3_5_vl", "qwen3_5_moe_vl")
 MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl")
 
 
-def build(root, name: str, config, tokenizer_dir) -> str:
-    out = root / name
-    torch.manual_seed(0)
-    model = (T.Gemma3ForCausalLM if name == "gemma3" else T.AutoModelForCausalLM.from_config)(config)
-    with torch.no_grad():  # transformers may leave 3-D expert weights uninitialised
-        for p in model.parameters():
-            if p.dim() == 3:
-                p.normal_(0, 0.1)
-    model.to(torch.float32).save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / f, out / f)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
     tok_dir = ensure_embedded_model(root / "embedded")
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-    built = {name: build(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
+    built = {name: save_family_model(root, name, cfg, tok_dir) for name, cfg in configs(vocab).items()}
     return {**built, **{arch: str(build_tiny_vl_model(root / arch, family=arch.removesuffix("_vl")))
                         for arch in VL}}
 
@@ -324,3 +309,64 @@ def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save
 
     return save({k: t.contiguous() for k, t in tensors.items()})
+
+
+def with_manifest(files: dict[str, bytes], base: str, tmp_path) -> dict[str, bytes]:
+    """`files` with the manifest.json of a hosted-tinker checkpoint (rank 4, no unembedding LoRA)
+    whose checksums verify: a hostile one need only hash what it lies with."""
+    from hosted_tinker.checkpoints.format import describe
+    from hosted_tinker.runtime.adapters import LoRAConfig
+
+    folder = tmp_path / f"manifest-{len(list(tmp_path.iterdir()))}"
+    folder.mkdir()
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    manifest = describe(folder, list(files), base_model=base, config=LoRAConfig(rank=4, seed=3, train_unembed=False),
+                        step=1)
+    return {**files, "manifest.json": manifest.to_json().encode()}
+
+
+def test_hostile_imports_of_fused_and_expert_loras_are_400s_naming_what_lies(srv, models, tmp_path):
+    """Issue 33, not probed before: checkpoints for a fused-projection model (Phi3) and an MoE model
+    (Qwen3-MoE) whose files lie, each imported over HTTP. Before: a fused LoRA without its B was a
+    500 (KeyError); integer factors, an adapter_config that contradicts the manifest, and optimizer
+    state of no tensor (junk, however large) or of some tensors only were taken and stored; a
+    tensor far larger than any LoRA of the model was read whole before it was refused."""
+    from safetensors.torch import save
+
+    cases = []
+    for arch in ("phi3", "qwen3_moe"):
+        with srv.client(KEY) as sc:
+            tc = sc.create_lora_training_client(base_model=models[arch], rank=4, seed=3, train_unembed=False).result()
+            ckpt = checkpoint_dir(srv, tc.save_weights_for_sampler("hostile").result().path)
+        tensors = load_file(str(ckpt / "adapter_model.safetensors"))
+        config = {**json.loads((ckpt / "adapter_config.json").read_text()), "base_model_name_or_path": models[arch]}
+        cases.append((arch, tensors, config))
+    (_, phi3, phi3_config), (_, moe, moe_config) = cases
+    qkv = "base_model.model.model.layers.0.self_attn.qkv_proj"
+    o_proj = "model.layers.0.self_attn.o_proj.lora_A.weight"
+    w1 = "base_model.model.model.layers.0.mlp.experts.w1"
+    hostile = [  # (model, tensors, adapter_config, optimizer state or None, what the 400 says)
+        ("phi3", {k: v for k, v in phi3.items() if k != f"{qkv}.lora_B.weight"}, phi3_config, None,
+         f"{qkv}.lora_B.weight is missing beside its lora_A"),
+        ("phi3", {**phi3, f"{qkv}.lora_A.weight": phi3[f"{qkv}.lora_A.weight"].to(torch.int64)}, phi3_config, None,
+         f"{qkv}.lora_A.weight is of dtype I64; a LoRA and its optimizer state are floating point"),
+        ("phi3", phi3, {**phi3_config, "r": 8}, None, "adapter_config.json says r=8"),
+        ("phi3", {**phi3, "base_model.model.junk.lora_A.weight": torch.zeros(16, 1 << 16, dtype=torch.float16)},
+         phi3_config, None, "a rank-4 LoRA of the served model holds at most"),
+        ("phi3", phi3, phi3_config, {"junk": torch.zeros(1 << 20, dtype=torch.float16)},
+         "the AdamW state of a rank-4 LoRA of the served model holds at most"),
+        ("phi3", phi3, phi3_config, {"junk": torch.zeros(8)}, "'junk' is not the state of a LoRA tensor"),
+        ("phi3", phi3, phi3_config, {f"{o_proj}.exp_avg": torch.zeros(4, 32), f"{o_proj}.exp_avg_sq": torch.zeros(4, 32),
+                                     f"{o_proj}.step": torch.ones(1)}, "it holds the state of every LoRA tensor or of none"),
+        ("qwen3_moe", {k: v for k, v in moe.items() if k != f"{w1}.lora_B.weight"}, moe_config, None,
+         "model.layers.0.mlp.experts.w1: its lora_B.weight is missing beside its lora_A.weight"),
+        ("qwen3_moe", {**moe, f"{w1}.lora_A.weight": moe[f"{w1}.lora_A.weight"].repeat(2, 1, 1)}, moe_config, None,
+         "model.layers.0.mlp.experts.w1: LoRA shapes [8, 4, 32]"),
+    ]
+    for i, (arch, tensors, config, optimizer, needle) in enumerate(hostile):
+        files = {"adapter_model.safetensors": safetensors_bytes(tensors), "adapter_config.json": json.dumps(config).encode()}
+        if optimizer is not None:
+            files["optimizer.safetensors"] = save(optimizer)
+        r = import_tar(srv, f"hostile-{i}", with_manifest(files, models[arch], tmp_path))
+        assert r.status_code == 400 and needle in r.json()["detail"], (i, needle, r.status_code, r.text)

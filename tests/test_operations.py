@@ -5,13 +5,9 @@ what exists only on the hosted Tinker service."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import sqlite3
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -118,22 +114,6 @@ def test_json_logs_hold_every_record_uvicorns_included(tmp_path):
     refused = [r for r in records if r.get("request_id") == "json-refused"]
     assert len(refused) == 1 and refused[0]["status"] == 422 and refused[0]["route"] == "/api/v1/asample"
     assert refused[0]["reason"].startswith("invalid request")
-
-
-TINKER_CLI = str(Path(sys.executable).with_name("tinker"))
-
-
-@pytest.mark.parametrize("args, what", [
-    (("billing", "usage", "2026-01-01", "2026-02-01"), "billing"),
-    (("billing", "checkpoint-storage"), "billing"),
-    (("session", "export-trace", "sess-anything"), "session trace export"),
-])
-def test_tinker_cli_says_what_is_not_available_on_a_self_hosted_server(server, tmp_path, args, what):
-    env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": "tml-ops", "TINKER_TELEMETRY": "0",
-           "HOME": str(tmp_path)}
-    out = subprocess.run([TINKER_CLI, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
-    assert f"{what} is not available on a self-hosted server" in out.stdout + out.stderr
 
 
 def test_sigterm_finishes_work_and_exits_cleanly(tmp_path):

@@ -19,10 +19,10 @@ import transformers as T
 from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
+from family_models import save_family_model
 from helpers import logprobs_of, read_adapter
 from hosted_tinker.embedded_model import ensure_embedded_model
 from server_process import ServerProcess
-from test_model_matrix import build
 from tiny_vl_model import build_tiny_vl_model, png
 
 pytestmark = pytest.mark.e2e
@@ -116,7 +116,7 @@ def models(tmp_path_factory) -> dict[str, str]:
     moe = T.Qwen3MoeConfig(vocab_size=vocab, head_dim=8, moe_intermediate_size=16, num_experts=4,
                            num_experts_per_tok=2, num_key_value_heads=2, hidden_size=32, intermediate_size=48,
                            num_hidden_layers=2, num_attention_heads=4)
-    return {"vl": str(build_tiny_vl_model(root / "vl")), "moe": build(root, "qwen3_moe", moe, tok_dir)}
+    return {"vl": str(build_tiny_vl_model(root / "vl")), "moe": save_family_model(root, "qwen3_moe", moe, tok_dir)}
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,13 @@ image pixels in the key's budget shared with training requests (`ImagePixelBudge
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hosted_tinker.api.app import http_error_of
 from hosted_tinker.errors import Busy
 from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.services.images import ImagePixelBudget
 from hosted_tinker.services.sampling import SamplingAllowance
-from hosted_tinker.vision import Pixels
+from hosted_tinker.vision import Pixels, SizedImage
 
 
 def job(num_samples: int = 2, max_tokens: int = 10) -> SampleJob:
@@ -19,7 +18,7 @@ def job(num_samples: int = 2, max_tokens: int = 10) -> SampleJob:
 
 
 def test_limits_name_their_setting_and_other_keys_are_unaffected():
-    allowance = SamplingAllowance(max_requests=2, max_tokens=100, images=ImagePixelBudget(1000))
+    allowance = SamplingAllowance(max_requests=2, max_tokens=100, images=ImagePixelBudget(1000, 1))
     allowance.take("alice", [job()])
     allowance.take("alice", [job()])
     with pytest.raises(Busy, match="max_sampling_requests_per_key = 2") as e:
@@ -32,7 +31,7 @@ def test_limits_name_their_setting_and_other_keys_are_unaffected():
 
 
 def test_a_multi_job_request_is_given_back_once_when_its_last_job_ends():
-    allowance = SamplingAllowance(max_requests=1, max_tokens=1000, images=ImagePixelBudget(1000))
+    allowance = SamplingAllowance(max_requests=1, max_tokens=1000, images=ImagePixelBudget(1000, 1))
     jobs = [job(), job(), job()]
     seen = []
     for j in jobs:
@@ -48,13 +47,15 @@ def test_a_multi_job_request_is_given_back_once_when_its_last_job_ends():
 
 
 def image_job(pixels: int) -> SampleJob:
+    """A job whose one image, as its header says, is `pixels` x 1 (resized to fewer pixels)."""
     j = job()
-    j.pixels = Pixels(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long), pixels)
+    j.pixels = Pixels([SizedImage("prompt image 0", b"", "png", width=pixels, height=1, patches=1, tokens=1,
+                                  processed_pixels=1)])
     return j
 
 
 def test_image_pixels_in_flight_are_bounded_per_key():
-    allowance = SamplingAllowance(max_requests=10, max_tokens=1000, images=ImagePixelBudget(1000))
+    allowance = SamplingAllowance(max_requests=10, max_tokens=1000, images=ImagePixelBudget(1000, 1))
     lease = allowance.take("alice", [image_job(600)])
     with pytest.raises(Busy, match="600 image pixels in flight and this one has 500 more "
                                             r"\(max_image_pixels_per_key = 1000\)") as e:
@@ -67,7 +68,7 @@ def test_image_pixels_in_flight_are_bounded_per_key():
 
 
 def test_sample_requests_share_the_keys_image_budget_with_its_training_requests():
-    images = ImagePixelBudget(1000)
+    images = ImagePixelBudget(1000, 1)
     allowance = SamplingAllowance(max_requests=10, max_tokens=1000, images=images)
     images.take("alice", 600)  # a waiting training request's images (services/training.py)
     with pytest.raises(Busy, match="600 image pixels in flight"):

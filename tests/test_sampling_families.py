@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers as T
 
-from family_configs import SMALL, configs
+from family_models import SMALL, configs, family_model
 from hosted_tinker.request_types import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
@@ -47,14 +47,7 @@ FAMILIES = family_configs()
 
 
 def build(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = FAMILIES[name]
-    model = (T.Gemma3ForCausalLM if name == "gemma3" else T.AutoModelForCausalLM.from_config)(config)
-    with torch.no_grad():  # transformers may leave 3-D expert weights uninitialised
-        for p in model.parameters():
-            if p.dim() == 3:
-                p.normal_(0, 0.1)
-    return model.float().eval()
+    return family_model(name, FAMILIES[name]).eval()
 
 
 def trainer_logprobs(runtime: TrainingRuntime, model_id: str, tokens: list[int]) -> np.ndarray:

@@ -388,3 +388,30 @@ def test_a_part_fills_the_budget_so_other_models_wait_a_cycle_not_the_whole_requ
     s.submit(Request("b-1", RequestKind.FORWARD, "b", 1, tokens=50))
     cycles_until_b = next(i for i in range(10) if any(r.model_id == "b" for r in run(s).compute))
     assert cycles_until_b <= 1
+
+
+def test_a_part_is_its_models_only_compute_in_its_cycle(make_sched):
+    """A model's compute before a request in parts runs a cycle before its first part, and its
+    compute after it a cycle after its last part (its optim_step rides with the last part): the
+    model's gradients before the first part are then exactly what a failed part puts back."""
+    s = make_sched(max_tokens_per_cycle=100)
+    s.open_model("a", 1)
+    s.submit(Request("a-1", RequestKind.FORWARD_BACKWARD, "a", 1, payload="before", tokens=10))
+    s.submit(Request("a-2", RequestKind.FORWARD_BACKWARD, "a", 2, payload="part0", tokens=60, more=[("part1", 60)]))
+    s.submit(Request("a-3", RequestKind.FORWARD_BACKWARD, "a", 3, payload="after", tokens=10))
+    s.submit(req("a", 4, RequestKind.OPTIM_STEP))
+    cycles = [[(r.payload, r.first_part, r.in_parts) for r in plan.compute] + [r.kind for r in plan.optim]
+              for plan in iter(lambda: run(s), CyclePlan())]
+    assert cycles == [[("before", False, False)], [("part0", True, True)], [("part1", False, True)],
+                      [("after", False, False), RequestKind.OPTIM_STEP]]
+
+
+def test_a_failed_request_in_parts_drops_its_later_parts(make_sched):
+    s = make_sched(max_tokens_per_cycle=100)
+    s.open_model("a", 1)
+    s.submit(Request("a-1", RequestKind.FORWARD_BACKWARD, "a", 1, tokens=90, more=[(i, 90) for i in range(5)]))
+    s.submit(Request("a-2", RequestKind.FORWARD, "a", 2, tokens=10))
+    first = run(s).compute[0]
+    s.drop_rest(first)  # the worker failed it
+    assert [r.request_id for r in run(s).compute] == ["a-2"]
+    assert s.queue_depth() == 0

@@ -125,6 +125,21 @@ def test_a_missing_model_is_one_line_before_anything_loads(tmp_path, model, env,
     assert_one_line_error(out, pattern)
 
 
+def test_a_vision_language_model_without_pillow_is_one_line_before_it_loads(tmp_path):
+    """A vision-language model's images need Pillow: where it is missing (here a stand-in `PIL` that
+    fails to import, first on the path), serve says what to install in one line before the model
+    loads. It was an empty `ImportError:` traceback from the image processor, after the load."""
+    from tiny_vl_model import build_tiny_vl_model
+
+    model = build_tiny_vl_model(tmp_path / "tiny-qwen3-vl")
+    stand_in = tmp_path / "without-pillow" / "PIL"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text("raise ImportError(\"No module named 'PIL'\")\n")
+    out = serve(tmp_path, "--base-model", str(model), env={"PYTHONPATH": str(stand_in.parent)})
+    assert_one_line_error(out, f"{re.escape(str(model))} is a vision-language model and its images need Pillow, which "
+                               r"is not installed: pip install pillow \(./launch.sh serve installs it\)")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_a_device_this_machine_lacks_is_one_line(tmp_path):
     assert_one_line_error(serve(tmp_path, "--device", "cuda"),

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.e2e
 KEY = "tml-vision"
 TOL = 1e-4  # the server's LoRA-wrapped forward vs a plain one, fp32
 MAX_PIXELS = 100 * 100
+MAX_IMAGES = 4
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def vl_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def srv(vl_dir, tmp_path_factory):
     proc = ServerProcess(tmp_path_factory.mktemp("srv"), env={"HOSTED_TINKER_MAX_IMAGE_PIXELS": str(MAX_PIXELS),
-                                                                     "HOSTED_TINKER_MAX_IMAGE_PIXELS_PER_KEY": "6000"},
+                                                                     "HOSTED_TINKER_MAX_IMAGE_PIXELS_PER_KEY": "6000",
+                                                                     "HOSTED_TINKER_MAX_IMAGES_PER_REQUEST": str(MAX_IMAGES)},
                          args=("--base-model", str(vl_dir), "--base-model", EMBEDDED_MODEL_NAME)).start()
     yield proc
     proc.stop()
@@ -108,6 +110,21 @@ def test_expected_tokens_that_disagree_are_a_400(sc, vl_dir):
         tc.forward([image_datum(png(64, 32, fmt="JPEG"), None, [5], [6], n_image=2)], "cross_entropy").result()
 
 
+def test_an_image_over_max_image_bytes_and_a_request_over_max_images_per_request_are_400s(sc, vl_dir):
+    """Both bounds are checked before anything is decoded, and each refusal names its setting."""
+    tc = sc.create_lora_training_client(base_model=str(vl_dir), rank=4).result()
+    huge = (10 << 20) + 1  # the default max_image_bytes, and one byte more
+    with pytest.raises(tinker.BadRequestError, match=rf"{huge} bytes; at most {10 << 20} \(max_image_bytes\)"):
+        tc.forward([image_datum(b"\x89PNG" + bytes(huge - 4), None, [5], [6], n_image=2)], "cross_entropy").result()
+    image = types.ImageChunk(data=png(32, 32), format="png", expected_tokens=1)
+    text = types.EncodedTextChunk(tokens=[5])
+    many = types.ModelInput(chunks=[text, image] * (MAX_IMAGES + 1) + [text])
+    datum = types.Datum(model_input=many, loss_fn_inputs={"target_tokens": [1] * many.length, "weights": [0.0] * many.length})
+    with pytest.raises(tinker.BadRequestError, match=rf"{MAX_IMAGES + 1} images in one request; at most {MAX_IMAGES} "
+                                                     r"\(max_images_per_request\)"):
+        tc.forward([datum], "cross_entropy").result()
+
+
 def test_a_text_only_model_refuses_images_by_name(sc):
     tc = sc.create_lora_training_client(base_model=EMBEDDED_MODEL_NAME, rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="takes no images"):
@@ -146,7 +163,8 @@ def test_a_sample_request_over_the_keys_image_bound_is_a_400(sc, vl_dir):
     """Two 64x64 images are 8192 pixels, more than the 6000 a key may have in flight (the module's server)."""
     client = sc.create_sampling_client(base_model=str(vl_dir)).result()
     image = types.ImageChunk(data=png(64, 64), format="png", expected_tokens=4)
-    prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]), image, image])
+    prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[5]), image, types.EncodedTextChunk(tokens=[6]),
+                                      image])
     with pytest.raises(tinker.BadRequestError, match=r"8192 pixels together.*6000 \(max_image_pixels_per_key\)"):
         client.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
 

@@ -397,14 +397,15 @@ def test_kill9_of_vllm_is_recovered_without_user_action(srv, clients, tok):
                                         extra_body={"ignore_eos": True}).choices[0].text
     restarts = metric(srv, "hosted_tinker_vllm_restarts_total")
 
-    # A long request is running on vLLM when its whole process group gets SIGKILL.
-    in_flight = metric(srv, "hosted_tinker_vllm_requests_in_flight")
-    running = snapshot.sample(prompt, 16, types.SamplingParams(max_tokens=3000, temperature=1.0, stop=[]))
-    wait_until(lambda: metric(srv, "hosted_tinker_vllm_requests_in_flight") == in_flight + 1, "request running", srv)
+    # A long request is running on vLLM when its whole process group gets SIGKILL. The group is frozen
+    # before the request is sent, so it cannot finish first however fast the machine is; the kill
+    # comes once the request has been sent to vLLM.
+    at_vllm = metric(srv, "hosted_tinker_vllm_requests_at_vllm")
     (pid,) = vllm_processes(srv)
     pgid = os.getpgid(pid)
-    os.killpg(pgid, signal.SIGSTOP)  # frozen, it cannot finish the request: it is in flight when killed
-    assert metric(srv, "hosted_tinker_vllm_requests_in_flight") == in_flight + 1
+    os.killpg(pgid, signal.SIGSTOP)
+    running = snapshot.sample(prompt, 16, types.SamplingParams(max_tokens=3000, temperature=1.0, stop=[]))
+    wait_until(lambda: metric(srv, "hosted_tinker_vllm_requests_at_vllm") == at_vllm + 1, "request sent to vLLM", srv)
     os.killpg(pgid, signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError) as failed:
         running.result(timeout=WAIT)

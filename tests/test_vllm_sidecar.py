@@ -25,6 +25,7 @@ from hosted_tinker.sampling.vllm_adapters import AdapterUnavailable, latest_ref
 from hosted_tinker.sampling.vllm_backend import completion_body
 from hosted_tinker.sampling.vllm_sidecar import SHM_DIR, group_shm_files, remove_shm_files
 
+from helpers import wait_until
 from vllm_support import WAIT, StackConfig, job, share_files, stop_stack, vllm_python
 
 PROMPT = [5, 77, 300, 12, 900, 40]
@@ -254,24 +255,21 @@ def test_kill9_of_the_process_group_is_recovered_without_user_action(stack, tmp_
     greedy = dict(temperature=0.0, max_tokens=6, stop_token_ids=frozenset())
     answer = stack.vllm(job(PROMPT, latest_ref("m-kill"), **greedy)).sequences[0].tokens
 
-    # A long streamed request is in flight when the whole process group gets SIGKILL: the group is
-    # frozen (SIGSTOP) at its first token, so it cannot finish the request before the kill.
+    # A long streamed request is in flight when the whole process group gets SIGKILL. The group is
+    # frozen (SIGSTOP) before the request is sent, so it cannot finish before the kill however fast
+    # the machine is (with the freeze at its first token, a fast CPU had streamed all 900 tokens
+    # into the socket by then); the kill comes once the backend has sent it to vLLM.
     pgid = stack.sidecar.process_group()
-    started, finished = threading.Event(), threading.Event()
+    finished = threading.Event()
     outcome: dict = {}
-
-    def first_token(*_):
-        if not started.is_set():
-            os.killpg(pgid, signal.SIGSTOP)
-            started.set()
-
     long_job = job(PROMPT, latest_ref("m-kill"), temperature=1.0, max_tokens=900, stop_token_ids=frozenset(),
-                   on_token=first_token)
+                   on_token=lambda *_: None)  # streamed
     long_job.on_done = lambda r: (outcome.setdefault("done", r), finished.set())
     long_job.on_error = lambda m: (outcome.setdefault("error", m), finished.set())
     generation = stack.sidecar.generation
+    os.killpg(pgid, signal.SIGSTOP)
     stack.backend.submit_job(long_job)
-    assert started.wait(WAIT)
+    wait_until(lambda: stack.backend.metrics()["requests_at_vllm"] == 1, "the request was sent to vLLM", WAIT)
     shm = group_shm_files(pgid)
     assert shm, "vLLM's processes share memory through /dev/shm"
     assert not finished.is_set() and stack.backend.has_work()  # in flight, on a frozen vLLM

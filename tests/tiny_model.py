@@ -71,3 +71,25 @@ def random_seqs(n: int, seed: int, lo: int = 4, hi: int = 12) -> list[list[int]]
 
 def grads(adapter: LoRAAdapter) -> dict[str, torch.Tensor | None]:
     return {k: (None if v.grad is None else v.grad.clone()) for k, v in adapter.named_tensors().items()}
+
+
+def tiny_decoder(kind: str, *, layers: int = 2, experts: int = 4, dtype: torch.dtype = torch.float32,
+                 vocab: int = 1024, seed: int = 0) -> torch.nn.Module:
+    """A random hidden-64 Qwen3 ("dense") or Qwen3-MoE ("moe": `experts` experts of 32, top-2)
+    with `layers` layers, in `dtype`, eval: the bodies of the step audits and precision tests
+    (random_work's token ids stay below 1000)."""
+    import transformers as tf
+
+    dims = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if kind == "dense":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**dims))
+    else:
+        model = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**dims, moe_intermediate_size=32, num_experts=experts,
+                                                         num_experts_per_tok=2))
+        with torch.no_grad():  # transformers leaves 3-D expert weights uninitialised
+            for p in model.parameters():
+                if p.dim() == 3:
+                    p.normal_(0, 0.1)
+    return model.to(dtype).eval()

@@ -15,13 +15,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..access import Access
 from ..checkpoints.paths import InvalidPath
 from ..config import ServerConfig
-from ..errors import Busy, NotFound, UserError
+from ..errors import Busy, Forbidden, NotFound, UserError
 from ..server import Server
 from ..services.images import ImagePixelBudget
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
 from ..startup import base_url, summary_lines
-from . import dashboard, hub, openai_compat, ops, rest, sampling, service, training
+from . import admin, dashboard, hub, openai_compat, ops, rest, sampling, service, sessions, training
 from .access_log import AccessLog
 from .limits import BodyLimit
 from .metrics import Metrics
@@ -30,7 +30,7 @@ from .openai_compat import OpenAIErrorRoute, openai_error
 log = logging.getLogger(__name__)
 
 # The status code of each domain error (errors.py): the services raise them, only this module speaks HTTP.
-STATUS_CODES: dict[type[UserError], int] = {NotFound: 404, Busy: 429, UserError: 400}
+STATUS_CODES: dict[type[UserError], int] = {NotFound: 404, Forbidden: 403, Busy: 429, UserError: 400}
 
 
 def http_error_of(exc: UserError) -> StarletteHTTPException:
@@ -52,6 +52,27 @@ def error_response(request: Request, status_code: int, detail, headers: dict | N
 def create_app(config: ServerConfig, server: Server | None = None, metrics: Metrics | None = None) -> FastAPI:
     """Build the app. `server` may be passed in (built with `metrics` as its observer); otherwise it
     is built at start-up."""
+    app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=_lifespan(config, server))
+    app.state.metrics = metrics or Metrics()
+    app.add_middleware(BodyLimit, config=config)  # inside the access log, which sees its 413s too
+    app.add_middleware(AccessLog, metrics=app.state.metrics)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(UserError, _domain_error)
+    app.add_exception_handler(InvalidPath, _invalid_path)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _internal_error)
+    for module in ROUTES:
+        app.include_router(module.router)
+    return app
+
+
+# In the order they match: sessions' routes before service's /api/v1/sessions/{session_id}, and the
+# hub's last (its routes match any "<org>/<name>/resolve/..." path).
+ROUTES = (sessions, service, training, sampling, openai_compat, rest, admin, ops, dashboard, hub)
+
+
+def _lifespan(config: ServerConfig, server: Server | None):
+    """Start-up and shut-down: the `Server` and what the routes read from `app.state`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -60,8 +81,10 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
         app.state.metrics.bind(srv)
         srv.start()
         app.state.server = srv
-        app.state.access = Access(srv.store, srv.models.has_training_model)
-        images = ImagePixelBudget(srv.config.max_image_pixels_per_key)  # one per key, training and sampling
+        app.state.access = Access(srv.store, srv.models.has_training_model, admins=srv.config.admin_users,
+                                  on_read=srv.audit_read)
+        # one per key, training and sampling
+        images = ImagePixelBudget(srv.config.max_image_pixels_per_key, srv.config.max_image_decodes_per_key)
         app.state.training = TrainingRequests(srv, app.state.access, images)
         app.state.sampling = SamplingRequests(srv, app.state.access, images)
         pruner = asyncio.create_task(_prune_forever(srv))
@@ -73,48 +96,35 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
             pruner.cancel()
             srv.stop()
 
-    app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=lifespan)
-    app.state.metrics = metrics or Metrics()
-    app.add_middleware(BodyLimit, config=config)  # inside the access log, which sees its 413s too
-    app.add_middleware(AccessLog, metrics=app.state.metrics)
+    return lifespan
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        # Always a non-empty JSON body: the SDK treats an empty 400 as a proxy glitch and retries.
-        detail = exc.detail or "error"
-        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said precisely
-            detail = "the request body's JSON is nested too deeply to parse"
-        return error_response(request, exc.status_code, detail, getattr(exc, "headers", None))
 
-    @app.exception_handler(UserError)
-    async def domain_error(request: Request, exc: UserError):  # a refusal of the services (errors.py)
-        return await http_error(request, http_error_of(exc))
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    # Always a non-empty JSON body: the SDK treats an empty 400 as a proxy glitch and retries.
+    detail = exc.detail or "error"
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body", said precisely
+        detail = "the request body's JSON is nested too deeply to parse"
+    return error_response(request, exc.status_code, detail, getattr(exc, "headers", None))
 
-    @app.exception_handler(InvalidPath)
-    async def invalid_path(request: Request, exc: InvalidPath):  # a malformed tinker:// path, name or run id
-        return error_response(request, 400, str(exc))
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        await training.close_refused_seq_id(request, exc.body)
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors())
-        return JSONResponse({"detail": f"invalid request: {problems}"}, status_code=422)
+async def _domain_error(request: Request, exc: UserError):  # a refusal of the services (errors.py)
+    return await _http_error(request, http_error_of(exc))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse({"detail": f"internal server error: {type(exc).__name__}"}, status_code=500)
 
-    app.include_router(service.router)
-    app.include_router(training.router)
-    app.include_router(sampling.router)
-    app.include_router(openai_compat.router)
-    app.include_router(rest.router)
-    app.include_router(ops.router)
-    app.include_router(dashboard.router)
-    app.include_router(hub.router)  # last: its routes match any "<org>/<name>/resolve/..." path
-    return app
+async def _invalid_path(request: Request, exc: InvalidPath):  # a malformed tinker:// path, name or run id
+    return error_response(request, 400, str(exc))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError):
+    await training.close_refused_seq_id(request, exc.body)
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in exc.errors())
+    return JSONResponse({"detail": f"invalid request: {problems}"}, status_code=422)
+
+
+async def _internal_error(request: Request, exc: Exception):
+    log.exception("unhandled error on %s", request.url.path)
+    return JSONResponse({"detail": f"internal server error: {type(exc).__name__}"}, status_code=500)
 
 
 async def _prune_forever(srv: Server) -> None:

@@ -23,9 +23,11 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from ..auth import InvalidCredential
 from ..checkpoints.paths import TinkerPath
 from ..server import Server
-from .deps import get_server
+from ..services.reports import DASHBOARD_DAYS, usage_by_owner
+from .deps import credential, get_server
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
 
@@ -65,15 +67,19 @@ templates.env.filters.update(when=_when, size=_size, expires=_expires, tinker_pa
 
 
 def _key(request: Request) -> str | None:
-    key = request.cookies.get(COOKIE) or request.headers.get("x-api-key")
-    auth = request.headers.get("authorization", "")
-    if not key and auth.lower().startswith("bearer "):
-        key = auth[7:].strip()
-    return key
+    return request.cookies.get(COOKIE) or credential(request, request.headers.get("x-api-key"))
+
+
+def _owner_of(server: Server, key: str | None) -> str | None:
+    """Whom a key (or a JWT of this server's) acts for; None if it is refused."""
+    try:
+        return server.auth.owner(key)
+    except InvalidCredential:
+        return None
 
 
 def _owner(request: Request) -> str | None:
-    return get_server(request).keyring.owner(_key(request))
+    return _owner_of(get_server(request), _key(request))
 
 
 def _require_owner(request: Request) -> str:
@@ -110,8 +116,11 @@ def overview(request: Request):
     checkpoints, _ = server.store.owner_checkpoints(owner, ROWS, 0)
     session_ids, _ = server.store.list_sessions(owner, ROWS, 0)
     sessions = [server.store.get_session(sid) for sid in session_ids]
+    admin = owner in server.config.admin_users
+    usage = usage_by_owner(server, None if admin else {owner})
     return templates.TemplateResponse(request, "overview.html", {
         "owner": owner, "base_models": server.models.names, "dev_mode": server.keyring.dev_mode,
+        "usage": usage, "usage_days": DASHBOARD_DAYS, "admin": admin,
         "runs": run_rows, "checkpoints": checkpoints, "sessions": [s for s in sessions if s is not None],
         "session_runs": {sid: len(server.store.session_model_ids(sid)) for sid in session_ids}})
 
@@ -120,7 +129,7 @@ def overview(request: Request):
 async def login(request: Request):
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     key = (form.get("api_key") or [""])[0].strip()
-    if get_server(request).keyring.owner(key) is None:
+    if _owner_of(get_server(request), key) is None:
         return _login_page(request, "That API key is not accepted by this server.", status=401)
     answer = RedirectResponse("/dashboard", status_code=303)
     answer.set_cookie(COOKIE, key, httponly=True, samesite="strict", path="/dashboard",

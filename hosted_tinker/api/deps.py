@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import Header, HTTPException, Request
 
 from ..access import Access
+from ..auth import InvalidCredential
 from ..server import Server
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
@@ -26,21 +27,23 @@ def get_sampling(request: Request) -> SamplingRequests:
     return request.app.state.sampling
 
 
-def require_owner(request: Request, x_api_key: str | None = Header(default=None)) -> str:
-    """The caller's owner id, from the X-API-Key header (or `Authorization: Bearer`)."""
-    key = x_api_key
-    if key is None:
+def credential(request: Request, x_api_key: str | None = None) -> str | None:
+    """The caller's credential: the X-API-Key header (an API key or a JWT), or `Authorization: Bearer`."""
+    if x_api_key is None:
         auth = request.headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
-            key = auth[7:].strip()
-    if not key:
-        raise HTTPException(401, "missing API key: send it in the X-API-Key header")
-    if not key.startswith("tml-"):
-        raise HTTPException(401, "invalid API key: Tinker keys start with 'tml-'")
-    owner = request.app.state.server.keyring.owner(key)
-    if owner is None:
-        raise HTTPException(401, "invalid API key")
-    return owner
+            return auth[7:].strip()
+    return x_api_key
+
+
+def require_owner(request: Request, x_api_key: str | None = Header(default=None)) -> str:
+    """The caller's owner id. A refused JWT's 401 says `invalid_token` (RFC 6750): the SDK then
+    exchanges its API key for a new token and sends the request once more."""
+    try:
+        return request.app.state.server.auth.owner(credential(request, x_api_key))
+    except InvalidCredential as e:
+        headers = {"WWW-Authenticate": 'Bearer error="invalid_token"'} if e.token else None
+        raise HTTPException(401, str(e), headers=headers) from None
 
 
 def accessible_scope(access_scope: str = "owned") -> bool:

@@ -160,6 +160,16 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
     (_C, "hosted_tinker_fused_passes", "forward/backward passes that carried several models",
      lambda m: m.worker.fused_passes),
     (_C, "hosted_tinker_trained_tokens", "tokens through forward/backward", lambda m: m.worker.tokens_total),
+    (_C, "hosted_tinker_failed_passes", "forward/backward passes that raised (a pass of several requests is rerun in "
+     "halves until the request that made it raise fails alone)", lambda m: m.worker.failed_passes),
+    (_C, "hosted_tinker_isolation_reruns", "passes run again to find which request made a pass raise",
+     lambda m: m.worker.isolation_reruns),
+    (_G, "hosted_tinker_quarantined_keys", "API keys whose request made a pass raise alone: their requests run in a "
+     "pass of their own for a while", lambda m: len(m.worker.quarantine)),
+    (_G, "hosted_tinker_requests_in_parts", "requests running in parts (over max_tokens_per_cycle), between parts",
+     lambda m: len(m.worker.parts)),
+    (_C, "hosted_tinker_parts_rolled_back", "requests in parts that failed after a part: their earlier parts' "
+     "gradients put back", lambda m: m.worker.parts.rolled_back),
     (_G, "hosted_tinker_queue_depth", "training requests waiting", lambda m: m.scheduler.queue_depth()),
     (_G, "hosted_tinker_pipelining_models",
      "models whose client pipelines (posts optim_step before its forward_backward result): their "
@@ -169,6 +179,9 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
      lambda m: len(m.runtime.adapters)),
     (_G, "hosted_tinker_live_adapters", "adapters resident on the device", lambda m: len(m.runtime.live)),
     (_C, "hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", lambda m: m.runtime.page_outs),
+    (_C, "hosted_tinker_images_decoded",
+     "images decoded and processed (a request's, once its key's image budget holds them: a refused request "
+     "decodes none)", lambda m: 0 if m.images is None else m.images.decoded),
 ]
 
 

@@ -1,12 +1,9 @@
-"""Operator endpoints in vLLM's conventions, `/metrics`, and clear answers for Tinker-cloud-only routes.
+"""Operator endpoints in vLLM's conventions, and `/metrics`.
 
 * `GET /health`: 200 with an empty body once the server is up (as `vllm serve`), 503 if a
   device loop thread has died; `/api/v1/healthz` (the SDK's) stays as it is.
 * `GET /version`: `{"version": ...}` (as `vllm serve`).
 * `GET /metrics`: Prometheus text (api/metrics.py).
-* Billing and session trace export exist only on Thinking Machines' hosted service: the `tinker`
-  CLI's `billing ...` and `session export-trace` get a 404 whose detail says so, instead of a bare
-  "Not Found" that reads like a wrong URL.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..server import Server
-from .deps import get_server, require_owner
+from .deps import get_server
 
 router = APIRouter()
 
@@ -37,19 +34,3 @@ def version():
 @router.get("/metrics")
 def metrics(request: Request, server: Server = Depends(get_server)):
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-def _not_self_hosted(what: str) -> None:
-    raise HTTPException(404, f"{what} is not available on a self-hosted server (hosted-tinker): it exists only on "
-                             "Thinking Machines' hosted Tinker service")
-
-
-@router.get("/api/v1/billing/usage/events")
-@router.get("/api/v1/billing/usage/checkpoints/current")
-def billing(owner: str = Depends(require_owner)):
-    _not_self_hosted("billing")
-
-
-@router.get("/api/v1/sessions/{session_id}/trace_export")
-def trace_export(session_id: str, owner: str = Depends(require_owner)):
-    _not_self_hosted("session trace export")

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import anyio.to_thread
 from anyio import CapacityLimiter
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..access import Access
 from ..checkpoints.catalog import CheckpointExists, version_of
@@ -41,8 +41,10 @@ from ..checkpoints.transfer import (
 from ..request_types import MAX_TTL_S
 from ..server import Server
 from ..served_models import ServedModel
+from ..services import copies
+from ..services.copies import check_copy_request
 from .deps import accessible_scope, get_access, get_server, require_owner
-from .schemas import INT64_MAX, str_dict
+from .schemas import INT64_MAX, ShortText, str_dict
 
 router = APIRouter()
 
@@ -140,7 +142,9 @@ _ONE = "/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}"
 def delete_one(run_id: str, kind: str, name: str, owner: str = Depends(require_owner),
                server: Server = Depends(get_server), access: Access = Depends(get_access)):
     path = TinkerPath(run_id, kind, name)
-    server.checkpoints.delete(_checkpoint(access, owner, path, write=True))
+    row = _checkpoint(access, owner, path, write=True)
+    if server.checkpoints.delete(row):
+        server.audit_checkpoint("checkpoint_delete", owner, row, reason="deleted by its owner")
     return {"deleted": str(path)}
 
 
@@ -162,6 +166,7 @@ def _set_public(server: Server, access: Access, owner: str, path: TinkerPath, pu
         # 400, not 409: the SDK retries a 409 for minutes.
         raise HTTPException(400, f"checkpoint {path} is already {'public' if public else 'private'}")
     server.store.set_checkpoint_public(path.run, path.checkpoint_id, public)
+    server.audit_checkpoint("checkpoint_publish" if public else "checkpoint_unpublish", owner, row)
     return {"tinker_path": str(path), "public": public}
 
 
@@ -175,12 +180,13 @@ def set_ttl(run_id: str, kind: str, name: str, body: TtlBody, owner: str = Depen
             server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """ttl_seconds from now (1 s to 10 years; the expiry sweep removes it then), or null for never."""
     path = TinkerPath(run_id, kind, name)
-    _checkpoint(access, owner, path, write=True)
+    row = _checkpoint(access, owner, path, write=True)
     if body.ttl_seconds is not None and not 1 <= body.ttl_seconds <= MAX_TTL_S:
         raise HTTPException(400, f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or null to "
                                  f"never expire; got {body.ttl_seconds}")
     expires = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
     server.store.set_checkpoint_expiry(path.run, path.checkpoint_id, expires)
+    server.audit_checkpoint("checkpoint_ttl_set", owner, row, ttl_seconds=body.ttl_seconds, expires_at=iso(expires))
     return {"tinker_path": str(path), "expires_at": iso(expires)}
 
 
@@ -195,7 +201,7 @@ def external_weights_urls(run_id: str, kind: str, name: str, request: Request, o
     if kind != "external_weights":
         raise HTTPException(400, f"download URLs exist for external weights only (tinker://<run>/external_weights/"
                                  f"<name>, from save_weights_external); got {path}")
-    row = _checkpoint(access, owner, path)
+    row = access.read(owner, path.run, path.checkpoint_id, "download")
     expires = int(time.time()) + SIGNED_URL_TTL_S
     scope = "owner" if row.owner == owner else "public"
     base = str(request.base_url).rstrip("/")
@@ -249,7 +255,7 @@ def archive(run_id: str, kind: str, name: str, owner: str = Depends(require_owne
             server: Server = Depends(get_server), access: Access = Depends(get_access)):
     """The checkpoint directory as a flat tar: `curl -H "X-API-Key: $KEY" URL | tar -x -C DIR`."""
     path = TinkerPath(run_id, kind, name)
-    _checkpoint(access, owner, path)
+    access.read(owner, path.run, path.checkpoint_id, "download")
     files = server.checkpoints.open_files(path)
     return StreamingResponse(tar_stream(files), media_type="application/x-tar", headers={
         "Content-Length": str(tar_length(files)),
@@ -282,6 +288,30 @@ def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), ser
         "train_attn": lora.train_attn,
         "optimizer_config": json.loads(model.optimizer_config) if model is not None else {"type": "adamw"},
     }
+
+
+# -- copies ---------------------------------------------------------------------------------------------
+
+class CopyWeightsBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    source_path: str
+    destination_project_id: ShortText | None = None
+    session_id: ShortText | None = None
+    model_seq_id: int | None = Field(None, ge=0, le=INT64_MAX)
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
+
+
+@router.post("/api/v1/copy_weights")
+def copy_weights(body: CopyWeightsBody, owner: str = Depends(require_owner), server: Server = Depends(get_server),
+                 access: Access = Depends(get_access), x_idempotency_key: str | None = Header(default=None),
+                 x_tinker_weights_access_token: str | None = Header(default=None)):
+    """`RestClient.copy_weights` / `ServiceClient.copy_weights`: a copy sharing the source's storage
+    (services/copies.py)."""
+    check_copy_request(body.ttl_seconds, body.weights_access_token or x_tinker_weights_access_token)
+    return {"tinker_path": copies.copy_weights(
+        server, access, owner, body.source_path, project_id=body.destination_project_id, session_id=body.session_id,
+        model_seq_id=body.model_seq_id, ttl_seconds=body.ttl_seconds, idempotency_key=x_idempotency_key or None)}
 
 
 # -- import ----------------------------------------------------------------------------------------------
@@ -372,5 +402,6 @@ def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archi
             size = server.checkpoints.save(path, owner, write_import(src, prepared), overwrite=overwrite)
         except CheckpointExists as e:
             raise HTTPException(400, f"{e}; import with overwrite=true to replace it") from None
+        server.audit_checkpoint("checkpoint_create", owner, server.checkpoints.record(path), how="import")
     return {"tinker_path": str(path), "training_run_id": path.run, "checkpoint_id": path.checkpoint_id,
             "size_bytes": size, "lora_rank": config.rank, "has_optimizer": prepared.checkpoint.optimizer is not None}

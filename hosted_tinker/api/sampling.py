@@ -81,7 +81,7 @@ def create_sampling_session(body: CreateSamplingSessionRequest, owner: str = Dep
     sid = sampling_session_id(body.session_id, body.sampling_session_seq_id)
     if body.model_path is not None:
         spec = checkpoint_to_load(access, owner, body.model_path, with_optimizer=False,
-                                  max_rank=sampling.config.max_lora_rank)
+                                  max_rank=sampling.config.max_lora_rank, purpose="sample")
         ckpt_dir, path = str(spec.checkpoint_dir), body.model_path
     elif body.base_model is not None:
         ckpt_dir, path = None, None
@@ -145,7 +145,8 @@ def build_job(server: Server, served: ServedModel, body: AsampleRequest, adapter
     """Validate a sample request against the model it samples and the server's limits."""
     cfg = server.config
     if body.num_samples > cfg.max_num_samples:
-        raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples}")
+        raise HTTPException(400, f"num_samples {body.num_samples} is above this server's limit of {cfg.max_num_samples} "
+                                 "(max_num_samples)")
     prompt, pixels = _prompt(body.prompt, served)
     sp = body.sampling_params
     stop_ids, stop_strings = _stops(sp.stop, served)

@@ -1,9 +1,10 @@
 """Typed request bodies of the Tinker JSON endpoints (the SDK's `tinker.types`, server side).
 
 Unknown fields are ignored (newer SDKs add fields); wrong types and out-of-range values are a
-422 with pydantic's description of what is wrong. Every integer field must fit in a signed 64-bit
-integer, what SQLite and torch hold: JSON integers are unbounded, and a seq_id of 10**30 used to
-reach SQLite and come back as a 500 (OverflowError).
+422 with pydantic's description of what is wrong. Every integer field, and every integer in a
+list field, must fit in a signed 64-bit integer, what SQLite, numpy and torch hold: JSON integers
+are unbounded, and a seq_id of 10**30 used to reach SQLite, a CSR column index of 2**70 numpy,
+and come back as a 500 (OverflowError).
 """
 
 from __future__ import annotations
@@ -33,15 +34,24 @@ SHORT_TEXT_MAX_CHARS = 1024
 ShortText = Annotated[str, Field(max_length=SHORT_TEXT_MAX_CHARS)]
 
 
+def fits_int64(value: Any) -> Any:
+    """`value`, if every integer in it (a list's too: a CSR's column indices, stop token ids) fits
+    in a signed 64-bit integer; else a ValueError naming the first one that does not."""
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{value} does not fit in a signed 64-bit integer")
+    if isinstance(value, list):
+        for item in value:
+            fits_int64(item)
+    return value
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
     @field_validator("*", mode="after")
     @classmethod
     def _fits_int64(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
-            raise ValueError(f"{value} does not fit in a signed 64-bit integer")
-        return value
+        return fits_int64(value)
 
 
 class ClientConfigRequest(Body):

@@ -6,13 +6,13 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query
+from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query, Request
 from pydantic import BaseModel
 
 from ..access import Access
-from ..auth import redact
+from ..auth import InvalidCredential, redact
 from ..server import Server
-from .deps import accessible_scope, get_access, get_server, require_owner
+from .deps import accessible_scope, credential, get_access, get_server, require_owner
 from .limits import check_stored_json
 from .schemas import (
     INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest, ShortText,
@@ -27,7 +27,8 @@ TELEMETRY_MAX_BYTES = 1 << 20
 @router.post("/api/v1/client/config")
 def client_config(body: ClientConfigRequest, server: Server = Depends(get_server)):
     return {
-        "pjwt_auth_enabled": False,
+        # The SDK exchanges its API key for a JWT (/api/v1/auth/token) and sends that; whoami reads it.
+        "pjwt_auth_enabled": True,
         # Chunks may arrive concurrently and out of order: the scheduler orders them by seq_id.
         "parallel_fwdbwd_chunks": True,
         "fwdbwd_max_chunk_len": server.config.max_datums_per_request,
@@ -35,6 +36,15 @@ def client_config(body: ClientConfigRequest, server: Server = Depends(get_server
         "sample_use_retrieve_futures": False,
         "custom_loss_server_side": False,
     }
+
+
+@router.post("/api/v1/auth/token")
+def auth_token(request: Request, x_api_key: str | None = Header(default=None), server: Server = Depends(get_server)):
+    """The SDK's token exchange: a short-lived JWT for the API key (or a still-valid JWT) it sends."""
+    try:
+        return {"jwt": server.auth.issue_token(credential(request, x_api_key))}
+    except InvalidCredential as e:
+        raise HTTPException(401, str(e)) from None
 
 
 @router.post("/api/v1/client/dynamic_config")
@@ -115,8 +125,10 @@ class ProjectBody(BaseModel):
 @router.put("/api/v1/sessions/{session_id}/project")
 def assign_session_project(session_id: str, body: ProjectBody, owner: str = Depends(require_owner),
                            server: Server = Depends(get_server), access: Access = Depends(get_access)):
-    access.session(owner, session_id)
+    row = access.session(owner, session_id)
     server.store.set_session_project(session_id, body.project_id)
+    server.accounting.audit("project_session_assign", owner, session_id=session_id, from_project=row.project_id,
+                            to_project=body.project_id)
     return {"session_id": session_id, "project_id": body.project_id}
 
 

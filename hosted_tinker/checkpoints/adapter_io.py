@@ -83,7 +83,10 @@ def check_fits(ckpt: LoadedCheckpoint, layers: dict[str, MultiLoRALinear], *, ma
     r = ckpt.config.rank
     for p in present:
         a, b = ckpt.tensors.get(f"{p}.lora_A.weight"), ckpt.tensors.get(f"{p}.lora_B.weight")
-        if a is None or b is None or len(ckpt.tensors) != 2 * len(present):
+        if (a is None) != (b is None):
+            raise CheckpointError(f"{p}: its lora_{'A' if a is None else 'B'}.weight is missing beside its "
+                                  f"lora_{'B' if a is None else 'A'}.weight")
+        if a is None or len(ckpt.tensors) != 2 * len(present):
             raise CheckpointError(f"the adapter has tensors other than lora_A/lora_B weights (at {p!r}); "
                                   "only plain LoRA (no bias, no modules_to_save, no embedding LoRA) is supported")
         layer = layers[p]
@@ -96,9 +99,27 @@ def check_fits(ckpt: LoadedCheckpoint, layers: dict[str, MultiLoRALinear], *, ma
             raise CheckpointError(f"{name} holds values that are not finite (NaN or inf): an adapter's weights "
                                   "must be finite")
     if ckpt.optimizer is not None:
+        _check_optimizer_names(ckpt)
         for name, t in ckpt.tensors.items():
             if f"{name}.exp_avg" in ckpt.optimizer:
                 _checked_moments(ckpt.optimizer, name, t.shape)
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "step")  # one LoRA tensor's AdamW state in optimizer.safetensors
+
+
+def _check_optimizer_names(ckpt: LoadedCheckpoint) -> None:
+    """The optimizer file holds the state of every LoRA tensor of the adapter (or of none, before
+    its first step) and nothing else: a part of it would restart some tensors' moments silently."""
+    wanted = {f"{name}.{k}" for name in ckpt.tensors for k in MOMENTS}
+    unknown = sorted(set(ckpt.optimizer) - wanted)
+    if unknown:
+        raise CheckpointError(f"{OPTIMIZER_STATE}: {unknown[0][:200]!r} is not the state of a LoRA tensor of this "
+                              "adapter")
+    missing = sorted(wanted - set(ckpt.optimizer))
+    if ckpt.optimizer and missing:
+        raise CheckpointError(f"{OPTIMIZER_STATE}: {missing[0]!r} is missing: it holds the state of every LoRA "
+                              "tensor or of none")
 
 
 def _fits(a: torch.Size, want_a: tuple, b: torch.Size, want_b: tuple) -> bool:

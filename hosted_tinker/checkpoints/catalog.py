@@ -108,13 +108,15 @@ class CheckpointCatalog:
         shutil.rmtree(trash, ignore_errors=True)
         return True
 
-    def sweep_expired(self, now: float | None = None) -> int:
-        """Delete every checkpoint whose TTL has passed: its record and its files."""
+    def sweep_expired(self, now: float | None = None,
+                      on_removed: Callable[[CheckpointRecord], None] = lambda row: None) -> int:
+        """Delete every checkpoint whose TTL has passed: its record and its files (`on_removed` hears of each)."""
         now = now or time.time()
         removed = 0
         for row in self.store.expired_checkpoints(now):
             if self.delete(row, expired_before=now):
                 removed += 1
+                on_removed(row)
                 log.info("checkpoint %s expired and was removed", TinkerPath.of_record(row.model_id, row.checkpoint_id))
         return removed
 
@@ -144,8 +146,10 @@ class CheckpointCatalog:
 class ExpirySweeper:
     """Removes expired checkpoints every `every_s` seconds on its own thread, until stopped."""
 
-    def __init__(self, catalog: CheckpointCatalog, every_s: float = EXPIRY_SWEEP_S):
+    def __init__(self, catalog: CheckpointCatalog, every_s: float = EXPIRY_SWEEP_S,
+                 on_removed: Callable[[CheckpointRecord], None] = lambda row: None):
         self.catalog = catalog
+        self.on_removed = on_removed  # the audit log hears of each checkpoint removed
         self.every_s = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="checkpoint-expiry", daemon=True)
@@ -161,6 +165,6 @@ class ExpirySweeper:
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                self.catalog.sweep_expired()
+                self.catalog.sweep_expired(on_removed=self.on_removed)
             except Exception:  # a disk error must not end the sweeping for good
                 log.exception("expired checkpoint sweep failed")

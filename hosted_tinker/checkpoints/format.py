@@ -15,10 +15,10 @@ form (`from_peft`) and Tinker's own, the components' LoRAs beside the fused modu
 (`from_tinker_layout`). Every folder is written under a temporary name and renamed into place, so a
 reader (or a restart after kill -9) never sees half of one.
 
-A folder may come from someone else (an import), so reading one trusts nothing in it: only the
-four file names above are ever opened, each only if it is a plain regular file (no link, no
-device, no FIFO), reads stop at the file's size, and every manifest field is checked for type
-and range before use. Error messages name files, never the server's paths.
+A folder may come from someone else (an import), so reading one trusts nothing in it: its files
+are read as untrusted.py reads them (the four names above only, plain files, headers checked
+before data), and every manifest field is checked for type and range before use. Error messages
+name files, never the server's paths.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import math
 import os
 import re
 import shutil
-import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,30 +37,23 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from safetensors.torch import load_file
 
 from .. import faults
+from .untrusted import (  # the file names and CheckpointError are read from here by the package's importers
+    ADAPTER_CONFIG as ADAPTER_CONFIG, ADAPTER_WEIGHTS as ADAPTER_WEIGHTS, CHECKPOINT_FILES as CHECKPOINT_FILES,
+    MANIFEST as MANIFEST, OPTIMIZER_STATE as OPTIMIZER_STATE, CheckpointError as CheckpointError, load_tensors,
+    open_plain, present, read_json_object as read_json_object, read_small,
+)
 from ..runtime.adapters import LoRAConfig
 from ..runtime.multi_lora import FusedPart, MultiLoRALinear
 from ..runtime.projections import served_names, tinker_name
 
 PEFT_PREFIX = "base_model.model."
-MANIFEST = "manifest.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-OPTIMIZER_STATE = "optimizer.safetensors"
-CHECKPOINT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, OPTIMIZER_STATE)  # nothing else is ever read
 MANIFEST_FORMAT = "hosted-tinker-lora/1"
-# adapter_config.json and manifest.json are about 1 KB; anything near this bound is not one.
-MAX_JSON_BYTES = 1 << 20
 # The last moment `datetime` can print (9999-12-31T23:59:59Z): a time past it breaks every listing.
 LATEST_TIME = 253402300799.0
 _MODULE_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (missing, corrupt, hostile, or for another base model)."""
 
 
 # -- the manifest ---------------------------------------------------------------------------------
@@ -142,33 +134,11 @@ def parse_manifest(raw: bytes | str) -> Manifest:
         raise CheckpointError(f"{MANIFEST} is not valid ({where}: {err['msg']})") from None
 
 
-# -- reading files that may be hostile --------------------------------------------------------------
-
-def _present(folder: Path, name: str) -> bool:
-    return os.path.lexists(folder / name)
-
-
-def _open_plain(folder: Path, name: str):
-    """(file, size) of checkpoint file `name`: a plain regular file directly in `folder`."""
-    if name not in CHECKPOINT_FILES:
-        raise CheckpointError(f"{name[:64]!r} is not a checkpoint file")
-    try:
-        # O_NOFOLLOW: a link is refused, not followed. O_NONBLOCK: opening a FIFO does not wait.
-        fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise CheckpointError(f"{name} is missing") from None
-    except OSError as e:  # ELOOP for a link; the message must not carry the server's path
-        raise CheckpointError(f"{name} cannot be opened ({e.strerror})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{name} is not a regular file")
-    return os.fdopen(fd, "rb"), st.st_size
-
+# -- reading files that may be hostile (untrusted.py) -------------------------------------------------
 
 def file_digest(folder: Path, name: str) -> FileEntry:
     """Size and sha256 of one checkpoint file, reading no more than its size."""
-    f, size = _open_plain(folder, name)
+    f, size = open_plain(folder, name)
     h = hashlib.sha256()
     with f:
         left = size
@@ -181,38 +151,8 @@ def file_digest(folder: Path, name: str) -> FileEntry:
     return FileEntry(bytes=size, sha256=h.hexdigest())
 
 
-def _read_small(folder: Path, name: str) -> bytes:
-    f, size = _open_plain(folder, name)
-    with f:
-        if size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{name} is {size} bytes; a checkpoint's JSON files are at most {MAX_JSON_BYTES}")
-        return f.read(size)
-
-
-def read_json_object(folder: Path, name: str) -> dict:
-    raw = _read_small(folder, name)
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError / UnicodeDecodeError / nesting
-        raise CheckpointError(f"{name}: not valid JSON, the checkpoint is corrupt ({type(e).__name__})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{name}: not a JSON object")
-    return value
-
-
 def read_manifest(folder: Path) -> Manifest:
-    return parse_manifest(_read_small(folder, MANIFEST))
-
-
-def _load_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
-    f, _ = _open_plain(folder, name)  # a regular file, not a link: safe to hand to safetensors by path
-    f.close()
-    try:
-        return load_file(str(folder / name))
-    except OSError as e:
-        raise CheckpointError(f"{name} cannot be read ({e.strerror})") from None
-    except Exception as e:  # safetensors' own error: a header that does not parse, offsets past the end
-        raise CheckpointError(f"{name} is not a valid safetensors file ({e})") from None
+    return parse_manifest(read_small(folder, MANIFEST))
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -360,7 +300,9 @@ def from_peft(tensors: dict[str, torch.Tensor], layers: dict[str, MultiLoRALinea
         part = layer.part
         if part is None or f"{part.path}.lora_A.weight" not in tensors:
             continue
-        A, B = tensors[f"{part.path}.lora_A.weight"], tensors[f"{part.path}.lora_B.weight"]
+        A, B = tensors[f"{part.path}.lora_A.weight"], tensors.get(f"{part.path}.lora_B.weight")
+        if B is None:
+            raise CheckpointError(f"{_file_key(part.path)}.lora_B.weight is missing beside its lora_A")
         k = part.count
         if A.ndim != 2 or B.ndim != 2 or A.shape[0] != k * rank or B.shape != (part.fused_out, k * rank):
             raise CheckpointError(
@@ -410,7 +352,7 @@ class LoadedCheckpoint:
 def _verify(folder: Path, manifest: Manifest) -> None:
     """Every listed file matches its size and checksum; no data file goes unlisted."""
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER_STATE):
-        if name not in manifest.files and _present(folder, name):
+        if name not in manifest.files and present(folder, name):
             raise CheckpointError(f"{name} is not listed in {MANIFEST}, the checkpoint is corrupt")
     for name, want in manifest.files.items():
         if file_digest(folder, name) != want:
@@ -437,26 +379,47 @@ def _config_of_peft(peft_cfg: dict, paths: list[str], layers: dict[str, MultiLoR
                       train_unembed="unembed" in kinds, alpha=float(alpha), target_modules=leaves), base_model
 
 
+def lora_values(layers: dict[str, MultiLoRALinear], rank: int) -> int:
+    """The most values a rank-`rank` LoRA of the served model's `layers` can hold in a file: each
+    projection's A and B (every expert's), a fused projection's B as PEFT's block-diagonal one."""
+    return sum(math.prod(layer.lora_lead) * rank * (layer.in_features
+                                                    + layer.out_features * (layer.part.count if layer.part else 1))
+               for layer in layers.values())
+
+
+def _agrees(peft_cfg: dict, lora: ManifestLoRA) -> None:
+    """adapter_config.json says what the manifest says (PEFT and vLLM read the one, this server the
+    other: a checkpoint that contradicts itself would sample differently on each)."""
+    r, alpha = peft_cfg.get("r"), peft_cfg.get("lora_alpha")
+    if r != lora.rank or alpha != lora.alpha:
+        raise CheckpointError(f"{ADAPTER_CONFIG} says r={str(r)[:20]}, lora_alpha={str(alpha)[:20]} and {MANIFEST} "
+                              f"rank {lora.rank}, alpha {lora.alpha}: the checkpoint contradicts itself")
+
+
 def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
                     layers: dict[str, MultiLoRALinear] | None = None) -> LoadedCheckpoint:
     """Read a checkpoint written by `adapter_io.save_adapter`, or a plain PEFT adapter folder, for the served
     model's `layers` (its tensors under their LoRA paths: `from_peft`); None only checks the files."""
-    if not (_present(ckpt_dir, ADAPTER_WEIGHTS) and _present(ckpt_dir, ADAPTER_CONFIG)):
+    if not (present(ckpt_dir, ADAPTER_WEIGHTS) and present(ckpt_dir, ADAPTER_CONFIG)):
         raise CheckpointError(f"not a LoRA adapter (needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
     # Verify checksums before parsing anything they cover (adapter_config.json included).
-    manifest = read_manifest(ckpt_dir) if _present(ckpt_dir, MANIFEST) else None
+    manifest = read_manifest(ckpt_dir) if present(ckpt_dir, MANIFEST) else None
     if manifest is not None:
         _verify(ckpt_dir, manifest)
     peft_cfg = read_json_object(ckpt_dir, ADAPTER_CONFIG)
+    if manifest is not None:
+        _agrees(peft_cfg, manifest.lora_config)
+    rank = manifest.lora_config.rank if manifest is not None else peft_cfg.get("r")
+    bound = lora_values(layers, rank) if layers is not None and type(rank) is int and 1 <= rank <= 1 << 16 else None
+    holds = f"a rank-{rank} LoRA of the served model"
     tensors: dict[str, torch.Tensor] = {}
-    for key, value in _load_tensors(ckpt_dir, ADAPTER_WEIGHTS).items():
+    for key, value in load_tensors(ckpt_dir, ADAPTER_WEIGHTS, max_values=bound, holds=holds).items():
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
         # PEFT writes adapter-named keys ("lora_A.default.weight") in some versions' in-memory
         # state dicts; the saved form drops the adapter name, but accept both.
         name = name.replace(".lora_A.default.weight", ".lora_A.weight").replace(
             ".lora_B.default.weight", ".lora_B.weight")
         tensors[name] = value.to(torch.float32)
-    rank = manifest.lora_config.rank if manifest is not None else peft_cfg.get("r")
     if layers is not None:
         tensors = served_names(tensors, layers)
     tinker_layout = False
@@ -473,9 +436,10 @@ def read_checkpoint(ckpt_dir: Path, *, with_optimizer: bool,
         step = 0
     optimizer = None
     if with_optimizer:
-        if not _present(ckpt_dir, OPTIMIZER_STATE):
+        if not present(ckpt_dir, OPTIMIZER_STATE):
             raise CheckpointError("the checkpoint has no optimizer state (saved for sampling, not with "
                                   "save_state); load it without the optimizer")
-        optimizer = _load_tensors(ckpt_dir, OPTIMIZER_STATE)
+        optimizer = load_tensors(ckpt_dir, OPTIMIZER_STATE, max_values=None if bound is None else 3 * bound,
+                                 holds=f"the AdamW state of {holds}")
     return LoadedCheckpoint(config=config, base_model=base_model, step=step, tensors=tensors,
                             optimizer=optimizer, tinker_layout=tinker_layout)

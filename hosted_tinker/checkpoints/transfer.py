@@ -13,17 +13,15 @@ import gzip
 import hashlib
 import hmac
 import lzma
-import os
-import secrets
 import shutil
 import tarfile
-import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Literal
+from typing import BinaryIO, Iterator, Literal, Protocol
 
 from ..runtime.multi_lora import FusedPart, MultiLoRALinear
+from ..secret_files import load_or_create_secret
 from .adapter_io import check_fits, write_peft_files
 from .catalog import OpenFile
 from .format import (
@@ -63,37 +61,27 @@ class DownloadGrant:
         return "\n".join((str(self.path), self.filename, str(self.expires), self.version, self.scope)).encode()
 
 
+class Grant(Protocol):
+    """What a signed URL allows, as the bytes its signature covers. Each kind of grant starts its message
+    differently, so that no signature of one kind is valid for another."""
+
+    def message(self) -> bytes: ...
+
+
 class UrlSigner:
     """HMAC-SHA256 over a `DownloadGrant` with a secret kept in the data directory (mode 0600),
     so URLs stay valid across restarts and cannot be forged without the file."""
 
     def __init__(self, key_path: Path):
-        self.key = self._load_or_create(key_path)
+        self.key = load_or_create_secret(key_path)
 
-    @staticmethod
-    def _load_or_create(path: Path) -> bytes:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(2):
-            try:
-                key = bytes.fromhex(path.read_text().strip())
-                if len(key) >= 32:
-                    return key
-            except (FileNotFoundError, ValueError):
-                pass
-            tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        raise RuntimeError(f"cannot read or create the URL signing key {path}")
-
-    def signature(self, grant: DownloadGrant) -> str:
+    def signature(self, grant: Grant) -> str:
         return hmac.new(self.key, grant.message(), hashlib.sha256).hexdigest()
 
-    def valid(self, grant: DownloadGrant, signature: str) -> bool:
-        return hmac.compare_digest(self.signature(grant), signature)
+    def valid(self, grant: Grant, signature: str) -> bool:
+        # Compared as bytes: compare_digest raises TypeError on a str with a non-ASCII character,
+        # and a URL's signature is whatever its sender wrote.
+        return hmac.compare_digest(self.signature(grant).encode(), signature.encode("utf-8", "replace"))
 
 
 # -- tar archives out -------------------------------------------------------------------------------

@@ -1,21 +1,39 @@
-"""The many-adapter AdamW step: every ready tenant's step of a cycle, together, each as if alone.
+"""The many-adapter AdamW step: every ready tenant's step of a cycle, together, each as if alone,
+launched without a host sync and read once.
 
 The adapters' moments live with them (`adapters.AdamWState`); this is the step that reads and
-updates them: the gradient norms of all stepping adapters, clipping, one fused AdamW kernel per
-distinct set of hyper-parameters, and a non-finite step skipped and put back (`SkippedStep`).
+updates them: the gradient norms of all stepping adapters, clipping, the finite check and a
+fused AdamW kernel per adapter, all queued on the device (`launch_adamw`) with no value read
+back, so that on CUDA the step can be captured like the forward/backward. The decisions a step
+takes are device-side masks, not host branches: an adapter whose gradient norm is not finite
+passes `found_inf` to its fused kernel (which then leaves weights and moments alone) and has its
+step counter put back; clipping multiplies by min(1, max_norm / (norm + 1e-6)) computed on the
+device. What the host learns -- each adapter's gradient norm, whether its step was applied, its
+weights' norm after it -- comes back in one small tensor, read after the cycle's one wait
+(`PendingSteps.results`).
+
+A step the update would make non-finite (a huge learning rate) is put back from a copy made
+before it (`_StateCopy`), where the host cannot prove beforehand that the step leaves the
+weights finite (`provably_finite`): from the weights' norm after the adapter's last step (read
+with that step's metrics) and a bound on |exp_avg| / sqrt(exp_avg_sq) that the host carries
+from step to step (`next_moment_ratio`), neither of which needs this step's values. An ordinary
+step makes no copy.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from .adapters import AdamParams, LoRAAdapter, SkippedStep, zero_grads
+from .host_copies import device_constant, to_host, wait_for_device
 from .invariance import row_norms
 from .lora_slots import SlotStack
-from .torch_compat import adamw_update_, flat_copy, norms, scale_
+from .torch_compat import adamw_update_, flat_copy, norms, scale_by_
 
 if TYPE_CHECKING:
     from .invariance import FusionPolicy
@@ -25,27 +43,45 @@ if TYPE_CHECKING:
 Entry = tuple[torch.Tensor, SlotStack | None, int, int | None]
 
 
-def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[float]:
-    """Each adapter's gradient L2 norm: sqrt of the float64 sum of its tensors' squared norms
-    (`tensor_norms` of the gradients), each adapter adding its own in its own order."""
-    return _grad_norms([list(adapter.grad_tensors()) for adapter in items], policy)
+@dataclass(frozen=True)
+class TensorNorms:
+    """The L2 norm of each entry's gradient (or weights), on the device: `flat` [n] float32, and
+    per adapter the positions of its entries' norms in it."""
+
+    flat: torch.Tensor | None
+    positions: list[list[int]]
+
+    def per_adapter(self) -> torch.Tensor:
+        """Each adapter's norm, float64 [k] on the device: the norm of its tensors' norms, each
+        adapter reduced on its own (a multi-tensor norm over per-adapter vectors), so an
+        adapter's value never depends on who steps with it. 0 for an adapter without tensors."""
+        sizes = [len(p) for p in self.positions]
+        if self.flat is None or not any(sizes):
+            return torch.zeros(len(sizes), dtype=torch.float64)
+        index = device_constant(tuple(i for p in self.positions for i in p), torch.long, self.flat.device)
+        picked = self.flat.index_select(0, index).double().split(sizes)
+        return torch.stack(norms(list(picked)))
 
 
-def _grad_norms(entries: list[list[Entry]], policy: "FusionPolicy | None") -> list[float]:
-    return [math.sqrt(math.fsum(v * v for v in mine)) for mine in tensor_norms(entries, policy, grads=True)]
-
-
-def tensor_norms(entries: list[list[Entry]], policy: "FusionPolicy | None", *, grads: bool) -> list[list[float]]:
-    """The L2 norm of each entry's gradient (`grads`) or weights, per adapter, in one host sync.
+def tensor_norms(entries: list[list[Entry]], policy: "FusionPolicy | None", *, grads: bool) -> TensorNorms:
+    """The L2 norm of each entry's gradient (`grads`) or weights, per adapter, on the device.
 
     A tensor's norm is `row_norms` of its canonical pair; where the policy has proven it for the
     shape, every entry's comes from one reduction over the rows of its layer's slot stack (weights
     or gradient rows) that the adapters span (a few ops per stack, not per tenant and tensor; not
     the whole stack, whose other slots belong to tenants not stepping now: with 16 live tenants,
-    one stepping alone summed 16 slots).
+    one stepping alone summed 16 slots). On CUDA each tensor from its own values only
+    (`torch_compat.norms`, one multi-tensor op): a reduction over a slot stack's rows gave a
+    tenant's norm other last bits alone and beside ten others on an H200, though the probe on
+    random data had passed.
     """
     if any(p.is_cuda for mine in entries for p, _, _, _ in mine):
-        return _norms_per_tensor(entries, grads)
+        flat = [p.grad if grads else p for mine in entries for p, _, _, _ in mine]
+        positions, at = [], 0
+        for mine in entries:
+            positions.append(list(range(at, at + len(mine))))
+            at += len(mine)
+        return TensorNorms(torch.stack(norms(flat)) if flat else None, positions)
     spans: dict[int, tuple[SlotStack, int, int]] = {}  # id(stack) -> (stack, first row, end row)
     for mine in entries:
         for _, stack, _, slot in mine:
@@ -71,170 +107,192 @@ def tensor_norms(entries: list[list[Entry]], policy: "FusionPolicy | None", *, g
                 inputs[id(p)] = torch.stack([t, t])
                 refs[-1].append((id(p), 0))
     if not inputs:
-        return [[] for _ in entries]
-    keys = list(inputs)
-    flat = torch.cat([row_norms(inputs[k]) for k in keys]).tolist()  # the one host sync
+        return TensorNorms(None, [[] for _ in entries])
     offset, start = {}, 0
-    for k in keys:
+    for k, rows in inputs.items():
         offset[k] = start
-        start += inputs[k].shape[0]
-    return [[flat[offset[k] + row] for k, row in mine] for mine in refs]
+        start += rows.shape[0]
+    flat = torch.cat([row_norms(rows) for rows in inputs.values()])
+    return TensorNorms(flat, [[offset[k] + row for k, row in mine] for mine in refs])
 
 
-def _norms_per_tensor(entries: list[list[Entry]], grads: bool) -> list[list[float]]:
-    """On CUDA: every tensor's norm from its own values only (`torch_compat.norms`, one
-    multi-tensor op for all stepping tenants), so a tenant's norm never depends on who steps with
-    it. A reduction over a slot stack's rows did: on an H200 a tenant's grad_norm differed in its
-    last bits between stepping alone and with ten others, though the probe on random data had
-    passed (the sums of squares agreed after the square root more often than not)."""
-    flat = [p.grad if grads else p for mine in entries for p, _, _, _ in mine]
-    values = torch.stack(norms(flat)).tolist() if flat else []  # the one host sync
-    out, i = [], 0
-    for mine in entries:
-        out.append(values[i:i + len(mine)])
-        i += len(mine)
-    return out
+def grad_norms(items: list[LoRAAdapter], policy: "FusionPolicy | None") -> list[float]:
+    """Each adapter's gradient L2 norm, read to the host (for tests and tools; a step reads its
+    norms with its other metrics)."""
+    norms_ = tensor_norms([list(adapter.grad_tensors()) for adapter in items], policy, grads=True).per_adapter()
+    return to_host(norms_, False).tolist()
+
+
+# A weight tensor whose norm stays below this is finite with room to spare: a float32 sum of
+# squares overflows near a norm of 1.8e19.
+_SAFE_NORM = 1e18
+
+
+def next_moment_ratio(ratio: float | None, hp: AdamParams) -> float | None:
+    """A bound on max |exp_avg| / sqrt(exp_avg_sq) after a step with `hp`, from the bound before
+    it (None: none known). With m' = b1 m + (1 - b1) g and v' = b2 v + (1 - b2) g^2, Cauchy-Schwarz
+    gives |m'| <= sqrt(b1^2 Q^2 / b2 + (1 - b1)^2 / (1 - b2)) sqrt(v') whatever the gradient
+    (fresh moments: Q = 0). Widened a little for float32 rounding."""
+    b1, b2 = hp.beta1, hp.beta2
+    if ratio is None or not (0 <= b1 < 1 and 0 <= b2 < 1):
+        return None
+    if b2 == 0:
+        return (1 - b1) * (1 + 1e-6) if b1 * ratio == 0 else None
+    return math.sqrt(b1 * b1 * ratio * ratio / b2 + (1 - b1) ** 2 / (1 - b2)) * (1 + 1e-6)
+
+
+def provably_finite(adapter: LoRAAdapter, hp: AdamParams, numel: int) -> bool:
+    """Whether this step leaves the adapter's weights finite, their norms far from overflowing,
+    whatever its gradient (a finite one: an infinite one skips the step anyway), so it needs no
+    copy to undo it. In torch's fused AdamW a weight becomes w (1 - lr wd) - lr / (1 - b1^t) m' /
+    (sqrt(v') / sqrt(1 - b2^t) + eps), so with |m'| <= Q' sqrt(v') (`next_moment_ratio`) each
+    weight moves at most |lr| Q' / (1 - b1) (+ |lr| for v' underflowing to 0 while m' does not,
+    which eps >= 1e-16 keeps below it); a tensor's norm is at most the adapter's weight norm
+    after its last step (`AdamWState.weight_norm`), and a tensor of n weights moves by at most
+    sqrt(n) times the largest move."""
+    state = adapter.optimizer
+    ratio = next_moment_ratio(state.moment_ratio, hp)
+    if ratio is None or state.weight_norm is None or not hp.eps >= 1e-16:
+        return False
+    move = abs(hp.learning_rate) * (ratio / (1 - hp.beta1) + 1)
+    largest = state.weight_norm * (1 + abs(hp.learning_rate * hp.weight_decay)) + move * math.sqrt(numel)
+    return math.isfinite(largest) and largest * 1.01 <= _SAFE_NORM
 
 
 class _StateCopy:
     """An adapter's weights and AdamW state before a step, in one flat copy, to put back a step
-    whose result is not finite."""
+    whose result is not finite (on the device: `restore_unless`)."""
 
     def __init__(self, adapter: LoRAAdapter, params: list[torch.Tensor]):
-        self.state = adapter.optimizer.state
-        self.params = params
-        self.fresh = [p for p in params if p not in self.state]  # their state is made by this step
-        self.tensors = params + [self.state[p][k] for p in params if p in self.state
+        self.tensors = params + [st[k] for p in params if (st := adapter.optimizer.state.get(p)) is not None
                                  for k in ("exp_avg", "exp_avg_sq", "step")]
         self.flat = flat_copy(self.tensors)
 
-    def restore(self) -> None:
+    def restore_unless(self, ok: torch.Tensor) -> None:
+        """Put every tensor back where `ok` (a 0-dim device bool) is false; no host branch."""
         for t, saved in zip(self.tensors, self.flat.split([t.numel() for t in self.tensors])):
-            t.copy_(saved.view_as(t))
-        for p in self.fresh:
-            del self.state[p]
+            t.copy_(torch.where(ok, t, saved.view_as(t)))
 
 
-def _finite(entries: list[list[Entry]], policy: "FusionPolicy | None") -> list[bool]:
-    """Whether each adapter's weights are finite after its step (and not so large that their norm
-    overflows, which makes the next forward non-finite all the same): `tensor_norms` of the
-    weights, one host sync for all."""
-    return [all(math.isfinite(v) for v in mine) for mine in tensor_norms(entries, policy, grads=False)]
+@dataclass
+class PendingSteps:
+    """A launched optimizer step: its metrics arrive in host memory by the runtime's next wait."""
+
+    items: list[tuple[LoRAAdapter, AdamParams]]
+    stepping: list[int]  # the items with gradients
+    metrics: torch.Tensor | None  # [stepping, 4] float64, host: grad norm, grad finite, applied, weight norm
+    fresh: dict[int, list[torch.Tensor]]  # per stepping item: tensors whose state this step made
+
+    def results(self) -> list[dict[str, float] | SkippedStep]:
+        """The step's results from its host copy of the metrics (call after the device wait)."""
+        rows = dict(zip(self.stepping, self.metrics.numpy().tolist())) if self.metrics is not None else {}
+        out: list[dict[str, float] | SkippedStep] = []
+        for k, (adapter, hp) in enumerate(self.items):
+            norm, grad_ok, applied, weight_norm = rows.get(k, (0.0, 1.0, 1.0, None))
+            if applied:
+                adapter.step += 1
+                state = adapter.optimizer
+                if k in rows:
+                    state.moment_ratio = next_moment_ratio(state.moment_ratio, hp)
+                    state.weight_norm = weight_norm
+                out.append({"grad_norm": norm, "learning_rate": hp.learning_rate})
+                continue
+            for p in self.fresh.get(k, ()):
+                del adapter.optimizer.state[p]  # made by this step: as before it
+            if not grad_ok:
+                out.append(SkippedStep(f"the gradient norm is {norm} (not finite), so the step was skipped "
+                                       "and the weights are unchanged; look for huge loss weights or advantages "
+                                       "in the forward_backward calls since the last step"))
+            else:
+                out.append(SkippedStep(f"learning_rate {hp.learning_rate:g} would make the weights non-finite "
+                                       f"(gradient norm {norm:g}), so the step was skipped and the weights "
+                                       "are unchanged; lower learning_rate"))
+        return out
 
 
-# A weight tensor whose norm stays below this is finite with room to spare: a float32 sum of
-# squares overflows near a norm of 1.8e19 (`_finite`).
-_SAFE_NORM = 1e18
+def launch_adamw(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None) -> PendingSteps:
+    """Queue one AdamW step (decoupled weight decay) for each (adapter, its hyper-parameters),
+    with no host sync; `PendingSteps.results()` after the device wait gives what `adamw_step` does.
+
+    The gradient norms of all stepping adapters (`tensor_norms`), a multi-tensor scale of the
+    clipped adapters' gradients, one fused AdamW kernel per adapter (torch's own `fused=True`
+    kernel, CPU and CUDA; see torch_compat) with its `found_inf`, the weights' norms after the
+    step, and one zeroing op per gradient stack. Every tensor's update depends only on its own
+    gradient, moments and step, so an adapter gets the same bits whether it steps alone or with
+    others. Clipping (grad_clip_norm > 0) scales an adapter's gradients by min(1, max_norm /
+    (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_; the reported `grad_norm` is the norm before
+    clipping. Tensors without a gradient are left alone (as torch.optim does); an adapter with
+    none has a step of norm 0."""
+    with torch.no_grad():
+        entries = [list(adapter.grad_tensors()) for adapter, _ in items]
+        stepping = [k for k in range(len(items)) if entries[k]]
+        if not stepping:
+            zero_grads([adapter for adapter, _ in items])
+            return PendingSteps(items, [], None, {})
+        mine = [entries[k] for k in stepping]
+        gnorm = tensor_norms(mine, policy, grads=True).per_adapter()
+        grad_ok = torch.isfinite(gnorm)
+        found_inf = (~grad_ok).float()
+        _clip(items, stepping, mine, gnorm)
+        copies = {k: _StateCopy(items[k][0], [p for p, _, _, _ in entries[k]]) for k in stepping
+                  if not provably_finite(*items[k], max(p.numel() for p, _, _, _ in entries[k]))}
+        fresh = {}
+        for i, k in enumerate(stepping):
+            fresh[k] = _step_one(*items[k], [p for p, _, _, _ in entries[k]], found_inf[i])
+        wnorm = tensor_norms(mine, policy, grads=False).per_adapter()
+        applied = grad_ok.clone() if copies else grad_ok
+        for i, k in enumerate(stepping):
+            if k in copies:  # a step not proven finite: applied only where its weights came out finite
+                applied[i] = grad_ok[i] & torch.isfinite(wnorm[i])
+                copies[k].restore_unless(applied[i])
+        zero_grads([adapter for adapter, _ in items])
+        metrics = torch.stack([gnorm, grad_ok.double(), applied.double(), wnorm], 1)
+        return PendingSteps(items, stepping, to_host(metrics, False), fresh)
 
 
-def _stays_finite(adapter: LoRAAdapter, hp: AdamParams, grad_norm: float, weight_norms: list[float],
-                  numel: int) -> bool:
-    """Whether this step provably leaves the adapter's weights finite, their norms far from
-    overflowing, so it needs no copy to undo it (at 16 MoE tenants the copies were a third of the
-    step's memory traffic). In torch's fused AdamW a weight becomes w * (1 - lr * wd) - lr / (1 -
-    beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps), where the new m lies between the old one
-    and the gradient (|g| <= its norm), and the denominator is at least eps when v >= 0 (as every
-    v this optimizer made; loaded moments have no bound). With beta1 and beta2 in [0, 1) and eps
-    > 0 each weight moves at most lr / (1 - beta1) * max|m| / eps; each weight is at most the
-    adapter's weight norm before the step; a tensor of n weights has a norm of at most sqrt(n)
-    times the largest."""
-    bound = adapter.optimizer.exp_avg_bound
-    if bound is None or not (hp.eps > 0 and 0 <= hp.beta1 < 1 and 0 <= hp.beta2 < 1):
-        return False
-    move = abs(hp.learning_rate) / (1 - hp.beta1) * max(bound, grad_norm) / hp.eps
-    largest = math.sqrt(math.fsum(v * v for v in weight_norms)) * (1 + abs(hp.learning_rate * hp.weight_decay)) + move
-    return math.isfinite(largest) and largest * math.sqrt(numel) * 1.01 <= _SAFE_NORM
+def _clip(items, stepping: list[int], entries: list[list[Entry]], gnorm: torch.Tensor) -> None:
+    """Scale the gradients of the adapters that clip by min(1, max_norm / (norm + 1e-6)), each
+    factor computed on the device in float64 and applied in float32, as torch's clip_grad_norm_."""
+    clipping = [i for i, k in enumerate(stepping) if items[k][1].grad_clip_norm > 0]
+    if not clipping:
+        return
+    bounds = device_constant(tuple(items[stepping[i]][1].grad_clip_norm for i in clipping), torch.float64,
+                              gnorm.device)
+    rows = device_constant(tuple(clipping), torch.long, gnorm.device)
+    factors = (bounds / (gnorm.index_select(0, rows) + 1e-6)).clamp(max=1.0).float().unbind()
+    grads, per_tensor = [], []
+    for factor, i in zip(factors, clipping):
+        for p, _, _, _ in entries[i]:
+            grads.append(p.grad)
+            per_tensor.append(factor)
+    scale_by_(grads, per_tensor)
 
 
-def _exp_avg_bound(bound: float | None, grad_norm: float, hp: AdamParams) -> float | None:
-    """The bound on |m| after a step: the new m lies between the old one and the gradient, up to a
-    few ulps of rounding (float32 norms may also be a little short: `_SAFE_NORM` leaves 18x).
-    With betas outside [0, 1) neither that nor v >= 0 holds any more."""
-    if bound is None or not (0 <= hp.beta1 < 1 and 0 <= hp.beta2 < 1):
-        return None
-    return max(bound, grad_norm) * (1 + 1e-6)
+def _step_one(adapter: LoRAAdapter, hp: AdamParams, params: list[torch.Tensor], found_inf: torch.Tensor
+              ) -> list[torch.Tensor]:
+    """One adapter's fused AdamW kernel, skipped on the device where `found_inf` is 1; returns the
+    tensors whose state it made (dropped again if the step turns out skipped)."""
+    new_step = None if all(p in adapter.optimizer.state for p in params) else \
+        torch.zeros((), dtype=torch.float32, device=params[0].device)
+    fresh = [p for p in params if p not in adapter.optimizer.state]
+    states = [adapter.optimizer.state_for(p, new_step) for p in params]
+    counters = list({id(st["step"]): st["step"] for st in states}.values())
+    adamw_update_(params, [p.grad for p in params], [st["exp_avg"] for st in states],
+                  [st["exp_avg_sq"] for st in states], [st["step"] for st in states], counters,
+                  lr=hp.learning_rate, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps, weight_decay=hp.weight_decay,
+                  found_inf=found_inf)
+    return fresh
 
 
-def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None
-               ) -> list[dict[str, float] | SkippedStep]:
-    """One AdamW step (decoupled weight decay) for each (adapter, its hyper-parameters).
-
-    The step of many adapters costs about what one costs: the gradient norms of all of them
-    (`grad_norms`), one multi-tensor scale for every clipped gradient, one fused AdamW kernel
-    per distinct set of hyper-parameters (torch's own `fused=True` kernel, CPU and CUDA; see
-    torch_compat) and one zeroing op per gradient stack. Every tensor's update depends only on
-    its own gradient, moments and step, so an adapter gets the same bits whether it steps alone
-    or with others.
-
-    Clipping (grad_clip_norm > 0) scales an adapter's gradients by min(1, max_norm / (norm +
-    1e-6)), as torch.nn.utils.clip_grad_norm_; the returned `grad_norm` is the norm before
-    clipping. Tensors without a gradient are left alone (as torch.optim does).
+def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None,
+               wait: Callable[[], None] | None = None) -> list[dict[str, float] | SkippedStep]:
+    """`launch_adamw`, the device wait (`wait`, else `host_copies.wait_for_device`), the results.
 
     A step that is not finite is skipped (`SkippedStep`), for that adapter only: a gradient norm
     that is inf or NaN (huge loss weights or advantages), or weights that the update would make
     non-finite (a huge learning_rate). Either way its gradients are dropped and its weights and
-    AdamW state stay as they were, so one tenant's numbers never poison its adapter for good. The
-    copy that puts a step back is made only where the step is not proven finite beforehand
-    (`_stays_finite`), and checked after it.
-    """
-    with torch.no_grad():
-        entries = [list(adapter.grad_tensors()) for adapter, _ in items]
-        norms = _grad_norms(entries, policy)
-        per_adapter = [[p for p, _, _, _ in entries[k]] if math.isfinite(norms[k]) else [] for k in range(len(items))]
-        stepping = [k for k in range(len(items)) if per_adapter[k]]
-        before = tensor_norms([entries[k] for k in stepping], policy, grads=False)
-        copies = {k: _StateCopy(items[k][0], per_adapter[k]) for k, mine in zip(stepping, before)
-                  if not _stays_finite(*items[k], norms[k], mine, max(p.numel() for p in per_adapter[k]))}
-        clipped: list[torch.Tensor] = []
-        factors: list[float] = []
-        groups: dict[tuple, list[int]] = {}
-        for k, ((_, hp), params) in enumerate(zip(items, per_adapter)):
-            if not params:
-                continue
-            if hp.grad_clip_norm > 0:
-                coef = min(1.0, hp.grad_clip_norm / (norms[k] + 1e-6))
-                if coef < 1.0:
-                    clipped += [p.grad for p in params]
-                    factors += [coef] * len(params)
-            key = (hp.learning_rate, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, params[0].device)
-            groups.setdefault(key, []).append(k)
-        scale_(clipped, factors)
-        for (lr, beta1, beta2, eps, wd, device), members in groups.items():
-            ps, gs, m1, m2, steps = [], [], [], [], []
-            counters: dict[int, torch.Tensor] = {}  # each step counter once, however many tensors share it
-            for k in members:
-                adapter = items[k][0]
-                new_step = None if all(p in adapter.optimizer.state for p in per_adapter[k]) else \
-                    torch.zeros((), dtype=torch.float32, device=device)
-                for p in per_adapter[k]:
-                    st = adapter.optimizer.state_for(p, new_step)
-                    ps.append(p)
-                    gs.append(p.grad)
-                    m1.append(st["exp_avg"])
-                    m2.append(st["exp_avg_sq"])
-                    steps.append(st["step"])
-                    counters.setdefault(id(st["step"]), st["step"])
-            adamw_update_(ps, gs, m1, m2, steps, list(counters.values()), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                          weight_decay=wd)
-        undone = {k for k, finite in zip(copies, _finite([entries[k] for k in copies], policy)) if not finite}
-        for k in undone:
-            copies[k].restore()
-        for k in stepping:
-            if k not in undone:
-                state = items[k][0].optimizer
-                state.exp_avg_bound = _exp_avg_bound(state.exp_avg_bound, norms[k], items[k][1])
-        zero_grads([adapter for adapter, _ in items])
-        results: list[dict[str, float] | SkippedStep] = []
-        for k, (adapter, hp) in enumerate(items):
-            if not math.isfinite(norms[k]):
-                results.append(SkippedStep(f"the gradient norm is {norms[k]} (not finite), so the step was skipped "
-                                           "and the weights are unchanged; look for huge loss weights or advantages "
-                                           "in the forward_backward calls since the last step"))
-            elif k in undone:
-                results.append(SkippedStep(f"learning_rate {hp.learning_rate:g} would make the weights non-finite "
-                                           f"(gradient norm {norms[k]:g}), so the step was skipped and the weights "
-                                           "are unchanged; lower learning_rate"))
-            else:
-                adapter.step += 1
-                results.append({"grad_norm": norms[k], "learning_rate": hp.learning_rate})
-        return results
+    AdamW state stay as they were, so one tenant's numbers never poison its adapter for good."""
+    pending = launch_adamw(items, policy)
+    if pending.metrics is not None:
+        (wait or (lambda: wait_for_device(items[0][0].device)))()
+    return pending.results()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request_types import AdamParams, LoRAConfig  # noqa: F401 (AdamParams: the runtime's importers take it from here)
+from .host_copies import device_constant
 from .lora_slots import LoRAWeights, SlotStack
 from .multi_lora import FusedPart, MultiLoRALinear, attach_adapter, detach_adapter
 from .torch_compat import zero_
@@ -47,7 +48,8 @@ class LoRAAdapter:
             raise ValueError("the LoRA config adapts no projection of this model")
         # The LoRA paths that are components of a fused projection (saved as one PEFT LoRA on it).
         self.parts: dict[str, FusedPart] = {p: layers[p].part for p in self.weights if layers[p].part is not None}
-        self.optimizer = AdamWState()
+        # PEFT's init bounds the weights' norm: |A| <= sqrt(experts x rank) per projection, B = 0.
+        self.optimizer = AdamWState(weight_norm=math.sqrt(sum(w.A.numel() / w.A.shape[-1] for w in self.weights.values())))
         self.step = 0
         self._layers: dict[str, MultiLoRALinear] | None = None  # set while live (in the layers' slots)
 
@@ -159,15 +161,11 @@ def zero_grads(adapters: list[LoRAAdapter]) -> None:
 
 
 def _fill_slots(rows: list[tuple[SlotStack, list[int]]], value: float) -> None:
-    """Set the gradient rows `slots` of each stack to `value`; one index tensor per distinct slot
-    list (an adapter's slot index is the same in every layer)."""
-    index: dict[tuple, torch.Tensor] = {}
+    """Set the gradient rows `slots` of each stack to `value` (index tensors made once per slot
+    list: `host_copies.device_constant`)."""
     with torch.no_grad():
         for stack, slots in rows:
-            key = (tuple(slots), stack.device)
-            idx = index.get(key)
-            if idx is None:
-                idx = index[key] = torch.tensor(slots, dtype=torch.long, device=stack.device)
+            idx = device_constant(tuple(slots), torch.long, stack.device)
             stack.grad_A.index_fill_(0, idx, value)
             stack.grad_B.index_fill_(0, idx, value)
 
@@ -178,7 +176,7 @@ SavedRows = tuple[SlotStack, torch.Tensor, torch.Tensor, torch.Tensor]
 def _save_rows(stack: SlotStack, slots: list[int]) -> SavedRows:
     """A copy of the gradient rows `slots` of `stack`, for `_restore_rows`."""
     with torch.no_grad():
-        idx = torch.tensor(slots, dtype=torch.long, device=stack.device)
+        idx = device_constant(tuple(slots), torch.long, stack.device)
         return stack, idx, stack.grad_A.index_select(0, idx), stack.grad_B.index_select(0, idx)
 
 
@@ -241,31 +239,76 @@ class GradientPass:
         _fill_slots(self._fresh, 0.0)
 
 
+class GradientSnapshot:
+    """One adapter's gradients as they are now, until `restore` puts them back.
+
+    A request that runs in parts (one per clock cycle) takes one before its first part: if a
+    later part fails, its earlier parts' gradients go and the acknowledged ones stay. Unlike
+    `GradientPass` it holds copies of the adapter's own tensors (in host memory), not slot rows:
+    the adapter may be paged out and in again, to another slot, between the parts."""
+
+    def __init__(self, adapter: LoRAAdapter):
+        self.adapter = adapter
+        self._grads = {path: (w.A.grad.to("cpu", copy=True), w.B.grad.to("cpu", copy=True))
+                       for path, w in adapter.weights.items() if w.A.grad is not None}
+
+    def restore(self) -> None:
+        if not self._grads:
+            zero_grads([self.adapter])
+            return
+        with torch.no_grad():
+            for path, w in self.adapter.weights.items():
+                saved = self._grads.get(path)
+                if saved is None:
+                    _drop_grads(w)
+                    continue
+                if w.A.grad is None:  # paged out: tensors of its own; live: its slot's rows
+                    w.A.grad, w.B.grad = w.grad_views or (torch.empty_like(w.A), torch.empty_like(w.B))
+                w.A.grad.copy_(saved[0])
+                w.B.grad.copy_(saved[1])
+
+
+def _drop_grads(w: LoRAWeights) -> None:
+    """Drop one projection's gradients (its slot's rows zeroed, while live)."""
+    if w.grad_views is not None:
+        for rows in w.grad_views:
+            rows.zero_()
+    w.A.grad = w.B.grad = None
+
+
 class AdamWState:
     """AdamW moments per tensor, in torch.optim's layout: state[p] = {step, exp_avg, exp_avg_sq}.
 
     Not a torch.optim.Optimizer: every tenant has its own hyper-parameters at every step, and one
-    cycle steps many tenants at once (`adamw_step`), which an optimizer object per adapter cannot.
+    cycle steps many tenants at once (`adamw.launch_adamw`), which an optimizer object per adapter
+    cannot.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, weight_norm: float | None = None) -> None:
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        # An upper bound on |exp_avg| over all the moments, kept by `adamw_step` (None: unknown,
-        # as for moments loaded from a checkpoint): with it a step can prove that it leaves the
-        # weights finite, and needs no copy to undo itself.
-        self.exp_avg_bound: float | None = 0.0
+        # What lets a step prove, on the host and before it runs, that it leaves the weights finite
+        # (adamw.provably_finite), so that it needs no copy to undo itself: a bound on
+        # max |exp_avg| / sqrt(exp_avg_sq) over the moments (0 for fresh ones; None: unknown), and
+        # the weights' L2 norm after the last step (read with its metrics; None: unknown).
+        self.moment_ratio: float | None = 0.0
+        self.weight_norm = weight_norm
 
     def clear(self) -> None:
         self.state.clear()
-        self.exp_avg_bound = 0.0  # new moments start at zero
+        self.moment_ratio = 0.0  # new moments start at zero
+        self.weight_norm = None  # the weights are being replaced (a checkpoint load)
 
     def load(self, p: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-        """Put in p's state from elsewhere (a checkpoint), and widen the bound to its moments (none
-        where a second moment is negative: the step's proof needs v >= 0)."""
+        """Put in p's state from elsewhere (a checkpoint), and widen the moment bound to its
+        moments: max |m| / sqrt(v), none where some v is negative or 0 under a non-zero m."""
         self.state[p] = state
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        if self.exp_avg_bound is not None and m.numel():
-            self.exp_avg_bound = None if bool((v < 0).any()) else max(self.exp_avg_bound, float(m.abs().max()))
+        if self.moment_ratio is None or not m.numel():
+            return
+        with torch.no_grad():
+            ratio = torch.where(m == 0, torch.zeros_like(m), m.abs() / v.clamp(min=0).sqrt())
+            bad = bool((v < 0).any()) or not bool(torch.isfinite(ratio).all())
+        self.moment_ratio = None if bad else max(self.moment_ratio, float(ratio.max()))
 
     def state_for(self, p: torch.Tensor, new_step: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """p's state; a new one counts its steps in `new_step`, which the caller shares among the

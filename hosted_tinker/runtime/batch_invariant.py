@@ -23,7 +23,10 @@ Tenants share micro-batches on a GPU only because of what this module sets. Meas
 - **Masks.** The trainer hands decoder models an explicit "no mask" (causal, right padding), so
   transformers never inspects position ids for packed sequences: that check read a tensor on the
   host in eager mode (a sync) and, inside a CUDA graph capture, built a dense mask that sent
-  attention to another kernel (eager and replayed steps then differed from `o_proj` on).
+  attention to another kernel (eager and replayed steps then differed from `o_proj` on). A model
+  whose forward does not take that mapping (Qwen3-MoE, Mixtral: no `layer_types`) runs its
+  training steps with an attention implementation of our own name (`no_mask_attention`): SDPA's
+  own function, which transformers has no mask function for, so it builds and inspects no mask.
 
 RMSNorm, softmax and cross-entropy reduce each row on its own (measured invariant). What is
 left to construction in the runtime: one grouped LoRA call per projection, per-tenant loss and
@@ -162,3 +165,53 @@ def no_mask_kwargs(model: torch.nn.Module) -> dict:
     except Exception:
         return {}  # a model whose forward does not take the mapping: it builds its own mask
     return kwargs if torch.allclose(plain, given, atol=1e-2, rtol=1e-2) else {}
+
+
+# An attention implementation transformers has an attention function for (SDPA's own) but no mask
+# function: a model set to it builds no mask (`masking_utils._preprocess_mask_arguments` exits
+# early), and SDPA reads the None mask as is_causal.
+NO_MASK_ATTENTION = "hosted_tinker_sdpa_no_mask"
+
+
+def no_mask_attention(model: torch.nn.Module) -> str | None:
+    """For a causal decoder whose forward does not take `no_mask_kwargs`' mapping: the attention
+    implementation to train it with so that transformers builds and inspects no mask (its
+    packed-sequence check read a tensor on the host, a sync per forward), where its attention is
+    SDPA over full (not sliding-window) causal layers and gives the same logits that way; else
+    None."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return None
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []) or \
+            getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return None
+    AttentionInterface.register(NO_MASK_ATTENTION, sdpa_attention_forward)
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 9, device=device).unsqueeze(0) % model.get_input_embeddings().num_embeddings
+    try:
+        with torch.no_grad():
+            plain = model(input_ids=ids, use_cache=False).logits.float()
+            with attention_implementation(model, NO_MASK_ATTENTION):
+                given = model(input_ids=ids, use_cache=False).logits.float()
+    except Exception:
+        return None
+    return NO_MASK_ATTENTION if torch.allclose(plain, given, atol=1e-2, rtol=1e-2) else None
+
+
+@contextmanager
+def attention_implementation(model: torch.nn.Module, name: str | None):
+    """`model` runs with attention implementation `name` inside (None: as it is). The device loop
+    alternates training and sampling on one thread, so the sampler never sees the switch."""
+    if name is None:
+        yield
+        return
+    config = model.config
+    was = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = was

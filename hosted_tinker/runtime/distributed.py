@@ -6,7 +6,7 @@ front end talks to rank 0 only. Rank 0 holds the truth: every adapter's weights,
 AdamW state. The other ranks hold copies of the adapters' weights and compute their share of
 each pass:
 
-- a pass's requests are split across ranks by whole datums (`split_datums`: depends on the
+- a pass's requests are split across ranks by whole datums (`rank_shares.split_datums`: depends on the
   request alone, so a tenant's share and bits never depend on who it shares the cycle with);
   each rank runs its share through the same fused forward/backward as one rank does, with rank
   0's fusion decisions (`DecidedByRankZero`: rank 0 proves each micro-batch shape once and sends
@@ -19,9 +19,13 @@ each pass:
   rank: they are rank 0's). Sampling runs on rank 0 (with a sharded base the others mirror
   each forward so that FSDP's all-gathers pair up).
 
-A rank that dies makes a collective fail (`PoolBroken`): the pass's requests fail with category
-`server` and rank 0's gradients are rolled back to before the pass (so no acknowledged gradient
-is lost). Before the next pass the pool is relaunched -- a new epoch, new processes -- and every
+A share that raises (one request's datum the model cannot take) aborts the pass on every rank, and
+rank 0 raises it as the pass's error: the worker reruns the pass's requests in halves until that
+request fails alone (isolation.py), as on one rank. A rank that dies makes a collective fail
+(`PoolBroken`), and so does a share that raises where the base is sharded (FSDP's collectives no
+longer pair up, and which request raised on another rank is lost with it): a `MachineFault`,
+the pass's requests fail with category `server`, nothing is rerun, and rank 0's gradients are
+rolled back to before the pass (so no acknowledged gradient is lost). Before the next pass the pool is relaunched -- a new epoch, new processes -- and every
 adapter is sent to them again from rank 0: training goes on from the last acknowledged step.
 """
 
@@ -29,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -38,10 +41,11 @@ import torch
 from torch import nn
 
 from .. import faults
+from ..isolation import MachineFault
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, zero_grads
 from .invariance import FusionPolicy
-from .losses import merge_metrics
 from .pool_launch import RankPool
+from .rank_shares import merged_outcome, split_datums
 from .rank_group import PoolBroken, RankGroup
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from .sharding import ShardedBase, root_unsharded, shard_base, transplant_lora_layers
@@ -95,22 +99,6 @@ class ShareResult:
     error: str | None = None
 
 
-def split_datums(work: FBWork, world: int) -> list[list[int]]:
-    """Each rank's datums of one request: contiguous runs of about equal token counts, dealt to
-    ranks from an offset given by the model's id (so many small requests of many models spread
-    over the ranks). Depends on the request alone."""
-    lengths = [len(d.tokens) for d in work.data]
-    total = max(1, sum(lengths))
-    offset = zlib.crc32(work.model_id.encode()) % world
-    shares: list[list[int]] = [[] for _ in range(world)]
-    before = 0
-    for i, n in enumerate(lengths):
-        run = min(world - 1, world * (2 * before + n) // (2 * total))  # the run holding the datum's middle
-        shares[(run + offset) % world].append(i)
-        before += n
-    return shares
-
-
 def flat_tensors(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors]).to(device)
 
@@ -162,6 +150,9 @@ class RankRuntime(TrainingRuntime):
 
     def _causal_kwargs(self) -> dict:
         return {}  # no trial forward on one rank (a sharded base's forward is a collective)
+
+    def _no_mask_attention(self) -> str | None:
+        return None  # as `_causal_kwargs`
 
     def run_share(self, works: list[FBWork], pad: tuple[int, int], model_ids: list[str]) -> list[FBOutcome]:
         """This rank's share of a pass. Every rank says whether its share worked (one
@@ -415,12 +406,24 @@ class PoolRuntime(RankRuntime):
         try:
             self._ensure_pool()
         except Exception as e:
-            raise RuntimeError(f"the worker pool is down and could not be relaunched ({e}); resubmit") from e
-        world = self.world
-        split = [split_datums(w, world) for w in works]
+            raise MachineFault(f"the worker pool is down and could not be relaunched ({e}); resubmit") from e
+        split = [split_datums(w, self.world) for w in works]
         shares = [[FBWork(w.model_id, [w.data[i] for i in split[wi][r]], w.loss_fn, w.loss_config, w.forward_only)
-                   for wi, w in enumerate(works)] for r in range(world)]
+                   for wi, w in enumerate(works)] for r in range(self.world)]
         model_ids = sorted({w.model_id for w in works})
+        results = self._run_shares(works, shares, model_ids)
+        parts = [res.stats for res in results]
+        self.last_pass = PassStats(models=len(model_ids), datums=sum(p.datums for p in parts),
+                                   tokens=sum(p.tokens for p in parts),
+                                   padded_tokens=sum(p.padded_tokens for p in parts),
+                                   micro_batches=sum(p.micro_batches for p in parts),
+                                   seconds=time.perf_counter() - start)
+        return [merged_outcome(work, [res.outcomes[wi] for res in results], split[wi])
+                for wi, work in enumerate(works)]
+
+    def _run_shares(self, works: list[FBWork], shares: list[list[FBWork]], model_ids: list[str]) -> list[ShareResult]:
+        """Every rank's share run (this rank's here), and every rank's result; raises the first
+        rank's error, after each rank has put back its gradients."""
         error: Exception | None = None
         with self._own_calls():
             self.ensure_live(model_ids)
@@ -428,16 +431,7 @@ class PoolRuntime(RankRuntime):
             fresh = [a for a in trained if not a.has_gradients()]
             before = GradientPass(trained)  # the gradients acknowledged so far
             try:
-                # Rank 0 decides every shape any rank's share needs (probing new ones, mirrored
-                # where the base is sharded) and sends its answers: one policy on every rank.
-                shapes = sorted(set().union(*(self.mixing_shapes(share) for share in shares)))
-                decisions = {shape: self.policy.mix_tenants(*shape) for shape in shapes}
-                pad = (0, 0)
-                if self.sharded:
-                    counts = [self.micro_batch_counts(share) for share in shares]
-                    pad = (max(c[0] for c in counts), max(c[1] for c in counts))
-                sync = self._sync()
-                self.group.scatter([PassShare(sync, shares[r], decisions, pad, model_ids) for r in range(world)])
+                sync, pad = self._send_shares(shares, model_ids)
                 self._send_weights(sync)
                 try:
                     mine, stats = self.run_share(shares[0], pad, model_ids), self.last_pass
@@ -452,7 +446,7 @@ class PoolRuntime(RankRuntime):
                 before.rollback()
                 zero_grads(fresh)
                 log.error("worker pool: %s", e)
-                raise RuntimeError(f"a rank of the worker pool failed during this pass ({e}); the pool is "
+                raise MachineFault(f"a rank of the worker pool failed during this pass ({e}); the pool is "
                                    "relaunched before the next one: resubmit") from e
         if error is not None:
             raise error
@@ -462,20 +456,19 @@ class PoolRuntime(RankRuntime):
         if mine is None:  # aborted, yet no rank says why: the ranks disagree on the protocol
             raise RuntimeError("the pass was aborted by the worker pool without an error")
         results[0] = ShareResult(outcomes=mine, stats=stats)
-        outcomes = []
-        for wi, work in enumerate(works):
-            outputs: list = [None] * len(work.data)
-            metrics: dict[str, float] = {"loss:sum": 0.0}
-            for r, res in enumerate(results):
-                part = res.outcomes[wi]
-                for j, di in enumerate(split[wi][r]):
-                    outputs[di] = part.outputs[j]
-                merge_metrics(metrics, part.metrics)
-            outcomes.append(FBOutcome(outputs=outputs, metrics=metrics))
-        parts = [res.stats for res in results]
-        self.last_pass = PassStats(models=len(model_ids), datums=sum(p.datums for p in parts),
-                                   tokens=sum(p.tokens for p in parts),
-                                   padded_tokens=sum(p.padded_tokens for p in parts),
-                                   micro_batches=sum(p.micro_batches for p in parts),
-                                   seconds=time.perf_counter() - start)
-        return outcomes
+        return results
+
+    def _send_shares(self, shares: list[list[FBWork]], model_ids: list[str]):
+        """Each rank's share, with the decisions rank 0 makes for every shape any share needs (probing
+        new ones, mirrored where the base is sharded: one policy on every rank); the pass's sync
+        message and its micro-batch padding."""
+        shapes = sorted(set().union(*(self.mixing_shapes(share) for share in shares)))
+        decisions = {shape: self.policy.mix_tenants(*shape) for shape in shapes}
+        pad = (0, 0)
+        if self.sharded:
+            counts = [self.micro_batch_counts(share) for share in shares]
+            pad = (max(c[0] for c in counts), max(c[1] for c in counts))
+        sync = self._sync()
+        self.group.scatter([PassShare(sync, shares[r], decisions, pad, model_ids) for r in range(self.world)])
+        return sync, pad
+

@@ -27,6 +27,14 @@ losses are pure tensor code; gspo's and stable_reinforce's compute values on the
 eagerly, in micro-batches of their own (runtime/packing.py, `Request.kind`), so a tenant's path
 never depends on its neighbours.
 
+The optimizer step is not captured yet, but it could be: it launches with no host sync
+(adamw.launch_adamw: the skip of a non-finite step is a device-side `found_inf`, the put-back of
+an unproven one a device-side `where`, the constants it reads are made once), so a cycle of a
+replayed layout waits for the device once. What capturing it still needs: its key (the stepping
+adapters, their slots, hyper-parameters and which of them copy their state), the learning rate
+as a tensor input, and the moments of a tenant's first step made before the capture (a tensor
+allocated inside a capture lives in the graphs' shared pool).
+
 On CPU there are no graphs; `capture` is injectable so the suite checks the static-buffer logic
 with a stand-in that re-runs the step on the static buffers (tests/test_graphs.py). The GPU tests
 (tests/test_gpu_training.py, HOSTED_TINKER_TEST_DEVICE=cuda) run the real thing.

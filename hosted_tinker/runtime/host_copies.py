@@ -1,6 +1,6 @@
-"""A micro-batch's outputs on their way to host memory without waiting for the device: copies
-queued into pinned memory on CUDA, and the pass's one wait for the device, after all of its
-micro-batches are launched (`TrainingRuntime._collect`).
+"""What crosses between host and device in a step, without waiting for the device: a micro-batch's
+outputs copied into pinned memory on CUDA (queued), constants made once and kept on the device,
+and the cycle's one wait for the device, after its work is launched (`TrainingRuntime.wait`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import MicroBatch
+from .step_audit import sync_observers
 
 
 @dataclass
@@ -32,9 +33,28 @@ def to_host(t: torch.Tensor, static: bool) -> torch.Tensor:
     return out
 
 
+_DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, made once per distinct tuple (slot indices, clip bounds: a
+    training loop repeats them; at most 1024 kept), so a step seen before copies nothing from
+    the host (a copy from pageable host memory waits for the device on CUDA)."""
+    key = (values, dtype, device)
+    got = _DEVICE_CONSTANTS.get(key)
+    if got is None:
+        if len(_DEVICE_CONSTANTS) >= 1024:
+            _DEVICE_CONSTANTS.clear()
+        got = _DEVICE_CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device)
+    return got
+
+
 def wait_for_device(device: torch.device) -> None:
     """The pass's one wait for the device: allowed under `torch.cuda.set_sync_debug_mode("error")`
-    (the GPU tests run a step that way: any other sync raises)."""
+    (the GPU tests run a step that way: any other sync raises). `step_audit.sync_observers` hear
+    of it on every device (the CPU suite counts a cycle's syncs)."""
+    for observe in sync_observers:
+        observe("wait_for_device")
     if device.type != "cuda":
         return
     mode = torch.cuda.get_sync_debug_mode()

@@ -26,7 +26,7 @@ construction, slower). Each decision is proven lazily per shape and cached:
   (logprobs and input gradients, bit for bit). The runtime runs this once at start-up for the
   shortest bucket and a full micro-batch; if it fails there, mixing is off for the whole run.
   Covered: the base model's projections, attention, norms, activations and the log-softmax.
-- `group_lora(tokens, in, out, rank, n, dtype)`: may n tenants' LoRA deltas share one batched
+- `group_lora(tokens, in, out, rank, n, dtype, datums)`: may n tenants' LoRA deltas share one batched
   matmul (`lora_ops.lora_delta` / `GroupedLoRA`)? Probed on the kernel itself with random data:
   entries 0 and n-1 of an n-entry batch must equal their canonical two-entry batch (output and
   all gradients), with the incoming gradient row-major and transposed.
@@ -105,9 +105,10 @@ class RowIndependenceProbe:
 
 
 def grouped_lora_matches_pairs(tokens: int, in_features: int, out_features: int, rank: int, n: int,
-                               dtype: torch.dtype, device: torch.device) -> bool:
+                               dtype: torch.dtype, device: torch.device, datums: int = 1) -> bool:
     """Do entries 0 and n-1 of an n-entry `lora_forward`/`lora_backward` get the bits of their
-    canonical two-entry batch (the entry and a copy of itself)? Random data, real shapes."""
+    canonical two-entry batch (the entry and a copy of itself)? Random data, real shapes; each
+    entry's tokens are `datums` datums (a bf16 weight gradient is taken per datum)."""
     gen = torch.Generator(device="cpu").manual_seed(1234 + n)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -125,12 +126,12 @@ def grouped_lora_matches_pairs(tokens: int, in_features: int, out_features: int,
     gd_cols = rand(n, out_features, tokens)
     for gd, pair_gd in ((gd_rows, lambda pair: gd_rows[pair]),
                         (gd_cols.transpose(1, 2), lambda pair: gd_cols[pair].transpose(1, 2).contiguous())):
-        gx, gA, gB = lora_backward(gd, xs, A, B, h, 2.0, True)
+        gx, gA, gB = lora_backward(gd, xs, A, B, h, 2.0, True, datums)
         for e in {0, n - 1}:
             pair = [e, e]
             xs2 = xs[pair]
             h2, d2 = lora_forward(xs2, A[pair], B[pair], 2.0)
-            gx2, gA2, gB2 = lora_backward(pair_gd(pair), xs2, A[pair], B[pair], h2, 2.0, True)
+            gx2, gA2, gB2 = lora_backward(pair_gd(pair), xs2, A[pair], B[pair], h2, 2.0, True, datums)
             if not all(same_bits(a[e], b[0]) for a, b in ((d, d2), (gx, gx2), (gA, gA2), (gB, gB2))):
                 return False
     return True
@@ -200,13 +201,13 @@ class FusionPolicy:
         return ok
 
     def group_lora(self, tokens: int, in_features: int, out_features: int, rank: int, n: int,
-                   dtype: torch.dtype) -> bool:
-        key = (tokens, in_features, out_features, rank, n, dtype, self._threads())
+                   dtype: torch.dtype, datums: int = 1) -> bool:
+        key = (tokens, in_features, out_features, rank, n, dtype, datums, self._threads())
         ok = self._group.get(key)
         if ok is None:
             with torch.no_grad():
                 ok = self._group[key] = bool(self._grouping_probe(tokens, in_features, out_features, rank, n,
-                                                                  dtype, self.device))
+                                                                  dtype, self.device, datums))
             if not ok:
                 log.warning("LoRA deltas of %d tenants (rank %d, %d tokens, %dx%d) will not share a batched "
                             "matmul on this machine: entries change bits with the batch", n, rank, tokens,

@@ -118,7 +118,7 @@ class KernelChoices:
 
     def _probe_tenants(self, rows: int):
         """Each probe row its own tenant, where the model has LoRA-adapted experts: their GEMMs run
-        per (tenant, expert) group (moe_lora.py), so a row's expert GEMMs see the same rows in a
+        per (tenant, expert) group (moe_routing.py), so a row's expert GEMMs see the same rows in a
         batch as alone, as a tenant's do; run as one tenant, the probe would measure whether an
         expert's rows keep their bits as its group grows, which no batch depends on (and which
         fails, e.g. with 1024-wide experts on AVX-512)."""

@@ -12,7 +12,8 @@ fused gradient accumulation writes `main_grad` in its backward. On an fp32 base,
 group's slots are consecutive (the usual case) the matmuls are autograd's own nodes on views of
 the stack (`lora_delta`, `SlotStack.leaves`) and that add is autograd's AccumulateGrad; every
 other call (a canonical pair, slots out of order, and every call of a 16-bit base, whose LoRA
-math is fp32: `lora_forward`) runs the `GroupedLoRA` function, which adds the gradients in place
+math is bf16 with fp32 accumulation, its weight gradients summed per datum in fp32:
+`lora_forward`, `weight_grad`) runs the `GroupedLoRA` function, which adds the gradients in place
 on consecutive slots and by index otherwise. Both run the same kernels on the same layouts. The
 sampler's decode steps ask for no exactness (`LoRARouting.batch(exact=False)`): every adapter of a
 step in one call per projection, run without autograd.
@@ -60,11 +61,11 @@ class LoRARouting:
         # Plans are kept across batches, per row layout (a training loop repeats its layouts every
         # step): {(segments, CPU threads): {layer key: plan}}. A plan reads the adapters' slots,
         # so allocating or freeing a slot drops them all.
-        self._plan_cache: dict[tuple, dict[tuple, LayerPlan | None]] = {}  # see `_drop_plans`
-        self._plans: dict[tuple, LayerPlan | None] = {}
+        self._plan_cache: dict[tuple, dict[tuple, object]] = {}  # see `_drop_plans`
+        self._plans: dict[tuple, object] = {}  # LayerPlans, and what `per_layout` keeps
         # The plans of the last batch: a CUDA graph captured over them keeps them, and so the slot
         # index tensors its kernels read, alive after `_drop_plans` (runtime/graphs.py).
-        self.last_plans: dict[tuple, LayerPlan | None] = {}
+        self.last_plans: dict[tuple, object] = {}
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self._free: dict[int, list[int]] = {}  # rank -> freed slots (a heap: lowest first)
         self._next: dict[int, int] = {}
@@ -150,6 +151,18 @@ class LoRARouting:
             self.segments = []
             self._plans = {}
 
+    def per_layout(self, key: tuple, make):
+        """`make()`, computed once per row layout and kept with the layout's plans (and so alive
+        with a CUDA graph captured over them, and dropped when a slot is allocated or freed): the
+        MoE layers' pair layouts and LoRA runs (runtime/moe_lora.py). Outside a batch, made anew."""
+        if not self.segments:
+            return make()
+        try:
+            return self._plans[key]
+        except KeyError:
+            got = self._plans[key] = make()
+            return got
+
     def plan_for(self, layer: AdapterSlots, x: torch.Tensor) -> LayerPlan | None:
         if not self.segments or not layer.adapters:
             return None
@@ -189,7 +202,8 @@ class LoRARouting:
                 if not self.exact:
                     return True
                 return self.policy is not None and self.policy.group_lora(
-                    tokens, layer.in_features, layer.out_features, rank, n, dtype)
+                    tokens, layer.in_features, layer.out_features, rank, n, dtype,
+                    per if dtype == torch.bfloat16 else 1)
 
             for group in ([ws] if len(ws) >= 2 and proven(len(ws)) else [[w] for w in ws]):
                 slots = [w.slot for w in group]
@@ -197,11 +211,12 @@ class LoRARouting:
                 consecutive = slots == list(range(slots[0], slots[0] + len(group)))
                 if len(slots) == 1 and not proven(1):
                     slots = slots * 2  # the canonical pair (see GroupedLoRA)
-                calls.append(LoRACall(rank, len(group), per, self._slot_tensor(slots, device), scaling,
+                calls.append(LoRACall(rank, len(group), per, self.slot_tensor(slots, device), scaling,
                                       slots[0] if consecutive else None, len(slots) != len(group)))
         return LayerPlan(sizes, calls)
 
-    def _slot_tensor(self, slots: list[int], device: torch.device) -> torch.Tensor:
+    def slot_tensor(self, slots: list[int], device: torch.device) -> torch.Tensor:
+        """`slots` as a long tensor on `device`, made once until a slot is allocated or freed."""
         key = tuple(slots)
         t = self._slot_tensors.get(key)
         if t is None:

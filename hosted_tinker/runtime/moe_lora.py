@@ -13,20 +13,24 @@ Each projection is an `ExpertProjection` in the runtime's layer map, so adapters
 optimizer, checkpoints and sampler snapshots treat it like any other projection; its slot stack
 holds [slots, E, rank, in] / [slots, E, out, rank].
 
-Grouped calls: every GEMM is a `torch._grouped_mm` over groups of rows, one group per (tenant,
-expert): a group holds exactly the rows its tenant alone would give that expert, in the same
-order, and each group is its own GEMM, so a tenant's bits do not depend on who shares the call
-(measured: a group's rows equal the same group run alone). That holds for the base projections
-too, which run one call per tenant over that tenant's expert groups: unlike a dense projection's
-rows, an expert's rows are not independent of how many other rows share its GEMM (AVX-512, 1
-thread: a 1-row group takes another kernel than a longer one, and with 1024 inputs groups of 1-7
-rows also give other bits than the same rows in a group of 400), so grouping all tenants' tokens
-of an expert together changed a tenant's bits as soon as another tenant sent that expert tokens.
-Weight gradients come from the same kernel (2-D x 2-D grouped by rows), added into the slots'
-gradient rows by index, like `GroupedLoRA`.
+Routing and grouped GEMMs (runtime/moe_routing.py): the (token, expert) pairs are sorted by
+(tenant, expert) on the device, and the frozen experts run one grouped GEMM per tenant. Each
+tenant's expert LoRA is two thin grouped GEMMs over its (tenant, expert) groups -- `X·A`, then
+`·B`, never building `B·A` -- and one call covers every run of consecutive tenants of one rank
+and scaling (`ExpertLoRA`): its groups are the base GEMMs' own, the same rows in the same order.
+On a bf16 base they run in bf16 with fp32 accumulation (the only dtype CUDA's grouped kernel
+takes: an fp32 `_grouped_mm` is a host loop of one `mm` per group there, and cannot be captured);
+their weight gradients are taken per (tenant, expert, datum) group and the datums' bf16 results
+summed in fp32 into the fp32 gradient rows of the slots (`expert_weight_grad`: a micro-batch's
+gradient rounded to bf16 as a whole made a split batch's logprobs differ by 2.9e-3 after a step).
+On an fp32 base they run in fp32, as before. A tenant's bits still do not depend on who shares
+its batch: its groups, their rows and their order are its own (tests/test_moe_lora.py,
+tests/test_lora_precision.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,7 @@ from torch import nn
 
 from .lora_plan import LoRARouting
 from .lora_slots import AdapterSlots, LoRAWeights, SlotStack
+from .moe_routing import ExpertRoutes, FrozenGroupedLinear, PairLayout, grouped_mm, pair_layout
 from .multi_lora import EXPERT_TARGETS
 from .projections import ROLES, Projection
 
@@ -41,91 +46,86 @@ from .projections import ROLES, Projection
 GATE, DOWN, UP = EXPERT_TARGETS
 
 
-# `torch._grouped_mm` wants row strides of whole 16 bytes: LoRA ranks are padded to 4 (fp32).
-RANK_MULTIPLE = 4
+def lora_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the expert LoRA's GEMMs take: bf16 on a bf16 base (CUDA's grouped kernel; fp32
+    accumulation inside), else the fp32 of the master weights."""
+    return torch.bfloat16 if x_dtype == torch.bfloat16 else torch.float32
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows offs[g-1]:offs[g] of x [N, in] times w[g] [in, out]; or, with x [in, N] and w [N, out]
-    (both 2-D), the per-group products [G, in, out] (weight gradients)."""
-    return torch._grouped_mm(x, w, offs=offs)
+def padded_factors(stack: SlotStack, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [U*E, r', in] and B [U*E, out, r'] of `slots` (tenant-major, as the groups), in `dtype`,
+    the rank padded with zero rows to r' so that every row of x·A spans whole 16 bytes
+    (`_grouped_mm`'s stride rule): the same deltas."""
+    A = stack.A.index_select(0, slots).flatten(0, 1).to(dtype)
+    B = stack.B.index_select(0, slots).flatten(0, 1).to(dtype)
+    pad = -stack.rank % (16 // A.element_size())
+    if pad:
+        A, B = F.pad(A, (0, 0, 0, pad)), F.pad(B, (0, pad))
+    return A, B
 
 
-class FrozenGroupedLinear(torch.autograd.Function):
-    """Base expert GEMM `x_g @ w_fwd[e]` of frozen weights, one `_grouped_mm` per tenant over its
-    expert groups (`TenantGroups`); its input gradient is `gy_g @ w_bwd[e]` grouped alike (w_bwd
-    [E, out, in]: a view of the stored weight, or of a transposed copy, see
-    `MultiLoRAExperts.keep_transposed_weight`). torch's own autograd of `_grouped_mm` does not
-    run on CPU (torch 2.13)."""
+@dataclass(frozen=True)
+class ExpertRun:
+    """Consecutive tenants `first`..`end`-1 (indices of the batch's tenants) with an adapter of one
+    rank and scaling on a projection: one `ExpertLoRA` call, through `slots`."""
 
-    @staticmethod
-    def forward(ctx, x, w_fwd, w_bwd, groups: "TenantGroups"):
-        ctx.w_bwd, ctx.groups = w_bwd, groups  # frozen: nothing for autograd to version-check
-        return groups.map(x, w_fwd)
-
-    @staticmethod
-    def backward(ctx, gy):
-        return ctx.groups.map(gy.contiguous(), ctx.w_bwd), None, None, None
+    first: int
+    end: int
+    rank: int
+    scaling: float
+    slots: torch.Tensor
+    first_slot: int | None  # the slots are first_slot, first_slot + 1, ...: their rows are a slice
 
 
-class TenantGroups:
-    """Rows sorted by (tenant, expert): tenant u's rows are `start:end` of the sorted rows, grouped
-    by expert at the (local) offsets `offs` -- one `_grouped_mm` each, so that an expert's GEMM
-    sees exactly the rows its tenant alone would give it."""
-
-    def __init__(self, key: torch.Tensor, num_experts: int, tenants: int):
-        counts = torch.bincount(key, minlength=tenants * num_experts)
-        self.offs = counts.cumsum(0).to(torch.int32)  # of all (tenant, expert) groups: an `ExpertLoRA` call's
-        counts = counts.view(tenants, num_experts)
-        offs = counts.cumsum(1).to(torch.int32)
-        self.parts: list[tuple[int, int, torch.Tensor]] = []  # (start, end, offs) of each tenant with rows
-        start = 0
-        for u, n in enumerate(counts.sum(1).tolist()):
-            if n:
-                self.parts.append((start, start + n, offs[u]))
-            start += n
-
-    def map(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Each tenant's rows of x [N, in] times their experts' w [E, in, out] -> [N, out]."""
-        outs = [grouped_mm(x[start:end], w, offs) for start, end, offs in self.parts]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+def expert_weight_grad(a: torch.Tensor, b: torch.Tensor, routes: ExpertRoutes, run: "ExpertRun") -> torch.Tensor:
+    """Σ over each (tenant, expert) group's pairs of a^T b: a [N, p], b [N, q] -> [n*E, p, q] fp32.
+    In bf16 per (tenant, expert, datum) group, the bf16 results summed in fp32 (as
+    `lora_ops.weight_grad`: a datum's partial gradient is the same in any micro-batch)."""
+    if a.dtype == torch.float32:
+        return grouped_mm(a.t(), b, routes.offsets(run.first, run.end))
+    datums = routes.layout.datums
+    per = grouped_mm(a.t(), b, routes.datum_offsets(run.first, run.end))  # [n*E*datums, p, q]
+    return per.view(-1, datums, *per.shape[1:]).float().sum(1) if datums > 1 else per.float()
 
 
 class ExpertLoRA(torch.autograd.Function):
-    """LoRA deltas of rows grouped by (tenant, expert): x [N, in] -> [N, out].
+    """LoRA deltas of pairs grouped by (tenant, expert): x [N, in] -> [N, out], two grouped GEMMs.
 
-    Group g = u * E + e uses expert e of slot `slots[u]` of the stack. The weight gradients are
-    added into the stack's gradient rows of those slots (nothing is returned for them); `anchor`
-    makes the backward run where x needs no gradient (as in `GroupedLoRA`)."""
+    Group u * E + e of the run uses expert e of slot `run.slots[u]` of the stack. The weight
+    gradients are added into the stack's fp32 gradient rows of those slots (nothing is returned
+    for them); `anchor` makes the backward run where x needs no gradient (as in `GroupedLoRA`)."""
 
     @staticmethod
-    def forward(ctx, x, anchor, stack: SlotStack, slots: torch.Tensor, offs: torch.Tensor, scaling: float):
-        A = stack.A.index_select(0, slots).flatten(0, 1)  # [U*E, r, in]
-        B = stack.B.index_select(0, slots).flatten(0, 1)  # [U*E, out, r]
-        pad = -stack.rank % RANK_MULTIPLE
-        if pad:  # zero rank rows: the same deltas, and rows of h whose stride _grouped_mm takes
-            A, B = F.pad(A, (0, 0, 0, pad)), F.pad(B, (0, pad))
+    def forward(ctx, x, anchor, stack: SlotStack, run: "ExpertRun", routes: ExpertRoutes):
+        A, B = padded_factors(stack, run.slots, lora_dtype(x.dtype))
+        offs = routes.offsets(run.first, run.end)
         xa = x.to(A.dtype)
-        h = grouped_mm(xa, A.transpose(1, 2), offs)  # [N, r]
-        d = grouped_mm(h, B.transpose(1, 2), offs).mul_(scaling)  # [N, out]; in place: the same bits, one buffer less
+        h = grouped_mm(xa, A.transpose(1, 2), offs)  # [N, r']
+        d = grouped_mm(h, B.transpose(1, 2), offs).mul_(run.scaling)  # [N, out]; in place: the same bits, one buffer less
         ctx.save_for_backward(xa, A, B, h)
-        ctx.stack, ctx.slots, ctx.offs, ctx.scaling, ctx.x_dtype = stack, slots, offs, scaling, x.dtype
+        ctx.stack, ctx.run, ctx.routes, ctx.x_dtype = stack, run, routes, x.dtype
         return d.to(x.dtype)
 
     @staticmethod
     def backward(ctx, gd):
         x, A, B, h = ctx.saved_tensors
-        offs, stack = ctx.offs, ctx.stack
-        g = gd.to(A.dtype).contiguous() * ctx.scaling
-        grad_B = grouped_mm(h.t(), g, offs).transpose(1, 2)  # [G, out, r]
-        gh = grouped_mm(g, B, offs)  # [N, r]
-        grad_A = grouped_mm(x.t(), gh, offs).transpose(1, 2)  # [G, r, in]
+        stack, run, routes = ctx.stack, ctx.run, ctx.routes
+        offs = routes.offsets(run.first, run.end)
+        g = gd.to(A.dtype).contiguous() * run.scaling
+        grad_B = expert_weight_grad(h, g, routes, run).transpose(1, 2)  # [G, out, r']
+        gh = grouped_mm(g, B, offs)  # [N, r']
+        grad_A = expert_weight_grad(x, gh, routes, run).transpose(1, 2)  # [G, r', in]
         grad_x = grouped_mm(gh, A, offs).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        n, r = ctx.slots.shape[0], stack.rank
+        n, r = run.slots.shape[0], stack.rank
         grad_A, grad_B = grad_A[:, :r], grad_B[:, :, :r]
-        stack.grad_A.index_add_(0, ctx.slots, grad_A.reshape(n, *stack.grad_A.shape[1:]))
-        stack.grad_B.index_add_(0, ctx.slots, grad_B.reshape(n, *stack.grad_B.shape[1:]))
-        return grad_x, None, None, None, None, None
+        grad_A, grad_B = grad_A.reshape(n, *stack.grad_A.shape[1:]), grad_B.reshape(n, *stack.grad_B.shape[1:])
+        if run.first_slot is not None:  # in place on the rows (distinct slots: one add per element either way)
+            stack.grad_A[run.first_slot:run.first_slot + n].add_(grad_A)
+            stack.grad_B[run.first_slot:run.first_slot + n].add_(grad_B)
+        else:
+            stack.grad_A.index_add_(0, run.slots, grad_A)
+            stack.grad_B.index_add_(0, run.slots, grad_B)
+        return grad_x, None, None, None, None
 
 
 class ExpertProjection(AdapterSlots):
@@ -153,63 +153,56 @@ class ExpertProjection(AdapterSlots):
         # The module keeps one copy of both base weights; the gate projection answers for it.
         return self.owner.keep_transposed_weight(keep) if self.name == GATE else 0
 
-    def delta(self, x: torch.Tensor, token_of_row: torch.Tensor, expert_of_row: torch.Tensor,
-              tokens_per_row: int, tenants: list[str | None], groups: TenantGroups
-              ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
-        """(rows, their deltas) of this projection for x [N, in] (rows sorted by the base's
-        `groups`, of `tenants`): one `ExpertLoRA` call per rank among the batch's adapters; rows
-        None where the call's rows are all of x's, in x's order."""
-        segments = self.routing.segments
-        if not segments or not self.adapters:
+    def delta(self, x: torch.Tensor, routes: ExpertRoutes, tenants: list[str | None]
+              ) -> list[tuple[tuple[int, int] | None, torch.Tensor]]:
+        """(pair span, its deltas) of this projection for x [pairs, in] (sorted by `routes`, whose
+        tenants are `tenants`): one `ExpertLoRA` call per run of consecutive tenants of one rank
+        and scaling (`ExpertRun`); span None where the run covers every pair."""
+        if not self.routing.segments or not self.adapters:
             return []
-        same = self._base_grouping(tenants)
-        if same is not None:
-            rank, scaling, slots = same
-            slot_t = torch.tensor(slots, dtype=torch.long, device=x.device)
-            return [(None, ExpertLoRA.apply(x, self.routing.grad_anchor(x.device), self.stacks[rank], slot_t,
-                                            groups.offs, scaling))]
         out = []
-        kinds = {(w.rank, w.scaling) for w in self.adapters.values()}
-        for rank, scaling in sorted(kinds):  # one call per rank and scaling, as `LoRACall`
-            slots: list[int] = []
-            user = torch.full((segments[-1][2] * tokens_per_row,), -1, dtype=torch.long)
-            for adapter_id, start, end in segments:
-                w = self.adapters.get(adapter_id) if adapter_id is not None else None
-                if w is None or (w.rank, w.scaling) != (rank, scaling):
-                    continue
-                if w.slot not in slots:
-                    slots.append(w.slot)
-                user[start * tokens_per_row:end * tokens_per_row] = slots.index(w.slot)
-            if not slots:
+        for run in self.routing.per_layout(("expert runs", self.members), lambda: self._runs(tenants, x.device)):
+            start, end = routes.starts[run.first], routes.starts[run.end]
+            if start == end:
                 continue
-            E = self.owner.num_experts
-            u = user.to(x.device)[token_of_row]
-            rows = torch.nonzero(u >= 0).squeeze(1)
-            key = u[rows] * E + expert_of_row[rows]
-            key, order = torch.sort(key, stable=True)  # by (tenant, expert), each in token order
-            rows = rows[order]
-            offs = torch.cumsum(torch.bincount(key, minlength=len(slots) * E), 0).to(torch.int32)
-            slot_t = torch.tensor(slots, dtype=torch.long, device=x.device)
-            d = ExpertLoRA.apply(x.index_select(0, rows), self.routing.grad_anchor(x.device), self.stacks[rank], slot_t, offs,
-                                 scaling)
-            out.append((rows, d))
+            whole = start == 0 and end == routes.pairs
+            d = ExpertLoRA.apply(x if whole else x[start:end], self.routing.grad_anchor(x.device),
+                                 self.stacks[run.rank], run, routes)
+            out.append((None if whole else (start, end), d))
         return out
 
-    def _base_grouping(self, tenants: list[str | None]) -> tuple[int, float, list[int]] | None:
-        """(rank, scaling, slot of each tenant) where every tenant of the batch has an adapter here,
-        all of one rank and scaling: then the LoRA's (tenant, expert) groups are the base GEMMs'
-        own, the same rows in the same order, and x needs no gather nor the deltas a scatter."""
-        ws = [self.adapters.get(t) if t is not None else None for t in tenants]
-        if None in ws or len({(w.rank, w.scaling) for w in ws}) != 1 or len({w.slot for w in ws}) != len(ws):
-            return None
-        return ws[0].rank, ws[0].scaling, [w.slot for w in ws]
+    def _runs(self, tenants: list[str | None], device: torch.device) -> list[ExpertRun]:
+        """The batch's tenants with an adapter here, in runs of consecutive ones of one rank and
+        scaling (one slot each: a tenant is one adapter)."""
+        runs: list[ExpertRun] = []
+        first, kind, slots = 0, None, []
+        for u, tenant in enumerate([*tenants, None]):
+            w = self.adapters.get(tenant) if tenant is not None else None
+            now = None if w is None else (w.rank, w.scaling)
+            if now != kind or (w is not None and w.slot in slots):
+                if kind is not None:
+                    consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+                    runs.append(ExpertRun(first, u, kind[0], kind[1], self.routing.slot_tensor(slots, device),
+                                          slots[0] if consecutive else None))
+                first, kind, slots = u, now, []
+            if w is not None:
+                slots.append(w.slot)
+        return runs
 
 
-def _with_deltas(y: torch.Tensor, deltas: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """y with each (rows, delta) added to its rows; other rows keep their bits (no +0)."""
-    for rows, d in deltas:
-        y = y + d if rows is None else y.index_add(0, rows, d)
-    return y
+def _with_deltas(y: torch.Tensor, deltas: list[tuple[tuple[int, int] | None, torch.Tensor]]) -> torch.Tensor:
+    """y with each (pair span, delta) added to its pairs; other pairs keep their bits (no +0)."""
+    if not deltas:
+        return y
+    if len(deltas) == 1 and deltas[0][0] is None:
+        return y + deltas[0][1]
+    pieces, at = [], 0
+    for span, d in sorted(deltas, key=lambda sd: sd[0][0]):
+        start, end = span
+        pieces += [y[at:start], y[start:end] + d]
+        at = end
+    pieces.append(y[at:])
+    return torch.cat([p for p in pieces if p.shape[0]])
 
 
 class MultiLoRAExperts(nn.Module):
@@ -255,62 +248,65 @@ class MultiLoRAExperts(nn.Module):
         source = fwd if self._copies is None else self._copies[name]
         return fwd, source.transpose(1, 2)
 
-    def _linear(self, x, name: str, groups: TenantGroups, experts):
-        y = FrozenGroupedLinear.apply(x, *self._weights(name), groups)
+    def _linear(self, x, name: str, routes: ExpertRoutes):
+        y = FrozenGroupedLinear.apply(x, *self._weights(name), routes)
         bias = getattr(self.base, f"{name}_bias", None) if self.base.has_bias else None
-        return y if bias is None else y + bias[experts]
+        return y if bias is None else y + bias[routes.experts_of_pairs]
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, K = top_k_index.shape
-        E = self.num_experts
-        rows_total = self.routing.segments[-1][2] if self.routing.segments else 0
-        per_row = T // rows_total if rows_total and T % rows_total == 0 else 0
-        ids = list(dict.fromkeys(adapter_id for adapter_id, _, _ in self.routing.segments))
-        tenant, tenants = self._tenant_of_tokens(ids, per_row, hidden.device)
-        flat = top_k_index.reshape(-1)
-        key = flat if tenant is None else tenant.repeat_interleave(K) * E + flat
-        key, order = torch.sort(key, stable=True)  # (token, k) pairs by (tenant, expert), each in token order
-        experts = key % E
-        token = order // K
-        groups = TenantGroups(key, E, tenants)
+        tenants, layout = self._layout(T, K, hidden.device)
+        routes = ExpertRoutes(top_k_index, layout, self.num_experts)
         p = self.projections
 
         def deltas(name: str, x: torch.Tensor):
-            return p[name].delta(x, token, experts, per_row, ids, groups) if per_row else []
+            return p[name].delta(x, routes, tenants) if tenants else []
 
-        x = hidden.index_select(0, token)
-        gate_up = self._linear(x, "gate_up_proj", groups, experts)
-        gate_d, up_d = deltas(GATE, x), deltas(UP, x)
-        if len(gate_d) == len(up_d) == 1 and gate_d[0][0] is None is up_d[0][0] and not self.interleaved:
-            gate_up = gate_up + torch.cat([gate_d[0][1], up_d[0][1]], 1)  # the same adds, in one
-        elif gate_d or up_d:
-            half = gate_up.shape[1] // 2
-            gate_cols = slice(0, None, 2) if self.interleaved else slice(0, half)
-            up_cols = slice(1, None, 2) if self.interleaved else slice(half, None)
-            gate = _with_deltas(gate_up[:, gate_cols], gate_d)
-            up = _with_deltas(gate_up[:, up_cols], up_d)
-            gate_up = (torch.stack([gate, up], 2).flatten(1) if self.interleaved else torch.cat([gate, up], 1))
+        x = hidden.index_select(0, routes.token)
+        gate_up = self._with_gate_up_deltas(self._linear(x, "gate_up_proj", routes), deltas(GATE, x), deltas(UP, x))
         h = self.base._apply_gate(gate_up)
-        y = _with_deltas(self._linear(h, "down_proj", groups, experts), deltas(DOWN, h))
-        y = y * top_k_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
-        per_pair = torch.empty_like(y).index_copy(0, order, y).view(T, K, -1)
+        y = _with_deltas(self._linear(h, "down_proj", routes), deltas(DOWN, h))
+        y = y * top_k_weights.reshape(-1)[routes.order].unsqueeze(1).to(y.dtype)
+        per_pair = torch.empty_like(y).index_copy(0, routes.order, y).view(T, K, -1)
         out = per_pair[:, 0]
         for k in range(1, K):  # elementwise adds: a token's sum never depends on the other tokens
             out = out + per_pair[:, k]
         return out.to(hidden.dtype)
 
-    def _tenant_of_tokens(self, ids: list[str | None], per_row: int, device: torch.device
-                          ) -> tuple[torch.Tensor | None, int]:
-        """(the tenant index of each token, the number of tenants) of the current batch: a tenant is
-        one of `ids`, the routing segments' adapters in order (rows without one are one more);
-        (None, 1) where the batch has a single tenant or no row layout."""
+    def _with_gate_up_deltas(self, gate_up: torch.Tensor, gate_d, up_d) -> torch.Tensor:
+        """The fused gate/up output with the gate's and the up projection's LoRA deltas added."""
+        if len(gate_d) == len(up_d) == 1 and gate_d[0][0] is None is up_d[0][0] and not self.interleaved:
+            return gate_up + torch.cat([gate_d[0][1], up_d[0][1]], 1)  # the same adds, in one
+        if not gate_d and not up_d:
+            return gate_up
+        half = gate_up.shape[1] // 2
+        gate_cols = slice(0, None, 2) if self.interleaved else slice(0, half)
+        up_cols = slice(1, None, 2) if self.interleaved else slice(half, None)
+        gate = _with_deltas(gate_up[:, gate_cols], gate_d)
+        up = _with_deltas(gate_up[:, up_cols], up_d)
+        return torch.stack([gate, up], 2).flatten(1) if self.interleaved else torch.cat([gate, up], 1)
+
+    def _layout(self, tokens: int, top_k: int, device: torch.device) -> tuple[list[str | None], PairLayout]:
+        """(the batch's tenants -- the routing segments' adapters in order, rows without one one
+        more; [] without a row layout -- and its `PairLayout`), kept per row layout."""
         segments = self.routing.segments
-        if not per_row or len(ids) < 2:
-            return None, 1
-        tenant = torch.empty(segments[-1][2] * per_row, dtype=torch.long)
-        for adapter_id, start, end in segments:
-            tenant[start * per_row:end * per_row] = ids.index(adapter_id)
-        return tenant.to(device), len(ids)
+        rows = segments[-1][2] if segments else 0
+        per_row = tokens // rows if rows and tokens % rows == 0 else 0
+        if not per_row:
+            return [], pair_layout(None, None, tokens, top_k, self.num_experts, device)
+        tenants = list(dict.fromkeys(adapter_id for adapter_id, _, _ in segments))
+
+        def make() -> PairLayout:
+            of_token, datum = [0] * tokens, [0] * tokens
+            seen = [0] * len(tenants)  # each tenant's rows so far: its datums, in order
+            for adapter_id, start, end in segments:
+                u = tenants.index(adapter_id)
+                for row in range(start, end):
+                    of_token[row * per_row:(row + 1) * per_row] = [u] * per_row
+                    datum[row * per_row:(row + 1) * per_row] = [seen[u]] * per_row
+                    seen[u] += 1
+            return pair_layout(of_token if len(tenants) > 1 else None, datum, tokens, top_k, self.num_experts, device)
+        return tenants, self.routing.per_layout(("moe pairs", tokens, top_k, self.num_experts), make)
 
 
 def attach_moe_lora(model: nn.Module, routing: LoRARouting, projections: list[Projection]

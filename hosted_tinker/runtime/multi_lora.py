@@ -165,7 +165,7 @@ class MultiLoRALinear(AdapterSlots, nn.Module):
             d = lora_delta(xs, *stack.leaves(call.first, call.n), call.scaling)
         elif not self.routing.exact:  # the sampler's decode steps (see `LoRARouting.batch`): no autograd
             d = lora_forward(xs, *stack.factors(call), call.scaling)[1].to(out_dtype)
-        else:  # a canonical pair, slots out of order, or a 16-bit base (fp32 LoRA math)
+        else:  # a canonical pair, slots out of order, or a 16-bit base (bf16 math on a bf16 one)
             d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), stack, call, out_dtype)
         return d.reshape(x.shape[:-1] + (self.out_features,))
 

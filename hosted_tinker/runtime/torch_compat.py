@@ -19,6 +19,7 @@ from torch.optim.adamw import adamw as _public_adamw
 _FUSED_ADAMW = getattr(torch, "_fused_adamw_", None)
 _FOREACH_MUL = getattr(torch, "_foreach_mul_", None)
 _FOREACH_ADD = getattr(torch, "_foreach_add_", None)
+_FOREACH_SUB = getattr(torch, "_foreach_sub_", None)
 _FOREACH_ZERO = getattr(torch, "_foreach_zero_", None)
 _FOREACH_NORM = getattr(torch, "_foreach_norm", None)
 _FLATTEN = getattr(torch._C._nn, "flatten_dense_tensors", None)
@@ -26,20 +27,28 @@ _FLATTEN = getattr(torch._C._nn, "flatten_dense_tensors", None)
 
 def adamw_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                   exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], counters: list[torch.Tensor], *,
-                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step (decoupled weight decay) of every tensor, in place.
 
     `steps[i]` is tensor i's step counter; several tensors may share one, so the distinct
     counters (`counters`) are incremented once each, before the update, as torch.optim does.
-    Fast path: torch's fused AdamW kernel (what `torch.optim.AdamW(fused=True)` runs, CPU and
-    CUDA). Fallback: torch's public single-tensor AdamW, one tensor at a time.
+    `found_inf` (a 0-dim float tensor on the device, 1 or 0): where 1 the step is skipped --
+    weights, moments and counters stay as they were -- without the host reading it, as
+    torch.optim's fused AdamW does under a GradScaler. Fast path: torch's fused AdamW kernel (what
+    `torch.optim.AdamW(fused=True)` runs, CPU and CUDA). Fallback: torch's public single-tensor
+    AdamW, one tensor at a time (which reads `found_inf` on the host: a slower path anyway).
     """
     if not params:
         return
-    if _FUSED_ADAMW is not None and _FOREACH_ADD is not None:
+    if _FUSED_ADAMW is not None and _FOREACH_ADD is not None and _FOREACH_SUB is not None:
         _FOREACH_ADD(counters, 1)
         _FUSED_ADAMW(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                     weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+                     weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, found_inf=found_inf)
+        if found_inf is not None:
+            _FOREACH_SUB(counters, [found_inf] * len(counters))
+        return
+    if found_inf is not None and bool(found_inf):
         return
     for c in counters:
         c.add_(1)
@@ -50,8 +59,9 @@ def adamw_update_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg
                       lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
 
 
-def scale_(tensors: list[torch.Tensor], factors: list[float]) -> None:
-    """tensors[i] *= factors[i], in place, in one multi-tensor op where torch has it."""
+def scale_by_(tensors: list[torch.Tensor], factors: list[torch.Tensor]) -> None:
+    """tensors[i] *= factors[i] (0-dim tensors on the device), in place, in one multi-tensor op
+    where torch has it: the factors are never read on the host."""
     if not tensors:
         return
     if _FOREACH_MUL is not None:

@@ -15,26 +15,29 @@ model treats rows independently (on CUDA by construction, runtime/batch_invarian
 where a probe proved it), and each tenant's loss is computed on its own rows.
 
 On CUDA each micro-batch of a layout seen before is one CUDA graph replay (runtime/graphs.py), and
-a pass waits for the device once, after launching all of its micro-batches (`_collect`).
+a pass waits for the device once, after launching all of its micro-batches (`wait`; an optimizer
+step launched before it shares that wait).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import groupby
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .adamw import adamw_step
+from .. import faults
+from .adamw import PendingSteps, launch_adamw
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, snapshot_gradient_rows
-from .batch_invariant import InvariantSettings, apply_cuda_settings, no_mask_kwargs, training_kernels
+from .batch_invariant import (InvariantSettings, apply_cuda_settings, attention_implementation, no_mask_attention,
+                              no_mask_kwargs, training_kernels)
 from .graphs import CudaGraphCapture, StepGraphs
 from .host_copies import Launched, to_host, wait_for_device
+from .pass_io import PassStats, PendingPass, host_inputs
 from .kernel_choices import KernelChoices, default_micro_batch_tokens
 from .losses import LOSSES, merge_metrics, run_losses, topk_cross_entropy
 from .moe_lora import attach_moe_lora
@@ -44,19 +47,6 @@ from .projections import discover
 from .packing import MicroBatch, PackingPlan, Request, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from ..request_types import FBOutcome, FBWork
-
-
-@dataclass
-class PassStats:
-    """What one fused pass did, for metrics and benchmarks. `models` is known when the pass starts,
-    the rest is counted as it runs."""
-
-    models: int
-    datums: int = 0
-    tokens: int = 0
-    padded_tokens: int = 0
-    micro_batches: int = 0
-    seconds: float = 0.0
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -106,6 +96,8 @@ class TrainingRuntime(KernelChoices):
         if recompute.on:
             recompute_activations(self.base_module)
         self.forward_kwargs = self._causal_kwargs()
+        # Where the model takes no such kwargs: the attention its training steps run with.
+        self.attention = None if self.forward_kwargs else self._no_mask_attention()
         self.policy = self._fusion_policy()
         self.routing = LoRARouting(self.policy)
         # Every weight matrix of the decoder with its role (attention, MLP, unembedding, experts).
@@ -124,6 +116,7 @@ class TrainingRuntime(KernelChoices):
                                or getattr(getattr(cfg, "text_config", None), "max_position_embeddings", 1 << 20))
         self.image_token_id = getattr(cfg, "image_token_id", None)  # a vision-language model's
         self.last_pass = PassStats(models=0)  # no pass yet
+        self._launched = False  # work queued since the last wait for the device (`wait`)
         self.graphs: StepGraphs | None = None
         self.graphs_how = "off on CPU" if device.type != "cuda" else "off (--cuda-graphs off)"
         if cuda_graphs and device.type == "cuda":
@@ -140,6 +133,18 @@ class TrainingRuntime(KernelChoices):
     def _causal_kwargs(self) -> dict:
         """How the model is told "causal, right padding" (batch_invariant.no_mask_kwargs)."""
         return no_mask_kwargs(self.base_module)
+
+    def _no_mask_attention(self) -> str | None:
+        """The attention implementation that builds no mask (batch_invariant.no_mask_attention)."""
+        return no_mask_attention(self.base_module)
+
+    def _kernels(self):
+        """Around a micro-batch and the probes: the batch-invariant kernels, and the attention that
+        builds no mask."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(training_kernels(self.device))
+        stack.enter_context(attention_implementation(self.base_module, self.attention))
+        return stack
 
     def close(self) -> None:
         """Nothing to release: everything lives in this process."""
@@ -188,19 +193,27 @@ class TrainingRuntime(KernelChoices):
     # -- forward / backward --------------------------------------------------------------------
     def forward_backward(self, works: list[FBWork], *, after_phase: Callable[[bool, int], None] | None = None,
                          before_commit: Callable[[], None] | None = None) -> list[FBOutcome]:
-        """Run all `works` fused, in the micro-batches of their packing plan.
+        """Run all `works` fused, in the micro-batches of their packing plan; wait for the device
+        once, then hand every datum its outputs (`launch_forward_backward`, `wait`, outcomes)."""
+        pending = self.launch_forward_backward(works, after_phase=after_phase, before_commit=before_commit)
+        self.wait()
+        return pending.outcomes()
 
-        All or nothing for gradients: if the pass raises, every adapter's gradients are what
-        they were before the call. For a rank of a pool (runtime/distributed.py):
-        `after_phase(grad, micro_batches_run)` follows the gradient and the forward-only
-        micro-batches, and `before_commit()` runs once they are all done, its failure rolling
-        the pass back like any other.
+    def launch_forward_backward(self, works: list[FBWork], *, after_phase: Callable[[bool, int], None] | None = None,
+                                before_commit: Callable[[], None] | None = None) -> "PendingPass":
+        """Queue the fused pass of `works` without waiting for the device; its outputs are read by
+        `PendingPass.outcomes()` after the runtime's next `wait()` (an optimizer step launched in
+        between shares that one wait: `launch_optim_steps`).
+
+        All or nothing for gradients: if launching raises, every adapter's gradients are what
+        they were before the call; once it returns they are the adapters' `.grad`. For a rank of
+        a pool (runtime/distributed.py): `after_phase(grad, micro_batches_run)` follows the
+        gradient and the forward-only micro-batches, and `before_commit()` runs once they are all
+        launched, its failure rolling the pass back like any other.
         """
         start = time.perf_counter()
         self.ensure_live([w.model_id for w in works])
         plan = self.plan(works)
-        stats = PassStats(models=len({w.model_id for w in works}))
-        per_datum: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         # Per request: "loss:sum" (float64 over its datums) plus any metrics its loss reports.
         metric_sums: list[dict[str, float]] = [{"loss:sum": 0.0} for _ in works]
         grad_pass = GradientPass([self.adapters[m] for m in dict.fromkeys(w.model_id for w in works
@@ -214,19 +227,23 @@ class TrainingRuntime(KernelChoices):
                     after_phase(grad, len(phase))
             if before_commit is not None:
                 before_commit()
-            self._collect(launched, works, per_datum, metric_sums, stats)
         except BaseException:
             grad_pass.rollback()
             raise
         grad_pass.commit()
-        outcomes = []
-        for wi, work in enumerate(works):
-            outputs = [per_datum[(wi, di)] for di in range(len(work.data))]
-            outcomes.append(FBOutcome(outputs=outputs, metrics=metric_sums[wi]))
-            stats.datums += len(work.data)
-        stats.seconds = time.perf_counter() - start
+        self._launched = True
+        return PendingPass(self._pass_done, works, launched, metric_sums, PassStats(models=len({w.model_id for w in works})),
+                           start)
+
+    def _pass_done(self, stats: PassStats) -> None:
         self.last_pass = stats
-        return outcomes
+
+    def wait(self) -> None:
+        """The device wait that makes everything launched since the last one readable: at most one
+        per cycle (host_copies.wait_for_device, the sync the step audits allow)."""
+        if self._launched:
+            self._launched = False
+            wait_for_device(self.device)
 
     # -- the packing plan (runtime/packing.py) -----------------------------------------------------
     def requests(self, works: list[FBWork]) -> list[Request]:
@@ -263,6 +280,7 @@ class TrainingRuntime(KernelChoices):
     def _launch(self, mb: MicroBatch, works: list[FBWork], metric_sums) -> Launched:
         """Queue one micro-batch's work; its per-token outputs are copied to host memory without
         waiting. A graphed micro-batch is a replay of its layout's graph (`StepGraphs`)."""
+        faults.check_poisoned("pass.poisoned_datum", (works[wi].data[di].tokens for wi, di in mb.rows))
         host, keys = self._host_inputs(mb, works)
         outputs = None
         if self.graphs is not None and mb.kind == GRAPHED:
@@ -276,43 +294,9 @@ class TrainingRuntime(KernelChoices):
         return Launched(mb, *(to_host(t, static) for t in outputs))
 
     def _host_inputs(self, mb: MicroBatch, works: list[FBWork]) -> tuple[dict[str, torch.Tensor], tuple[str, ...]]:
-        """The micro-batch's padded inputs as host tensors (pinned on CUDA): "tokens" [2, rows,
-        width] (ids, targets) and "floats" [1 + k, rows, width] (mask, then the k loss inputs its
-        losses read, whose names are returned); with rows of (N, K) targets, also those targets
-        and weights, "topk_targets" and "topk_weights" [rows, width, largest K] (their rows' targets
-        and weights in the first two are 0). Built in numpy: no tensor op per datum."""
-        specs = {works[wi].loss_fn for wi, _, _ in mb.runs}
-        keys = tuple(sorted({k for fn in specs for k in (*LOSSES[fn].required_inputs, *LOSSES[fn].inputs)}
-                            - {"target_tokens"}))
-        rows, width = len(mb.rows), mb.width
-        k_max = max(works[wi].targets_k for wi, _, _ in mb.runs)
-        pin = self.device.type == "cuda"
-        host = {"tokens": torch.zeros((2, rows, width), dtype=torch.long, pin_memory=pin),
-                "floats": torch.zeros((1 + len(keys), rows, width), dtype=torch.float32, pin_memory=pin)}
-        if k_max:
-            host["topk_targets"] = torch.zeros((rows, width, k_max), dtype=torch.long, pin_memory=pin)
-            host["topk_weights"] = torch.zeros((rows, width, k_max), dtype=torch.float32, pin_memory=pin)
-        tok, flo = host["tokens"].numpy(), host["floats"].numpy()
-        top_t, top_w = (host[key].numpy() if k_max else None for key in ("topk_targets", "topk_weights"))
-        for r, (wi, di) in enumerate(mb.rows):
-            d = works[wi].data[di]
-            n = mb.lengths[r]
-            tok[0, r, :n] = d.tokens
-            flo[0, r, :n] = 1.0
-            k = works[wi].targets_k
-            if k:
-                top_t[r, :n, :k] = d.inputs["target_tokens"]
-                top_w[r, :n, :k] = d.inputs["weights"]
-                continue
-            tok[1, r, :n] = d.inputs["target_tokens"]
-            for i, key in enumerate(keys):
-                if key in d.inputs:
-                    flo[1 + i, r, :n] = d.inputs[key]
-        pixels = [works[wi].data[di].pixels for wi, di in mb.rows if works[wi].data[di].pixels is not None]
-        if pixels:  # in row order: the model fills its image tokens in that order
-            host["pixel_values"] = torch.cat([p.pixel_values for p in pixels]).to(next(self.model.parameters()).dtype)
-            host["image_grid_thw"] = torch.cat([p.grid_thw for p in pixels])
-        return host, keys
+        """The micro-batch's padded inputs as host tensors (pass_io.host_inputs)."""
+        return host_inputs(mb, works, pin=self.device.type == "cuda",
+                           pixel_dtype=next(self.model.parameters()).dtype)
 
     def _step(self, mb: MicroBatch, works: list[FBWork], keys: tuple[str, ...], t: dict[str, torch.Tensor],
               metric_sums) -> tuple[torch.Tensor, ...]:
@@ -323,7 +307,7 @@ class TrainingRuntime(KernelChoices):
         mask = t["floats"][0]
         inputs = {k: t["floats"][1 + i] for i, k in enumerate(keys)}
         segments = list(mb.segments)
-        with self.routing.batch(segments), training_kernels(self.device), torch.set_grad_enabled(mb.grad):
+        with self.routing.batch(segments), self._kernels(), torch.set_grad_enabled(mb.grad):
             # Right padding and a causal mask: real tokens never see the pads after them.
             logits = self.model(input_ids=ids, use_cache=False, **self.forward_kwargs, **self._image_kwargs(ids, t)).logits
             logprobs, topk = self._target_logprobs(mb, works, logits, targets, t.get("topk_targets"))
@@ -388,24 +372,6 @@ class TrainingRuntime(KernelChoices):
             return lambda: None
         return snapshot_gradient_rows([self.adapters[mid] for mid, _, _ in mb.segments])
 
-    def _collect(self, launched: list[Launched], works: list[FBWork], per_datum, metric_sums, stats: PassStats) -> None:
-        """Wait for the device once, then hand every datum its outputs."""
-        wait_for_device(self.device)
-        for item in launched:
-            mb = item.mb
-            lp_cpu, el_cpu = item.logprobs.numpy(), item.losses.numpy()
-            topk_cpu = item.topk.numpy() if item.topk is not None else None
-            for r, (wi, di) in enumerate(mb.rows):
-                n, k = mb.lengths[r], works[wi].targets_k
-                per_datum[(wi, di)] = {
-                    "logprobs": (topk_cpu[r, :n, :k] if k else lp_cpu[r, :n]).astype(np.float32, copy=True),
-                    "elementwise_loss": el_cpu[r, :n].astype(np.float32, copy=True),
-                }
-                metric_sums[wi]["loss:sum"] += float(el_cpu[r, :n].astype(np.float64).sum())
-            stats.micro_batches += 1
-            stats.tokens += mb.tokens
-            stats.padded_tokens += mb.padded_tokens
-
     @staticmethod
     def _losses(works, runs, segments, logprobs, inputs, mask, metric_sums, topk=None, topk_weights=None
                 ) -> torch.Tensor:
@@ -432,7 +398,7 @@ class TrainingRuntime(KernelChoices):
         """What a micro-batch computes from the embeddings on: logprobs and input gradients with
         grad enabled, and logprobs of a forward-only pass."""
         x = embeds.detach().requires_grad_(True)
-        with self._probe_tenants(embeds.shape[0]), training_kernels(self.device):
+        with self._probe_tenants(embeds.shape[0]), self._kernels():
             with torch.enable_grad():
                 lp = token_logprobs(self.model(inputs_embeds=x, use_cache=False, **self.forward_kwargs).logits, targets)
                 (lp * weights).sum().backward()
@@ -446,6 +412,15 @@ class TrainingRuntime(KernelChoices):
         return self.optim_steps([(model_id, params)])[0]
 
     def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | SkippedStep]:
-        """Every ready model's AdamW step of a cycle, together (one fused kernel per distinct
-        set of hyper-parameters; see `adamw_step`). Each model's result is as if stepped alone."""
-        return adamw_step([(self.adapter(mid), params) for mid, params in steps], self.policy)
+        """Every ready model's AdamW step of a cycle, together (`launch_optim_steps`, `wait`,
+        results). Each model's result is as if stepped alone."""
+        pending = self.launch_optim_steps(steps)
+        self.wait()
+        return pending.results()
+
+    def launch_optim_steps(self, steps: list[tuple[str, AdamParams]]) -> PendingSteps:
+        """Queue the AdamW steps without waiting for the device (adamw.launch_adamw): no host sync
+        inside; `PendingSteps.results()` after the next `wait()`."""
+        pending = launch_adamw([(self.adapter(mid), params) for mid, params in steps], self.policy)
+        self._launched = self._launched or pending.metrics is not None
+        return pending

@@ -192,7 +192,9 @@ class VLLMSamplingBackend:
         return self._in_flight > 0
 
     def metrics(self) -> dict[str, float]:
-        return {**asdict(self.stats), "requests_in_flight": self._in_flight,
+        # In flight: submitted and not answered; at vLLM: of those, the ones sent to it (the rest wait
+        # for it to be ready or for their adapter).
+        return {**asdict(self.stats), "requests_in_flight": self._in_flight, "requests_at_vllm": len(self._calls),
                 "restarts_total": self.sidecar.stats.restarts,
                 "last_start_seconds": self.sidecar.stats.last_start_seconds, "ready": float(self.sidecar.is_ready())}
 

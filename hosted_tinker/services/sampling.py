@@ -6,7 +6,7 @@ sampling work in flight (requests, requested tokens, waiting or running, and ima
 with its training requests: images.py) is bounded too: beyond it the key gets `Busy`, a 429 naming the limit, which
 the SDK treats as back-pressure and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
 A key's allowance is given back when its job ends: done, failed, or cancelled because its client
-went away.
+went away. A request's images are decoded only once its allowance is taken (a refused request decoded none).
 """
 
 from __future__ import annotations
@@ -196,12 +196,13 @@ class SamplingRequests:
         `record(request_id)` gives what stores the request's samples (records.py), or None."""
         job.owner = owner
         self.check_size(served, [job])
-        lease = self.allowance.take(owner, [job])
+        lease = self._take(owner, served, [job])
         request_id, is_new = self.server.futures.create(owner, "sample", sampling_session_id, seq_id)
         if not is_new:  # a concurrent retry of the same seq_id got there first
             lease.release()
             return request_id
         lease.release_when_done([job])
+        self.server.accounting.count_sample(job, owner, served.name, request_id, sampling_session_id)
         served.sampler.submit(request_id, job, record=None if record is None else record(request_id))
         return request_id
 
@@ -211,6 +212,19 @@ class SamplingRequests:
         for job in jobs:
             job.owner = owner
         self.check_size(served, jobs)
-        lease = self.allowance.take(owner, jobs)
+        lease = self._take(owner, served, jobs)
         lease.release_when_done(jobs)
+        for job in jobs:  # no session: usage goes to the key's owner alone
+            self.server.accounting.count_sample(job, owner, served.name, request_id="")
         served.sampler.submit_jobs(jobs)
+
+    def _take(self, owner: str, served: ServedModel, jobs: list[SampleJob]) -> Lease:
+        """A lease on `jobs`' share of `owner`'s allowance, their images decoded once it holds them (a
+        request refused before decoded none); nothing is held if either refuses."""
+        lease = self.allowance.take(owner, jobs)
+        try:
+            self.allowance.images.decode(owner, served.images, [j.pixels for j in jobs if j.pixels is not None])
+        except BaseException:
+            lease.release()
+            raise
+        return lease

@@ -32,6 +32,11 @@ from .images import ImagePixelBudget
 from .provenance import RecordNotFound, loss_inputs, named_sequences
 
 
+def training_run_id(session_id: str, model_seq_id: int) -> str:
+    """The id of a session's `model_seq_id`-th training run (its model id)."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
 def future_ref(request_id: str, model_id: str | None = None) -> dict:
     """What the SDK gets back for queued work: the id to poll with retrieve_future."""
     return FutureRef(request_id, model_id).to_wire()
@@ -56,7 +61,8 @@ class TrainingRequests:
         lora = LoRAConfig(rank=rank, seed=seed or 0, train_mlp=train_mlp, train_attn=train_attn,
                           train_unembed=train_unembed)
         if lora.rank > self.config.max_lora_rank:
-            raise UserError(f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank}")
+            raise UserError(f"LoRA rank {lora.rank} is above this server's limit of {self.config.max_lora_rank} "
+                            "(max_lora_rank)")
         if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
             raise UserError("at least one of train_mlp, train_attn, train_unembed must be true")
         refused = refusal(served.runtime.projections, lora.roles)  # a projection asked for that cannot be adapted
@@ -64,7 +70,7 @@ class TrainingRequests:
             raise UserError(refused)
         if optimizer.get("type", "adamw") != "adamw":
             raise UserError(f"optimizer {optimizer.get('type')!r} is not supported; this server trains with adamw")
-        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.CREATE_MODEL,
+        return self._create(served, owner, training_run_id(session_id, model_seq_id), session_id, RequestKind.CREATE_MODEL,
                             lora.to_dict(), optimizer, user_metadata, lora)
 
     def create_from_checkpoint(self, owner: str, session_id: str, model_seq_id: int, base_model: str | None,
@@ -81,7 +87,7 @@ class TrainingRequests:
             raise UserError(f"checkpoint {spec.path} was trained on base model {manifest.base_model!r}, "
                             f"not {base_model!r}: a checkpoint loads only into its own base model")
         served = served_model(self.server, manifest.base_model)
-        return self._create(served, owner, f"{session_id}:train:{model_seq_id}", session_id, RequestKind.LOAD_WEIGHTS,
+        return self._create(served, owner, training_run_id(session_id, model_seq_id), session_id, RequestKind.LOAD_WEIGHTS,
                             manifest.lora_config.config().to_dict(), optimizer, user_metadata, spec)
 
     def _create(self, served: ServedModel, owner: str, model_id: str, session_id: str, kind: RequestKind, lora: dict,
@@ -95,7 +101,7 @@ class TrainingRequests:
                 return future_ref(existing, model_id)
         live = self.store.count_active_models(owner)
         if live >= self.config.max_models_per_key:
-            raise UserError(f"this API key already has {live} live models (limit "
+            raise UserError(f"this API key already has {live} live models (max_models_per_key = "
                             f"{self.config.max_models_per_key}); unload one before creating another")
         self.store.create_model(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
         served.scheduler.open_model(model_id, 0)
@@ -138,7 +144,7 @@ class TrainingRequests:
                 raise LossInputError("forward_backward needs at least one datum")
             if len(call.data) > limit:
                 raise LossInputError(f"{len(call.data)} datums in one request; this server takes at most {limit} "
-                                     "(the SDK splits larger batches itself)")
+                                     "(max_datums_per_request; the SDK splits larger batches itself)")
             config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
             pixels = expand_images(served, call.data)
             self.images.check_size(total_pixels(pixels))
@@ -244,9 +250,18 @@ class TrainingRequests:
         limit = self.config.max_pending_per_key
         if self.futures.pending(owner) >= limit:
             raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); wait for some to finish")
-        # A forward_backward's or forward's images are held until the request is answered.
-        pixels = total_pixels(d.pixels for d in payload.data) if isinstance(payload, FBWork) else 0
+        # A forward_backward's or forward's images are held until the request is answered, and decoded
+        # only once held: a request refused above decoded none.
+        images = [d.pixels for d in payload.data if d.pixels is not None] if isinstance(payload, FBWork) else []
+        pixels = total_pixels(images)
         self.images.take(owner, pixels)
+        try:
+            self.images.decode(owner, served.images, images)
+        except Exception as e:
+            self.images.give_back(owner, pixels)
+            if not isinstance(e, Busy):  # like a refusal above; a Busy seq_id stays open for the SDK's retry
+                scheduler.skip(model_id, seq_id)
+            raise
         request_id, is_new = self.futures.create(
             owner, kind, model_id, seq_id, on_finish=partial(self.images.give_back, owner, pixels) if pixels else None)
         if not is_new:  # a concurrent retry of the same seq_id got there first
@@ -254,7 +269,8 @@ class TrainingRequests:
             return future_ref(request_id, model_id)
         if isinstance(payload, FBWork):  # in parts of at most one cycle's budget (scheduler.py)
             (payload, tokens), *more = in_parts(payload, scheduler.max_tokens_per_cycle)
-            scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens, more=more))
+            scheduler.submit(Request(request_id, kind, model_id, seq_id, payload, tokens=tokens, more=more,
+                                     owner=owner))
         else:
             scheduler.submit(Request(request_id, kind, model_id, seq_id, payload))
         self.store.touch_model(model_id)
@@ -278,17 +294,21 @@ def in_parts(work: FBWork, max_tokens: int) -> list[tuple[FBWork, int]]:
 
 
 def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | None]:
-    """Each datum's images processed by the served model's image processor: their placeholder
-    tokens put into `datum.tokens` (so every later check sees the model's sequence), the pixels
-    returned. Raises ImageError (a 400) for a text-only model or an image it cannot use."""
+    """Each datum's images sized from their headers by the served model's image processor (decoded
+    later, once the key's budget holds them: `_submit`): their placeholder tokens put into
+    `datum.tokens` (so every later check sees the model's sequence), the images returned. Raises
+    ImageError (a 400) for a text-only model, an image it cannot use, or text it would misread: in a
+    request with images, no datum's text may hold the image placeholder (its datums share micro-batches)."""
     images = sum(len(d.images) for d in data)
-    if images and served.images is None:
+    if not images:
+        return [None] * len(data)
+    if served.images is None:
         raise no_images(f"datum {next(i for i, d in enumerate(data) if d.images)}", served.name)
-    if images:
-        served.images.check_count(images)
+    served.images.check_count(images)
     pixels: list[Pixels | None] = []
     for i, d in enumerate(data):
         if not d.images:
+            served.images.check_text(f"datum {i}", d.tokens)
             pixels.append(None)
             continue
         d.tokens, p = served.images.expand(f"datum {i}", d.tokens, d.images)
@@ -296,15 +316,16 @@ def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | N
     return pixels
 
 
-def checkpoint_to_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int) -> LoadSpec:
-    """The checkpoint at `path`, to load or to sample, if this key may and this server can: its kind, its
-    owner or publication, and its manifest's rank against `max_rank` (--max-lora-rank; the worker checks
-    the files themselves again when it loads them)."""
+def checkpoint_to_load(access: Access, owner: str, path: str, with_optimizer: bool, *, max_rank: int,
+                       purpose: str = "load") -> LoadSpec:
+    """The checkpoint at `path`, to load or to sample (`purpose`, as the audit log records the read), if this
+    key may and this server can: its kind, its owner or publication, and its manifest's rank against
+    `max_rank` (--max-lora-rank; the worker checks the files themselves again when it loads them)."""
     where = TinkerPath.parse(path)
     if where.kind == "external_weights" or (with_optimizer and where.kind != "weights"):
         need = "a training state saved with save_state (tinker://.../weights/...)"
         raise UserError(f"cannot load {path!r} {'with optimizer' if with_optimizer else ''}: needs {need}")
-    folder = Path(access.checkpoint(owner, where.run, where.checkpoint_id).dir)
+    folder = Path(access.read(owner, where.run, where.checkpoint_id, purpose).dir)
     try:
         lora = read_manifest(folder).lora_config
     except CheckpointError as e:

@@ -52,7 +52,8 @@ def expand_images(served: ServedModel, tokens: list[int], images: list[tuple[str
     at = [i for i, t in enumerate(tokens) if t == encoder.image_token_id]
     if len(at) != len(images):
         raise HTTPException(400, f"the chat template of {served.name!r} rendered {len(at)} image placeholders for "
-                                 f"{len(images)} images")
+                                 f"{len(images)} images (text that holds {encoder.tokens.image_name} counts as one: "
+                                 "send images as image_url parts only)")
     text = np.asarray([t for t in tokens if t != encoder.image_token_id], dtype=np.int64)
     try:
         encoder.check_count(len(images))

@@ -59,7 +59,7 @@ def resolve_model(server: Server, access: Access, owner: str, model: str) -> tup
         return server.models.get(model), None
     if model.startswith(SCHEME):
         ckpt_dir = checkpoint_to_load(access, owner, model, with_optimizer=False,
-                                      max_rank=server.config.max_lora_rank).checkpoint_dir
+                                      max_rank=server.config.max_lora_rank, purpose="sample").checkpoint_dir
         base_model = None  # the checkpoint's own, read once its folder is known to exist
     else:
         try:

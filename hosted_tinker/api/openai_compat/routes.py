@@ -155,7 +155,7 @@ def _event(body: dict | str) -> ServerSentEvent:
 async def _answer(request: Request, sampling: SamplingRequests, owner: str, plan: Plan):
     channel = Channel(asyncio.get_running_loop())
     answer = Answer(plan)
-    _submit(sampling, owner, plan, channel)
+    await run_in_threadpool(_submit, sampling, owner, plan, channel)  # it decodes the plan's images
 
     if not plan.stream:
         results: list = [None] * len(plan.jobs)

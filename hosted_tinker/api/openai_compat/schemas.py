@@ -8,6 +8,7 @@ from fastapi import HTTPException, Request
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..limits import parse_json
+from ..schemas import fits_int64
 
 
 class _Strict(BaseModel):
@@ -18,6 +19,11 @@ class _Strict(BaseModel):
     @classmethod
     def _null_is_default(cls, v, info):  # OpenAI clients may send an explicit null for "the default"
         return cls.model_fields[info.field_name].default if v is None else v
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_int64(cls, value: Any) -> Any:  # what numpy and torch hold (a top_k of 2**63 was a 500)
+        return fits_int64(value)
 
 
 class StreamOptions(_Strict):

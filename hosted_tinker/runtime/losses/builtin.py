@@ -1,6 +1,6 @@
-"""The seven built-in losses of `tinker==0.38`, each one function and one `Loss` entry beside it
+"""The built-in losses of `tinker==0.38`, each one function and one `Loss` entry beside it
 (docs/losses.md says what each computes). To add a loss, add both here and name the entry in
-`LOSSES`.
+`LOSSES`: the entry's declared inputs are all that validation needs (validation.py).
 
 Every loss is a **sum** over tokens and datums, never a mean, and a function of one row's own
 tensors: a datum's result never depends on its batch. What a loss needs from the server (per-row
@@ -71,9 +71,9 @@ CROSS_ENTROPY = Loss("cross_entropy", cross_entropy, ("target_tokens", "weights"
 IMPORTANCE_SAMPLING = Loss("importance_sampling", importance_sampling, RL_INPUTS)
 # Ratio bounds (not epsilons), with the documented defaults.
 PPO = Loss("ppo", ppo, RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, check_clip_order,
-           inputs=CLIP_KEYS, derive=(derive_clip_rows,))
+           inputs=CLIP_KEYS, derive=(derive_clip_rows,), optional_inputs=CLIP_KEYS)
 CISPO = Loss("cispo", cispo, RL_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}, check_clip_order,
-             inputs=CLIP_KEYS, derive=(derive_clip_rows,))
+             inputs=CLIP_KEYS, derive=(derive_clip_rows,), optional_inputs=CLIP_KEYS)
 # No documented default for beta: asking for it beats silently picking one.
 DRO = Loss("dro", dro, RL_INPUTS, {"beta": None})
 
@@ -129,7 +129,8 @@ def derive_gspo_ratio_rows(d: DatumInputs) -> dict[str, np.ndarray]:
 # The docs do not show gspo's defaults; ppo's bounds (ours).
 GSPO = Loss("gspo", gspo, RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, check_clip_order,
             inputs=(*CLIP_KEYS, "request_datums", "sequence_ratio_mask"),
-            derive=(derive_request_datums, derive_clip_rows, derive_gspo_ratio_rows), host_side=True)
+            derive=(derive_request_datums, derive_clip_rows, derive_gspo_ratio_rows), host_side=True,
+            optional_inputs=(*CLIP_KEYS, "sequence_ratio_mask"))
 
 
 # -- stable_reinforce -----------------------------------------------------------------------------
@@ -182,7 +183,8 @@ def derive_recorded_samples(d: DatumInputs) -> dict[str, np.ndarray]:
 STABLE_REINFORCE_LOSS = Loss(
     "stable_reinforce", STABLE_REINFORCE, ("target_tokens", "advantages"), {"kl_coeff": 0.01}, check_kl_coeff,
     inputs=("recorded_logprobs", "sampled_rows", "request_datums", "logprobs_mismatch"),
-    derive=(derive_request_datums, derive_recorded_samples), needs_recorded_samples=True, host_side=True)
+    derive=(derive_request_datums, derive_recorded_samples), needs_recorded_samples=True, host_side=True,
+    optional_inputs=("logprobs",))
 
 
 LOSSES: dict[str, Loss] = {loss.name: loss for loss in (

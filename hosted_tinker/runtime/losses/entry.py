@@ -13,6 +13,9 @@ import torch
 from ...errors import UserError
 
 CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
+# The user inputs that hold token ids (checked against the vocabulary); every other input a loss
+# declares is a per-token float (checked for shape and finiteness).
+TOKEN_INPUTS = ("target_tokens",)
 
 
 class LossInputError(UserError):
@@ -70,6 +73,9 @@ class Loss:
     # name is replaced), and the derivers that compute them, in order.
     inputs: tuple[str, ...] = ()
     derive: tuple[Deriver, ...] = ()
+    # Inputs the user may send, which the derivers read when sent (per-row clip bounds, gspo's
+    # ratio mask): validated as the required ones are.
+    optional_inputs: tuple[str, ...] = ()
     # Trains on the recorded samples that a datum's provenance names (services/provenance.py
     # resolves them into `DatumInputs.recorded_logprobs`).
     needs_recorded_samples: bool = False
@@ -78,6 +84,11 @@ class Loss:
     # Computes part of its value or metrics on the host (a device sync): its micro-batches run
     # eagerly where the others are CUDA graphs (runtime/graphs.py).
     host_side: bool = False
+
+    @property
+    def user_inputs(self) -> tuple[str, ...]:
+        """Every input a user may send for this loss: what validation checks, by its kind."""
+        return (*self.required_inputs, *self.optional_inputs)
 
 
 def as_rows(x: torch.Tensor) -> np.ndarray:

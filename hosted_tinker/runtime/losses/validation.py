@@ -8,10 +8,7 @@ import math
 import numpy as np
 
 from .builtin import KNOWN_UNSUPPORTED, LOSSES
-from .entry import CLIP_KEYS, DatumInputs, LossInputError
-
-# Per-token float inputs a user may send (the SDK's float32 keys), checked for shape and finiteness.
-PER_TOKEN_FLOAT = ("weights", "logprobs", "advantages", *CLIP_KEYS, "sequence_ratio_mask")
+from .entry import TOKEN_INPUTS, DatumInputs, LossInputError
 # The inputs that may carry K targets per position, (N, K) next to (N,), for a loss that takes
 # them (`Loss.topk_targets`; the RL losses need one sampler logprob per position, of the one token
 # sampled there).
@@ -70,7 +67,7 @@ def validate_datum(
         if key not in inputs:
             raise LossInputError(f"{where}: loss {loss_fn!r} needs loss_fn_inputs[{key!r}]")
     k = _check_targets_shape(where, inputs.get("target_tokens"), n, loss_fn, max_targets)
-    for key in ("target_tokens",) + PER_TOKEN_FLOAT:
+    for key in (*TOKEN_INPUTS, *per_token_float_inputs()):
         if key not in inputs:
             continue
         arr = inputs[key]
@@ -78,7 +75,7 @@ def validate_datum(
         if list(arr.shape) != expected:
             raise LossInputError(f"{where}: loss_fn_inputs[{key!r}] has shape {list(arr.shape)}, expected "
                                  f"{_expected_shape(key, expected, loss_fn)}")
-        if key == "target_tokens":
+        if key in TOKEN_INPUTS:
             if np.issubdtype(arr.dtype, np.floating) and not np.all(np.mod(arr, 1) == 0):
                 raise LossInputError(f"{where}: loss_fn_inputs['target_tokens'] must be integers")
             bad = (arr < 0) | (arr >= vocab_size)
@@ -90,6 +87,15 @@ def validate_datum(
         elif not np.all(np.isfinite(arr)):
             raise LossInputError(f"{where}: loss_fn_inputs[{key!r}] has a non-finite value at position "
                                  f"{_position(~np.isfinite(arr))}")
+
+
+def per_token_float_inputs() -> tuple[str, ...]:
+    """The per-token float inputs a user may send (the SDK's float32 keys): every input that any
+    registered loss declares (`Loss.user_inputs`) and that holds no token ids. Each is checked for
+    shape and finiteness whenever sent, whichever loss the request names, so a new loss's float
+    input is validated by its declaration alone."""
+    names = dict.fromkeys(key for loss in LOSSES.values() for key in loss.user_inputs)  # in registration order
+    return tuple(key for key in names if key not in TOKEN_INPUTS)
 
 
 def _check_targets_shape(where: str, targets: np.ndarray | None, n: int, loss_fn: str, max_targets: int) -> int:

@@ -1,9 +1,14 @@
-"""Tiny configurations of the model families the server takes (transformers' own classes, random
-weights): what the model matrix serves (test_model_matrix.py) and the sampler decodes in process
-(test_sampling_families.py)."""
+"""Tiny random models of the families the server takes (transformers' own classes): their configs,
+the models themselves (the sampler decodes them in process, test_sampling_families.py), and the
+same saved as a checkpoint folder with the embedded model's tokenizer, for the test modules that
+start servers on them."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import torch
 import transformers as T
 
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -34,3 +39,23 @@ def configs(vocab: int) -> dict[str, T.PretrainedConfig]:
                                           qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                                           num_key_value_heads=4, **SMALL),
     }
+
+
+def family_model(name: str, config: T.PretrainedConfig) -> torch.nn.Module:
+    """A random model of family `name` with `config` (weights fixed by the seed, fp32)."""
+    torch.manual_seed(0)
+    model = (T.Gemma3ForCausalLM if name == "gemma3" else T.AutoModelForCausalLM.from_config)(config)
+    with torch.no_grad():  # transformers may leave 3-D expert weights uninitialised
+        for p in model.parameters():
+            if p.dim() == 3:
+                p.normal_(0, 0.1)
+    return model.to(torch.float32)
+
+
+def save_family_model(root: Path, name: str, config: T.PretrainedConfig, tokenizer_dir: Path) -> str:
+    """`family_model` saved under root/name with the tokenizer files of `tokenizer_dir`; its path."""
+    out = root / name
+    family_model(name, config).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / f, out / f)
+    return str(out)

@@ -1,0 +1,109 @@
+"""Session search over the store's tables (`RestClient.search_sessions`): one SQL query per page.
+
+A session is visible to its owner, and to other keys only while one of its runs holds a live published
+checkpoint (as `list_training_runs(access_scope="accessible")` shows runs): a private session of another
+owner never appears, whatever the filters. Pages are newest first, with a keyset cursor (created_at,
+session_id), so a page is as cheap at the millionth session as at the first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .sqlite_db import SQLiteDB
+from .store_records import SessionRecord, from_row
+
+DEFAULT_PROJECT = "default"  # the project of a session created without one
+
+
+@dataclass(frozen=True)
+class SessionFilter:
+    caller: str
+    owners: frozenset[str] | None  # None: every owner
+    session_id: str | None
+    name_words: tuple[str, ...]  # each must appear in the display name (case-insensitive)
+    metadata: dict[str, str]  # every pair must hold
+    projects: frozenset[str] | None
+    statuses: frozenset[str] | None  # stored statuses: active, success, errored, interrupted
+    limit: int
+    after: tuple[int, str] | None  # the last page's last (created_at in microseconds, session_id)
+
+
+@dataclass(frozen=True)
+class FoundSession:
+    record: SessionRecord
+    checkpoints: int  # live checkpoints of its runs the caller may see
+    checkpoint_bytes: int
+
+
+_LIVE_PUBLIC = ("EXISTS (SELECT 1 FROM models m JOIN checkpoints c ON c.model_id = m.model_id WHERE m.session_id ="
+                " s.session_id AND c.public = 1 AND (c.expires_at IS NULL OR c.expires_at > :now))")
+_VISIBLE = f"(s.owner = :caller OR {_LIVE_PUBLIC})"
+# Pages are ordered by whole microseconds, what a cursor's timestamp carries (Python truncates the same way).
+_MICROS = "CAST(s.created_at * 1000000 AS INTEGER)"
+
+
+def micros(t: float) -> int:
+    """A stored time as the search orders it."""
+    return int(t * 1000000)
+
+
+def _like(word: str) -> str:
+    return "%" + word.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+class SessionSearch:
+    def __init__(self, db: SQLiteDB):
+        self.db = db
+
+    def find(self, f: SessionFilter) -> list[FoundSession]:
+        """Up to `f.limit` visible sessions that match, newest first, after `f.after`."""
+        where, args = [_VISIBLE], {"caller": f.caller, "now": time.time(), "limit": f.limit}
+        if f.owners is not None:
+            where.append(f"s.owner IN ({self._names(args, 'owner', f.owners)})")
+        matches = []
+        if f.session_id is not None:
+            matches.append("s.session_id = :session_id")
+            args["session_id"] = f.session_id
+        if f.name_words:
+            for i, word in enumerate(f.name_words):
+                args[f"word{i}"] = _like(word)
+            matches.append("(" + " AND ".join(f"LOWER(COALESCE(s.display_name, '')) LIKE :word{i} ESCAPE '\\'"
+                                              for i in range(len(f.name_words))) + ")")
+        if matches:
+            where.append("(" + " OR ".join(matches) + ")")  # the SDK: a session matching either one matches
+        for i, (key, value) in enumerate(sorted(f.metadata.items())):
+            args[f"mkey{i}"], args[f"mvalue{i}"] = key, value
+            where.append(f"EXISTS (SELECT 1 FROM json_each(s.user_metadata) WHERE key = :mkey{i} AND value = :mvalue{i}"
+                         " AND type = 'text')")
+        if f.projects is not None:
+            where.append(f"COALESCE(s.project_id, '{DEFAULT_PROJECT}') IN ({self._names(args, 'project', f.projects)})")
+        if f.statuses is not None:
+            where.append(f"s.status IN ({self._names(args, 'status', f.statuses)})")
+        if f.after is not None:
+            args["after_t"], args["after_id"] = f.after
+            where.append(f"({_MICROS} < :after_t OR ({_MICROS} = :after_t AND s.session_id > :after_id))")
+        sql = (f"SELECT s.* FROM sessions s WHERE {' AND '.join(where)} ORDER BY {_MICROS} DESC, s.session_id"
+               " LIMIT :limit")
+        return [self._counted(from_row(SessionRecord, row), f.caller) for row in self.db.all(sql, args)]
+
+    @staticmethod
+    def _names(args: dict, prefix: str, values: frozenset[str]) -> str:
+        for i, value in enumerate(sorted(values)):
+            args[f"{prefix}{i}"] = value
+        return ", ".join(f":{prefix}{i}" for i in range(len(values)))
+
+    def _counted(self, record: SessionRecord, caller: str) -> FoundSession:
+        row = self.db.one("SELECT COUNT(*), COALESCE(SUM(c.size_bytes), 0) FROM checkpoints c JOIN models m ON"
+                          " m.model_id = c.model_id WHERE m.session_id = ? AND (c.expires_at IS NULL OR c.expires_at"
+                          " > ?) AND (? OR c.public = 1)", (record.session_id, time.time(), record.owner == caller))
+        return FoundSession(record, row[0], row[1])
+
+    def listable_projects(self, caller: str, projects: frozenset[str]) -> set[str]:
+        """Those of `projects` that hold a session the caller may see."""
+        args = {"caller": caller, "now": time.time()}
+        names = self._names(args, "project", projects)
+        rows = self.db.all(f"SELECT DISTINCT COALESCE(s.project_id, '{DEFAULT_PROJECT}') FROM sessions s WHERE"
+                           f" {_VISIBLE} AND COALESCE(s.project_id, '{DEFAULT_PROJECT}') IN ({names})", args)
+        return {r[0] for r in rows}
