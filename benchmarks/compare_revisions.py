@@ -22,16 +22,19 @@ Here both revisions' code runs in every round, in rotating order:
              status codes and the server process's CPU-seconds and peak-RSS growth.
   sampling   one process holds both revisions' SamplingEngine, each on its own copy of one model
              (sampling.py's preset) with the same adapters; a round runs sampling.py's load
-             (--requests concurrent x --new-tokens, 4 adapters of rank 16, temperature 1, seeded)
-             through each engine. Prints each revision's generated tokens/s (medians) and the
-             median of per-round new/old ratios.
+             (--requests concurrent x --new-tokens, 4 adapters of rank --rank, temperature 1, seeded)
+             through each engine, then the same requests with max_tokens=1 (the time until every
+             request has its first token: prefill and first pick). Prints each revision's
+             generated tokens per second of wall time and per second of the engine thread's CPU
+             time (on a shared box the CPU time moves less with other work), that time (medians),
+             and the medians of per-round new/old ratios.
 
     .venv/bin/python benchmarks/compare_revisions.py training --old REV [--sizes tiny,small,medium]
         [--tenants 1,2,4,8,16] [--rounds-scale 1.0] [--threads 1]
     .venv/bin/python benchmarks/compare_revisions.py overhead --old REV [--rounds 150]
     .venv/bin/python benchmarks/compare_revisions.py images --old REV
     .venv/bin/python benchmarks/compare_revisions.py sampling --old REV [--rounds 5] [--preset small]
-        [--requests 64] [--new-tokens 64] [--threads 1]
+        [--requests 64] [--new-tokens 64] [--rank 16] [--threads 1]
 
 REV is any git revision of this repository (its code is taken with `git archive`). A benchmark,
 not a test: it asserts nothing about time and exits 0.
@@ -291,7 +294,12 @@ def images(args, tmp: Path, old_tree: Path) -> None:
 
 
 # ---- sampling -------------------------------------------------------------------------------------
-def sampling(args) -> None:
+SAMPLING_ADAPTERS = 4
+
+
+def sampling_engines(args) -> dict:
+    """Per revision: its engine module and a `SamplingEngine` on its own copy of one model, with
+    the same adapters (rank --rank, non-zero B)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -299,57 +307,74 @@ def sampling(args) -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
-    cpu, adapters = torch.device("cpu"), 4
+    cpu = torch.device("cpu")
+    engines = {}
     with tempfile.TemporaryDirectory() as tmp:
         src = build_tiny_model(Path(tmp), SPEC_PRESETS[args.preset])
         tokenizer = AutoTokenizer.from_pretrained(src)
-        engines = {}
         for tag, package in REVISIONS:
             trainer, lora, _ = modules(package)
             engine = importlib.import_module(f"{package}.sampling.engine")
             runtime = trainer.TrainingRuntime(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), "bench",
                                               device=cpu)
-            for a in range(adapters):
-                adapter = runtime.create_adapter(f"a{a}", lora.LoRAConfig(rank=16, seed=a))
+            for a in range(SAMPLING_ADAPTERS):
+                adapter = runtime.create_adapter(f"a{a}", lora.LoRAConfig(rank=args.rank, seed=a))
                 with torch.no_grad():  # non-zero B, as after training
                     for w in adapter.weights.values():
                         w.B.copy_(torch.randn(w.B.shape, generator=torch.Generator().manual_seed(a)) * 1e-2)
             engines[tag] = (engine, engine.SamplingEngine(runtime.model, runtime.routing, tokenizer, cpu))
+    return engines
+
+
+def sampling(args) -> None:
+    torch.set_num_threads(args.threads)
+    engines = sampling_engines(args)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 1000, int(rng.integers(28, 37))).tolist() for _ in range(args.requests)]
 
-    def run(tag: str, max_tokens: int, seed0: int) -> float:
+    def run(tag: str, max_tokens: int, seed0: int) -> tuple[float, float, float]:
+        """(generated tokens per wall second, per CPU second of this thread, wall seconds) of every
+        request at once, run to completion."""
         module, engine = engines[tag]
         done: list = []
         engine.submit_all([module.SampleJob(prompt=p, num_samples=1, max_tokens=max_tokens,
-                                            adapter_id=f"a{i % adapters}", temperature=1.0, seed=seed0 + i,
+                                            adapter_id=f"a{i % SAMPLING_ADAPTERS}", temperature=1.0, seed=seed0 + i,
                                             on_done=done.append, on_error=done.append)
                            for i, p in enumerate(prompts)])
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         engine.run(lambda: False, max_seconds=1e9)
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
         tokens = sum(len(s.tokens) for r in done for s in r.sequences)
         if tokens != args.requests * max_tokens:
             raise RuntimeError(f"{tag}: {tokens} tokens generated, expected {args.requests * max_tokens}: {done[:1]}")
-        return tokens / wall
+        return tokens / wall, tokens / cpu, wall
 
     for tag, _ in REVISIONS:
         run(tag, 4, seed0=10_000)  # warm-up
-    tps: dict[str, list[float]] = {tag: [] for tag, _ in REVISIONS}
+    runs: dict[str, list[tuple[float, float, float]]] = {tag: [] for tag, _ in REVISIONS}
+    first: dict[str, list[float]] = {tag: [] for tag, _ in REVISIONS}  # all requests' first (only) token
     order = [tag for tag, _ in REVISIONS]
     for rnd in range(args.rounds):
         for tag in order:
-            tps[tag].append(run(tag, args.new_tokens, seed0=1000 * rnd))
+            runs[tag].append(run(tag, args.new_tokens, seed0=1000 * rnd))
+            first[tag].append(run(tag, 1, seed0=1000 * rnd)[2])
         order.reverse()
+    report_sampling(args, runs, first)
+
+
+def report_sampling(args, runs: dict, first: dict) -> None:
     med = statistics.median
     print(f"sampling: old = {args.old}, new = this checkout; model {args.preset}, {args.requests} concurrent x "
-          f"{args.new_tokens} tokens, {adapters} adapters, temperature 1, torch threads {args.threads}, "
+          f"{args.new_tokens} tokens, {SAMPLING_ADAPTERS} adapters of rank {args.rank}, temperature 1, torch threads "
+          f"{args.threads}, "
           f"{args.rounds} rounds")
     for tag, _ in REVISIONS:
-        print(f"  {tag}: {med(tps[tag]):.0f} generated tokens/s (rounds: "
-              + ", ".join(f"{t:.0f}" for t in tps[tag]) + ")")
-    print(f"  new/old, median of per-round ratios: {med(n / o for n, o in zip(tps['new'], tps['old'])):.2f}x")
+        print(f"  {tag}: {med(r[0] for r in runs[tag]):.0f} generated tokens/s (rounds: "
+              + ", ".join(f"{r[0]:.0f}" for r in runs[tag]) + f"), {med(r[1] for r in runs[tag]):.0f} per CPU "
+              f"second; {args.requests} requests' first token in {1000 * med(first[tag]):.0f} ms")
+    ratio = {k: med(n[k] / o[k] for n, o in zip(runs["new"], runs["old"])) for k in (0, 1)}
+    print(f"  new/old, median of per-round ratios: tokens/s {ratio[0]:.2f}x, tokens per CPU second {ratio[1]:.2f}x, "
+          f"time to every first token {med(n / o for n, o in zip(first['new'], first['old'])):.2f}x")
 
 
 def main() -> int:
@@ -366,6 +391,7 @@ def main() -> int:
     ap.add_argument("--preset", default="small", help="sampling: the model, a preset of embedded_model (default small)")
     ap.add_argument("--requests", type=int, default=64, help="sampling: concurrent requests (default 64)")
     ap.add_argument("--new-tokens", type=int, default=64, help="sampling: tokens per request (default 64)")
+    ap.add_argument("--rank", type=int, default=16, help="sampling: the adapters' LoRA rank (default 16)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ht-compare-"))
     try:

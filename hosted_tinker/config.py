@@ -127,9 +127,9 @@ class ServerConfig(BaseSettings):
     compute for a fraction of the activation memory); auto = on where a full micro-batch's activations would
     outgrow half the GPU's free memory, off on CPU"""
     cuda_graphs: Literal["on", "off"] = "on"
-    """on CUDA, run each training micro-batch layout seen before as one CUDA graph replay (its forward and
-    backward; the first step of a layout also captures it); off = every step eager, thousands of kernel
-    launches. No effect on CPU or in a worker pool"""
+    """on CUDA, run each training micro-batch layout and sampler decode step layout seen before as one CUDA
+    graph replay (the first step of a layout captures it); off = every step eager, thousands of kernel
+    launches. No effect on CPU or in a worker pool's training"""
     max_tokens_per_cycle: int = Field(65536, ge=1)
     """tokens of forward/backward work packed into one clock cycle, shared fairly across models; a larger
     request runs in parts of whole datums, one per cycle, with other models' work and sampling between them"""
@@ -151,9 +151,12 @@ class ServerConfig(BaseSettings):
     429"""
     # Its description is given here, not as a docstring: it prints DEFAULT_KV_TOKENS' value.
     max_sampling_kv_tokens: int = Field(
-        0, ge=0, description="KV-cache tokens the built-in sampler's running requests may hold together, each "
-                             "reserving num_samples x (prompt + max_tokens) while it runs; others wait their turn "
-                             "(FIFO) and one larger than all of it is refused with a 400. 0 = auto: on CUDA half "
+        0, ge=0, description="KV-cache tokens the built-in sampler's running requests may hold together (its "
+                             "page pool's size: on CUDA allocated whole at start-up, unless vLLM samples), each "
+                             "reserving num_samples x (prompt + max_tokens) while it runs; "
+                             "others wait (a smaller later one that fits starts; an older one that could start by "
+                             "pausing younger ones does) and one larger than all of it is refused with a 400. "
+                             "0 = auto: on CUDA half "
                              "the device's free memory at start-up over the model's KV bytes per token; on CPU "
                              f"{DEFAULT_KV_TOKENS} (set it to bound a large model's KV cache there)")
     max_sampling_kv_share_per_key: float = Field(0.5, gt=0, le=1)

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from hosted_tinker.checkpoints.paths import TinkerPath
 from hosted_tinker.request_types import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
+from hosted_tinker.runtime.graphs import Entry
 from hosted_tinker.runtime.losses import LOSSES, prepare_inputs, resolve_loss_config
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
@@ -76,6 +77,30 @@ def random_work(i: int, model_id: str, loss_fn: str, cfg: dict, lengths: tuple[i
     if LOSSES[loss_fn].inputs:  # what the API derives (gspo's ratio rows, per-row clip bounds)
         data = [DatumWork(d.tokens, prepare_inputs(k, loss_fn, resolved, d.inputs, len(data))) for k, d in enumerate(data)]
     return FBWork(model_id, data, loss_fn, resolved, forward_only=False)
+
+
+class RerunCapture:
+    """Stands in for CUDA graph capture (mock: no CUDA here). Capturing runs the step once on the
+    static inputs to make its static outputs; a replay runs it again on those inputs and copies
+    the new results into those outputs."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.warm_ups = 0
+
+    def warm_up(self, step, inputs):
+        self.warm_ups += 1
+        step(inputs)
+
+    def __call__(self, step, inputs):
+        outputs = step(inputs)
+
+        def replay():
+            with torch.no_grad():
+                for static, new in zip(outputs, step(inputs)):
+                    static.copy_(new)
+        return Entry(inputs, outputs, replay)
 
 
 def tenant_adam(i: int) -> AdamParams:

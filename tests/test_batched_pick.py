@@ -147,12 +147,14 @@ def test_a_decode_step_reads_the_host_once_whatever_its_rows(engine, rows):
     done: list = []
     engine.submit_all([job(i, done, top_k=5 if i % 2 else -1, top_p=0.9 if i % 3 else 1.0) for i in range(rows)])
     with torch.no_grad():
-        engine._admit(lambda j: None)  # prefill: a group of `rows` rows with its first tokens
-        (group,) = engine._groups
+        engine._receive()
+        engine._admit(lambda j: None)
+        engine._prefill_chunk()  # `rows` rows with their first tokens
+        running = [row for job in engine.admission.running for row in job.rows]
         with HostReads(engine.model) as reads:
-            engine._decode_step(group)
+            engine._decode(running)
     assert sum(reads.count.values()) == 1, reads.count  # the pick's one batch read: all rows' tokens, logprobs, top-k
-    assert len(group.rows) == rows and all(len(row.tokens) == 2 for row in group.rows)
+    assert len(running) == rows and all(len(row.tokens) == 2 for row in running)
     engine.run(should_yield=lambda: False, max_seconds=60.0)
     assert len(done) == rows and all(len(r.sequences[0].tokens) == 6 for r in done)
 

@@ -18,36 +18,12 @@ from transformers import AutoModelForCausalLM
 
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
-from hosted_tinker.runtime.graphs import Entry, StepGraphs
+from hosted_tinker.runtime.graphs import StepGraphs
 from hosted_tinker.runtime.invariance import same_bits
 from hosted_tinker.runtime.trainer import EAGER, GRAPHED, TrainingRuntime
-from helpers import TENANTS, random_work, train_tenants
+from helpers import TENANTS, RerunCapture, random_work, train_tenants
 
 CPU = torch.device("cpu")
-
-
-class RerunCapture:
-    """Stands in for CUDA graph capture (mock: no CUDA here). Capturing runs the step once on the
-    static inputs to make its static outputs; a replay runs it again on those inputs and copies
-    the new results into those outputs."""
-
-    device = CPU
-
-    def __init__(self):
-        self.warm_ups = 0
-
-    def warm_up(self, step, inputs):
-        self.warm_ups += 1
-        step(inputs)
-
-    def __call__(self, step, inputs):
-        outputs = step(inputs)
-
-        def replay():
-            with torch.no_grad():
-                for static, new in zip(outputs, step(inputs)):
-                    static.copy_(new)
-        return Entry(inputs, outputs, replay)
 
 
 def runtime_pair(path):

@@ -1,9 +1,9 @@
 """The built-in engine's KV-cache budget (sampling/kv_budget.py, engine.py), against the real engine
 on the embedded model, in process, driven round by round as the device loop drives it when
 training waits (one admission and one decode step per round), so every state between steps
-can be looked at: the KV cache the engine really holds never passes the budget, jobs wait in
-strict FIFO order, a cancelled job's reservation comes back, and a job larger than the whole
-budget is refused, never left waiting.
+can be looked at: the KV cache the engine really holds never passes the budget, a small job does
+not wait behind a large one nor delays it (admission.py), a cancelled job's reservation comes
+back, and a job larger than the whole budget is refused, never left waiting.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class Outcome:
 
 
 def held_kv_tokens(engine: SamplingEngine) -> int:
-    """The KV cache the engine's groups really hold now: rows x cached positions, per group."""
-    return sum(len(g.rows) * g.cache.get_seq_length() for g in engine._groups)
+    """The KV cache the engine's rows really hold now: each row's cached positions, its prompt's included."""
+    return engine.held_kv_tokens
 
 
 def step(engine: SamplingEngine) -> None:
@@ -75,19 +75,41 @@ def test_many_jobs_all_finish_and_the_cache_never_outgrows_the_budget(engine):
     assert engine.reserved_kv_tokens == 0 and engine.waiting_jobs == 0
 
 
-def test_a_large_job_at_the_head_is_not_overtaken(engine):
+def seeded(num_samples: int, max_tokens: int) -> Outcome:
+    outcome = Outcome(num_samples, max_tokens)
+    outcome.job.temperature, outcome.job.seed = 1.0, 7
+    return outcome
+
+
+def test_a_small_job_does_not_wait_behind_a_large_one_nor_delays_it(engine):
+    """Issue 35: a large job that does not fit beside a running one waits; a small one sent after
+    it starts at once (FIFO admission made it wait its turn). The large one starts in the step after
+    the running one ends, as it did under FIFO: the small one, still running, is paused for it (its
+    cache swapped out), and resumes after it with the samples it has when it runs alone."""
     running = Outcome(num_samples=2, max_tokens=16)  # 40
     engine.submit(running.job)
     step(engine)
-    large, small = Outcome(num_samples=4, max_tokens=16), Outcome(num_samples=1, max_tokens=4)  # 80, then 8
+    large, small = Outcome(num_samples=4, max_tokens=16), seeded(num_samples=1, max_tokens=30)  # 80, then 34
     engine.submit_all([large.job, small.job])
+    step(engine)
+    assert small.started and not large.started and engine.waiting_jobs == 1
+    while not running.done:
+        step(engine)
+        assert not large.started and engine.reserved_kv_tokens <= BUDGET
+    step(engine)
+    assert large.started and not small.done and engine.requests_preempted == 1
+    assert engine.reserved_kv_tokens == 80 and engine.waiting_jobs == 1  # the small one waits, paused
     while engine.has_work():
         step(engine)
-        assert large.started or not small.started  # small fits beside `running`, but waits its turn
-        if not large.started:
-            assert engine.waiting_jobs == 2
+        assert held_kv_tokens(engine) <= engine.reserved_kv_tokens <= BUDGET
     assert all(len(o.done) == 1 for o in (running, large, small))
-    assert engine.peak_reserved_kv_tokens <= BUDGET
+    alone = seeded(num_samples=1, max_tokens=30)
+    engine.submit(alone.job)
+    while engine.has_work():
+        step(engine)
+    assert small.done[0].sequences[0].tokens == alone.done[0].sequences[0].tokens
+    assert small.done[0].sequences[0].logprobs == pytest.approx(alone.done[0].sequences[0].logprobs, abs=1e-5)
+    assert engine.pool.pages_in_use == 0
 
 
 def test_a_cancelled_job_gives_its_reservation_back(engine):

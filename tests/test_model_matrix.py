@@ -41,7 +41,7 @@ import torch
 import transformers as T
 from safetensors.torch import load_file
 
-from family_models import save_family_model
+from family_models import configs, save_family_model
 from helpers import checkpoint_dir, logprobs_of, read_adapter, sft_datum, tar_bytes
 from hosted_tinker.embedded_model import ensure_embedded_model
 from hosted_tinker.export import export_checkpoint
@@ -55,36 +55,6 @@ pytestmark = pytest.mark.e2e
 KEY = "tml-model-matrix"
 TOKENS = [5, 17, 230, 41, 999, 8, 77, 300, 12, 640]
 PARITY = 1e-5  # fp32: sampler and trainer run the same layers; the merged model is plain HF
-SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
-
-
-def configs(vocab: int) -> dict[str, T.PretrainedConfig]:
-    kv = dict(num_key_value_heads=2)
-    return {
-        "qwen3": T.Qwen3Config(vocab_size=vocab, head_dim=8, **kv, **SMALL),
-        "llama": T.LlamaConfig(vocab_size=vocab, **kv, **SMALL),
-        "gemma3": T.Gemma3TextConfig(vocab_size=vocab, head_dim=8, **kv, **SMALL),
-        "phi3": T.Phi3Config(vocab_size=vocab, pad_token_id=0, **kv, **SMALL),
-        "phi": T.PhiConfig(vocab_size=vocab, **SMALL),
-        "gpt_neox": T.GPTNeoXConfig(vocab_size=vocab, **SMALL),
-        "gpt2": T.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64),
-        # An MoE model: LoRA on its experts too (per-expert w1, w2, w3).
-        "qwen3_moe": T.Qwen3MoeConfig(vocab_size=vocab, head_dim=8, moe_intermediate_size=16, num_experts=4,
-                                      num_experts_per_tok=2, **kv, **SMALL),
-        "mixtral": T.MixtralConfig(vocab_size=vocab, num_local_experts=4, num_experts_per_tok=2, **kv, **SMALL),
-        # GPT-OSS: transposed experts with biases, gate/up interleaved, attention sinks, sliding layers.
-        "gpt_oss": T.GptOssConfig(vocab_size=vocab, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-                                  **kv, **SMALL),
-        # DeepSeek-V3: MLA attention (q_a/q_b, kv_a_proj_with_mqa/kv_b), a dense first layer, then
-        # routed experts beside a shared expert.
-        "deepseek_v3": T.DeepseekV3Config(vocab_size=vocab, moe_intermediate_size=16, n_routed_experts=4,
-                                          num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                                          n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
-                                          qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-                                          num_key_value_heads=4, **SMALL),
-    }
-
-
 # Qwen3.5 and Qwen3.5-MoE as released: their text decoder under model.language_model, a vision tower
 VL = ("qwen3_5_vl", "qwen3_5_moe_vl")
 MOE = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3_5_moe_vl")

@@ -15,8 +15,8 @@ other call (a canonical pair, slots out of order, and every call of a 16-bit bas
 math is bf16 with fp32 accumulation, its weight gradients summed per datum in fp32:
 `lora_forward`, `weight_grad`) runs the `GroupedLoRA` function, which adds the gradients in place
 on consecutive slots and by index otherwise. Both run the same kernels on the same layouts. The
-sampler on CUDA asks for no exactness (`LoRARouting.batch(exact=False)`) and runs its calls as
-plain functions.
+sampler's decode steps ask for no exactness (`LoRARouting.batch(exact=False)`): every adapter of a
+step in one call per projection, run without autograd.
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ class LoRARouting:
         # Bumped whenever a slot stack moves to new storage (it grows): CUDA graphs captured over
         # the old storage are stale (runtime/graphs.py).
         self.storage_version = 0
+        # Bumped whenever a slot is allocated or freed: a graph captured over a plan's slots (the
+        # sampler's decode steps, which key on adapter ids) is stale once an id may have moved.
+        self.slot_version = 0
 
     def storage_moved(self) -> None:
         self.storage_version += 1
@@ -89,6 +92,7 @@ class LoRARouting:
 
     def allocate(self, rank: int) -> int:
         self._drop_plans()
+        self.slot_version += 1
         free = self._free.setdefault(rank, [])
         if free:
             return heapq.heappop(free)
@@ -98,6 +102,7 @@ class LoRARouting:
 
     def release(self, rank: int, slot: int) -> None:
         self._drop_plans()
+        self.slot_version += 1
         heapq.heappush(self._free.setdefault(rank, []), slot)
 
     def grad_anchor(self, device: torch.device) -> torch.Tensor:
@@ -125,11 +130,11 @@ class LoRARouting:
         """Route rows to adapters while the body runs: segments are (adapter id or None, start, end)
         over dim 0 of every projection input ([rows, seq, features] or [rows, features]).
 
-        `exact=False` (the sampler on CUDA, whose base GEMMs run with torch's defaults and are not
-        batch-invariant anyway): tenants of one shape share one LoRA call without a probe, and
-        the calls run without an autograd Function -- a decode step's few rows per tenant made
-        canonical pairs and Python functions its cost (measured on an H200: 270 ms per step for
-        64 rows over 4 adapters, against 68 ms before fp32 LoRA math)."""
+        `exact=False` (the sampler's decode steps, on every device; sampling/step.py lays their
+        rows out in equal blocks per adapter): tenants of one shape share one LoRA call without a
+        probe, and the calls run without an autograd Function -- a decode step's few rows per
+        tenant made canonical pairs and Python functions its cost (measured on an H200: 270 ms per
+        step for 64 rows over 4 adapters, against 68 ms before fp32 LoRA math)."""
         self.segments = segments
         self.exact = exact
         # The fusion policy's answers depend on the CPU thread count (see invariance.py).

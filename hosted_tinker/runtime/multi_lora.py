@@ -158,11 +158,13 @@ class MultiLoRALinear(AdapterSlots, nn.Module):
     def _delta(self, x: torch.Tensor, call: LoRACall, out_dtype: torch.dtype) -> torch.Tensor:
         xs = x.reshape(call.n, -1, x.shape[-1])  # a view: the call's row blocks are contiguous
         stack = self.stacks[call.rank]
-        if not self.routing.exact:  # the sampler on CUDA (see `LoRARouting.batch`): no autograd
-            d = lora_forward(xs, *stack.factors(call), call.scaling)[1].to(out_dtype)
-        elif call.first is not None and not call.pair and xs.dtype == stack.A.dtype == out_dtype:
-            # fp32 activations, consecutive slots: views of the stack, autograd's own nodes
+        if (call.first is not None and not call.pair and xs.dtype == stack.A.dtype == out_dtype
+                and (self.routing.exact or not torch.is_grad_enabled())):
+            # fp32 activations, consecutive slots: the stack's kept views, autograd's own nodes (the
+            # sampler's grouped calls run without autograd: 3 ops, not lora_forward's 9)
             d = lora_delta(xs, *stack.leaves(call.first, call.n), call.scaling)
+        elif not self.routing.exact:  # the sampler's decode steps (see `LoRARouting.batch`): no autograd
+            d = lora_forward(xs, *stack.factors(call), call.scaling)[1].to(out_dtype)
         else:  # a canonical pair, slots out of order, or a 16-bit base (bf16 math on a bf16 one)
             d = GroupedLoRA.apply(xs, self.routing.grad_anchor(x.device), stack, call, out_dtype)
         return d.reshape(x.shape[:-1] + (self.out_features,))

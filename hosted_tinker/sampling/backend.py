@@ -188,9 +188,11 @@ class EngineBackend(SamplingBackend):
             Series("hosted_tinker_sampling_kv_peak_reserved_tokens", "the most KV-cache tokens running sample "
                    "requests ever reserved together since start-up", e.peak_reserved_kv_tokens),
             Series("hosted_tinker_sampling_waiting_jobs", "sample jobs queued for the built-in sampler, not yet "
-                   "running (waiting for KV-cache budget or their turn)", e.waiting_jobs),
+                   "running (waiting for KV-cache budget or their turn) or paused", e.waiting_jobs),
             Series("hosted_tinker_sampling_requests_cancelled", "sample requests dropped unfinished because nobody "
                    "waited for them any more (client gone)", e.requests_cancelled, counter=True),
+            Series("hosted_tinker_sampling_requests_preempted", "times a running sample request was paused (its KV "
+                   "cache swapped out) for an older one that needed its room", e.requests_preempted, counter=True),
             Series("hosted_tinker_sampler_weight_syncs", "sampler adapter snapshots loaded onto the device (weights "
                    "synced for sampling)", self.snapshots.loads, counter=True),
             Series("hosted_tinker_sampler_snapshots", "sampler adapter snapshots resident on the device",

@@ -53,7 +53,9 @@ def make_backend(name: str, config: ServerConfig, runtime: ModelRuntime, tokeniz
     """The sampling backend of base model `name`, loaded in `runtime` on `device`; `wake` rings its device loop."""
     builtin = EngineBackend(
         SamplingEngine(runtime.model, runtime.routing, tokenizer, device, kv_budget_tokens=kv_budget.tokens,
-                       kv_share_per_key=config.max_sampling_kv_share_per_key,
+                       kv_share_per_key=config.max_sampling_kv_share_per_key, cuda_graphs=config.cuda_graphs == "on",
+                       # beside vLLM it samples only what vLLM refuses: its cache grows as those need it
+                       preallocate=not config.samples_on_vllm,
                        on_request_done=functools.partial(observer.observe_sample, name)),
         SnapshotCache(runtime.layers, device, capacity=config.max_sampler_snapshots), wake, runtime)
     if not config.samples_on_vllm:

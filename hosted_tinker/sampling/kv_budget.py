@@ -1,10 +1,11 @@
-"""The built-in engine's KV-cache budget, in tokens: how much KV cache its running groups may hold.
+"""The built-in engine's KV-cache budget, in tokens: how much KV cache its running jobs may hold.
 
-The engine admits a job only while every running group's worst case plus the job's fits the
-budget (engine.py), as vLLM's scheduler admits only while its KV blocks last: so the sum of all
-tenants' requests can never outgrow the device, whatever each one's own limits allow. A job's
-worst case is `num_samples x (len(prompt) + max_tokens)` cached tokens (`job_kv_tokens`); a
-job larger than the whole budget could never run and is refused when submitted.
+It sizes the engine's pool of KV-cache pages (kv_cache.py), and the engine starts a job only while
+every running job's worst case plus the job's fits it (admission.py), as vLLM's scheduler admits
+only while its KV blocks last: so the sum of all tenants' requests can never outgrow the device,
+whatever each one's own limits allow. A job's worst case is `num_samples x (len(prompt) +
+max_tokens)` cached tokens (`job_kv_tokens`); a job larger than the whole budget could never run
+and is refused when submitted.
 
 `max_sampling_kv_tokens` chooses it (`choose_kv_budget`): a number of tokens, or 0 = auto:
 - on CUDA, half the device's free memory at start-up (after the base model is loaded) over the

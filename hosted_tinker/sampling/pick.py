@@ -48,9 +48,11 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
-def uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row: draw number `step` of each row's stream `keys`."""
-    z = mix64(keys + _int64((step + 1) * GOLDEN))
+def uniforms(keys: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row: draw number `step` (one for all rows, or one per row)
+    of each row's stream `keys`."""
+    offset = (step + 1) * _int64(GOLDEN) if isinstance(step, torch.Tensor) else _int64((step + 1) * GOLDEN)
+    z = mix64(keys + offset)
     return _shift_right(z, 11).double() * 2.0 ** -53  # the top 53 bits: every float64 step of [0, 1)
 
 
@@ -82,6 +84,7 @@ class BatchPicker:
     def __init__(self, rows: list[RowSampling], device: torch.device):
         self.logprobs_k = [r.logprobs_k for r in rows]
         self.all_greedy = all(r.temperature <= 0 for r in rows)
+        self.any_greedy = any(r.temperature <= 0 for r in rows)
         self.top_ks = [r.top_k if r.temperature > 0 else 0 for r in rows]
         self.any_top_p = any(r.temperature > 0 and r.top_p < 1 for r in rows)
         self.greedy = torch.tensor([r.temperature <= 0 for r in rows], device=device)
@@ -93,27 +96,32 @@ class BatchPicker:
                                   device=device)
         self.keys = mix64(torch.tensor([r.key for r in rows], dtype=torch.int64, device=device))
 
-    def pick(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, list[Picked]]:
-        """Each row's token from its float32 `logits` [rows, vocab], at its stream's draw `step`:
-        the tokens (left on the device, the next step's input) and every row's pick, read back
-        in one copy."""
+    def pick(self, logits: torch.Tensor, step: int | torch.Tensor) -> tuple[torch.Tensor, list[Picked]]:
+        """Each row's token from its float32 `logits` [rows, vocab], at its stream's draw `step`
+        (one for every row, or an int64 tensor of one per row: the tokens it has so far): the
+        tokens (on the device) and every row's pick, read back in one copy."""
         vocab = logits.shape[-1]
         k = min(max(self.logprobs_k, default=0), vocab)
         logprobs = torch.log_softmax(logits, dim=-1)
         largest = logits.amax(dim=-1, keepdim=True)
         # amax and amin propagate NaN: both are finite exactly when every logit is.
         finite = torch.isfinite(largest) & torch.isfinite(logits.amin(dim=-1, keepdim=True))
-        tokens = torch.argmax(logits, dim=-1)
-        if not self.all_greedy:
-            tokens = torch.where(self.greedy, tokens, self._sample(logits, largest, step))
-        top = torch.topk(logprobs, k, dim=-1)
-        packed = torch.cat([tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double(), finite.double(),
-                            top.indices.double(), top.values.double()], dim=1)  # token ids < 2^53: exact
+        if self.all_greedy:
+            tokens = torch.argmax(logits, dim=-1)
+        else:
+            tokens = self._sample(logits, largest, step)
+            if self.any_greedy:
+                tokens = torch.where(self.greedy, torch.argmax(logits, dim=-1), tokens)
+        parts = [tokens[:, None].double(), logprobs.gather(1, tokens[:, None]).double(), finite.double()]
+        if k:
+            top = torch.topk(logprobs, k, dim=-1)
+            parts += [top.indices.double(), top.values.double()]
+        packed = torch.cat(parts, dim=1)  # token ids < 2^53: exact
         rows = packed.tolist()  # the step's one device->host read
         return tokens, [Picked(int(row[0]), row[1], row[2] == 1.0, [int(t) for t in row[3:3 + n]],
                                row[3 + k:3 + k + n]) for row, n in zip(rows, self.logprobs_k)]
 
-    def _sample(self, logits: torch.Tensor, largest: torch.Tensor, step: int) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, largest: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
         # Relative to the row's max (`largest`), a tiny temperature sends the others to -inf, never
         # the max to inf: float32 keeps the tempered distribution finite.
         scaled = torch.sub(logits, largest).div_(self.temperature[:, None])

@@ -1,6 +1,11 @@
-"""A running sample job and its rows in the built-in engine (engine.py): each picked token
-recorded, streamed and checked against the job's stops, and each job answered exactly once
-(`on_done` with every row's sequence, or `on_error`).
+"""A sample job in the built-in engine (engine.py), from its arrival to its answer, and its rows:
+each picked token recorded, streamed and checked against the job's stops, and each job answered
+exactly once (`on_done` with every row's sequence, or `on_error`).
+
+A job's prompt is prefilled into one sequence of the KV cache (kv_cache.py), in chunks; then each
+of its num_samples rows decodes from its own copy of it (`Row.seq`). While it holds the device it
+reserves its worst case of the KV-cache budget (admission.py): every live row's prompt and all it
+may generate.
 
 A job fails for its own reason alone: `failure` says what it is told, a `UserFailure` (category
 "user", a 400) where its own request caused the error (`UserError`), the server's fault otherwise.
@@ -10,17 +15,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 from ..errors import UserError
 from .jobs import SampleJob, SampleResult, SequenceResult, SequenceSoFar, UserFailure
+from .kv_cache import Seq, Swapped
 from .pick import Picked, RowSampling, row_seed
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(eq=False)
 class JobState:
     job: SampleJob
     rows_left: int
@@ -28,10 +36,38 @@ class JobState:
     prompt_info: tuple = (None, None, None)
     prompt_scores: tuple = (None, None)  # (ScoredTargets, PromptAlternatives), each None unless asked
     failed: bool = False
+    number: int = 0  # arrival order: the older job goes first (admission.py)
+    adapter_id: str | None = None  # resolved at its first admission
+    resolved: bool = False
+    prefill: Seq | None = None  # the prompt's sequence while it is prefilled
+    prefilled: int = 0  # prompt tokens in the cache so far
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # per chunk, when the job asks for them
+    rope_delta: int = 0  # a vision-language prompt's rotary offset (image_positions.py)
+    rows: list["Row"] = field(default_factory=list)  # its live rows, once prefilled
+    swapped: Swapped | None = None  # its cache while preempted
 
     @classmethod
-    def of(cls, job: SampleJob) -> "JobState":
-        return cls(job, job.num_samples, [None] * job.num_samples)
+    def of(cls, job: SampleJob, number: int = 0) -> "JobState":
+        return cls(job, job.num_samples, [None] * job.num_samples, number=number)
+
+    @property
+    def owner(self) -> str:
+        return self.job.owner
+
+    @property
+    def row_tokens(self) -> int:
+        """The most KV-cache tokens one of its rows holds: its prompt and all it may generate."""
+        return len(self.job.prompt) + self.job.max_tokens
+
+    @property
+    def need(self) -> int:
+        """What it reserves of the KV-cache budget while it runs: every row still to finish, at its
+        worst case (a finished row gives its part back)."""
+        return self.rows_left * self.row_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return not self.rows
 
     @property
     def started(self) -> bool:
@@ -45,21 +81,22 @@ class JobState:
             self.job.on_error(reason)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class Row(SequenceSoFar):
     job: JobState
     index: int
     sampling: RowSampling
     adapter_id: str | None = None
+    seq: Seq | None = None  # its cache: the prompt, then every token it generated but the newest
 
 
-def rows_of(state: JobState, adapter_id: str | None) -> list[Row]:
-    """The job's num_samples rows, each with its own noise stream."""
+def rows_of(state: JobState, seqs: list[Seq]) -> list[Row]:
+    """The job's num_samples rows, each with its own noise stream and its copy of the prompt's cache."""
     job = state.job
-    return [Row(job=state, index=i, adapter_id=adapter_id,
+    return [Row(job=state, index=i, adapter_id=state.adapter_id, seq=seq,
                 sampling=RowSampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                                      key=row_seed(job.seed, i), logprobs_k=job.topk_sample_logprobs))
-            for i in range(job.num_samples)]
+            for i, seq in zip(range(job.num_samples), seqs)]
 
 
 def failure(e: Exception) -> str:
