@@ -6,11 +6,11 @@ Tests arm points through the environment of the server process they start:
 times (default every time). What firing does is the point's kind:
 
 - `check(point)` raises `InjectedFault` (a server fault in the middle of a cycle);
-- `check_user(point)` raises `InjectedUserFault`, a `UserError` (a request the code below the
-  API finds it cannot take);
-- `check_poisoned(point, rows)` raises `InjectedFault` where one of `rows` (datums' tokens) begins
-  with the point's `POISONED_PREFIX`: a request whose datum the model cannot take, raising wherever
-  it is fused, as validation lets no real one through; only such reaches count;
+- `check_poisoned(point, rows)` raises `InjectedFault` where one of `rows` (datums' or prompts'
+  tokens) holds the point's `POISONED` ids in a row: a request the model cannot take, raising
+  wherever it is fused with others, as validation lets no real one through; only such reaches
+  count. With `user=True` it raises `InjectedUserFault`, a `UserError` (a request the code below
+  the API finds it cannot take);
 - `crash_point(point)` kills the process with SIGKILL (a real kill -9 inside a checkpoint write);
 - `gate(point)` holds the thread there until the test opens the point's gate (a FIFO in the
   folder `HOSTED_TINKER_GATES` names): work held in flight by construction, not by a race;
@@ -38,15 +38,17 @@ from .errors import UserError
 
 ENV_VAR = "HOSTED_TINKER_FAULTS"
 GATES_VAR = "HOSTED_TINKER_GATES"
-# What a datum poisoned for each check_poisoned() point begins with (ids every test model has).
-POISONED_PREFIX = {"pass.poisoned_datum": (4, 8, 15, 16, 23, 42),
-                   "cycle.poisoned_after_passes": (42, 23, 16, 15, 8, 4)}
+# What a datum or prompt poisoned for each check_poisoned() point holds (ids every test model has).
+POISONED = {"pass.poisoned_datum": (4, 8, 15, 16, 23, 42),
+            "cycle.poisoned_after_passes": (42, 23, 16, 15, 8, 4),
+            "sampling.prefill_poisoned": (666,),
+            "sampling.decode_poisoned": (667,)}
 HOLD_AT_MOST_S = 600.0  # a gate the test never opens lets go after this: a stuck test, not a stuck server
 
 POINTS = {
     # check(): raises InjectedFault
     "after_forward_backward": "the fused pass done, its results not yet answered",
-    # check_poisoned(): raises InjectedFault where a datum begins with the point's POISONED_PREFIX
+    # check_poisoned(): raises InjectedFault where a datum holds the point's POISONED ids
     "pass.poisoned_datum": "a micro-batch (of any rank) holding a poisoned datum, in a forward or forward_backward "
                            "pass, after the pass's earlier micro-batches added their gradients",
     "cycle.poisoned_after_passes": "a cycle whose compute holds a poisoned datum, its passes done and not yet "
@@ -67,19 +69,16 @@ POINTS = {
     # reach it): runtime/distributed.py
     "pool.rank_mid_pass": "a pass's share done and its gradients summed into rank 0's, its outputs not yet sent",
     # In the built-in sampler (sampling/engine.py), reached once per forward that holds a job whose
-    # prompt has the point's POISON token: such a prompt breaks the forward, as a prompt the model
+    # prompt holds the point's POISONED ids: such a prompt breaks the forward, as a prompt the model
     # cannot take does (issue 33: a poisoned image prompt once failed every job prefilled beside it)
-    "sampling.prefill_poisoned": "check_user(): a prefill holding a prompt poisoned for it",
-    "sampling.decode_poisoned": "check(): a decode step holding a row of a prompt poisoned for it",
+    "sampling.prefill_poisoned": "check_poisoned(user=True): a prefill holding a prompt poisoned for it",
+    "sampling.decode_poisoned": "check_poisoned(): a decode step holding a row of a prompt poisoned for it",
     # trace_exports.py: a session trace's build
     "trace.build": "gate(): a session trace's build has started, nothing read yet",
     "trace.build_fails": "check(): a session trace's build fails",
     # services/images.py
     "image.decode": "gate(): a request's images about to be decoded, one of its key's decode slots taken",
 }
-
-# The token that poisons a prompt for each sampling.* point (ids every test model's vocabulary has).
-POISON = {"sampling.prefill_poisoned": 666, "sampling.decode_poisoned": 667}
 
 
 class InjectedFault(RuntimeError):
@@ -131,33 +130,26 @@ def _fires(point: str) -> bool:
         return True
 
 
-def armed(point: str) -> bool:
-    """Whether a test armed `point` (for points whose firing depends on what a request holds)."""
-    if point not in POINTS:
-        raise KeyError(f"fault point {point!r} is not declared in faults.POINTS")
-    return point in _armed
-
-
 def check(point: str) -> None:
     """Raise `InjectedFault` if a test armed this point (and it has firings left)."""
     if _fires(point):
         raise InjectedFault(f"fault injected at {point!r} (${ENV_VAR})")
 
 
-def check_user(point: str) -> None:
-    """Raise `InjectedUserFault` (a `UserError`) if a test armed this point (and it has firings left)."""
-    if _fires(point):
-        raise InjectedUserFault(f"fault injected at {point!r} (${ENV_VAR})")
-
-
-def check_poisoned(point: str, rows) -> None:
-    """Raise `InjectedFault` if a test armed this point and one of `rows` (token id arrays, read only
-    when armed) begins with the point's `POISONED_PREFIX`."""
+def check_poisoned(point: str, rows, *, user: bool = False) -> None:
+    """Raise `InjectedFault` (`InjectedUserFault` with `user`) if a test armed this point and one of
+    `rows` (token id sequences, read only when armed) holds the point's `POISONED` ids in a row."""
     if point not in _armed:
         return
-    prefix = POISONED_PREFIX[point]
-    if any(tuple(int(t) for t in row[:len(prefix)]) == prefix for row in rows) and _fires(point):
-        raise InjectedFault(f"fault injected at {point!r} (${ENV_VAR}): a datum beginning with {list(prefix)}")
+    marker = POISONED[point]
+    if any(_holds(row, marker) for row in rows) and _fires(point):
+        raise (InjectedUserFault if user else InjectedFault)(
+            f"fault injected at {point!r} (${ENV_VAR}): a request holding {list(marker)}")
+
+
+def _holds(row, marker: tuple[int, ...]) -> bool:
+    ids = [int(t) for t in row]
+    return any(tuple(ids[i:i + len(marker)]) == marker for i in range(len(ids) - len(marker) + 1))
 
 
 def hold(point: str) -> None:

@@ -11,7 +11,7 @@ keys file gives each tenant its own key (two keys share every pass here), throug
   or saved between the parts is answered sanely.
 
 Validation lets no hostile text datum through, so where a pass must raise, a test sends a datum
-that begins with a fault point's POISONED_PREFIX (hosted_tinker/faults.py, armed in the server's
+that begins with a fault point's POISONED ids (hosted_tinker/faults.py, armed in the server's
 environment): `pass.poisoned_datum` raises in that datum's micro-batch, wherever it is fused;
 `cycle.poisoned_after_passes` fails the whole cycle after its passes. (The real hostile inputs of
 the issue, image datums whose tokens disagree with their pixels, failed every tenant's pass at
@@ -31,7 +31,7 @@ from tinker.types.request_error_category import RequestErrorCategory
 
 from helpers import (BASE_MODEL, Gate, answered, in_one_cycle, logprobs_of, metric, queued, sft_batch, sft_datum,
                      wait_until, write_team_keys)
-from hosted_tinker.faults import POISONED_PREFIX
+from hosted_tinker.faults import POISONED
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +46,7 @@ ADAM = types.AdamParams(learning_rate=1e-2)
 
 def poisoned(point: str = "pass.poisoned_datum", seed: int = 0):
     """A cross_entropy datum that makes the fault point raise wherever it runs."""
-    return sft_datum(list(POISONED_PREFIX[point]) + np.random.default_rng(seed).integers(100, 900, 8).tolist())
+    return sft_datum(list(POISONED[point]) + np.random.default_rng(seed).integers(100, 900, 8).tolist())
 
 
 def big(seed: int) -> list:

@@ -45,7 +45,8 @@ def vl_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(vl_dir, tmp_path_factory):
-    armed = ",".join(faults.POISON)  # every time a forward holds a prompt poisoned for the point
+    # every time a forward holds a prompt poisoned for the point
+    armed = ",".join(point for point in faults.POISONED if point.startswith("sampling."))
     proc = ServerProcess(tmp_path_factory.mktemp("srv"), env={faults.ENV_VAR: armed},
                          args=("--base-model", str(vl_dir), "--max-sampling-kv-tokens", str(BUDGET),
                                "--max-sampling-kv-share-per-key", "1.0")).start()
@@ -100,7 +101,7 @@ def assert_same_samples(got: types.SampleResponse, want: types.SampleResponse) -
                                              ("sampling.decode_poisoned", RequestErrorCategory.Server)])
 def test_a_poisoned_prompt_fails_only_its_own_request(srv, vl_dir, samplers, point, category):
     victim, culprit = samplers
-    poisoned = image_prompt([faults.POISON[point], *AFTER[1:]])  # as long as the victim's: no padding
+    poisoned = image_prompt([*faults.POISONED[point], *AFTER[1:]])  # as long as the victim's: no padding
 
     def submit_both():
         return (victim.sample(image_prompt(AFTER), num_samples=SAMPLES, sampling_params=PARAMS),
@@ -117,7 +118,7 @@ def test_a_poisoned_prompt_fails_only_its_own_request(srv, vl_dir, samplers, poi
 
 def test_a_request_that_raises_a_user_error_is_a_400_on_the_openai_routes(srv, vl_dir):
     """The OpenAI routes answer a job that failed with a `UserError` with a 400, streaming or not."""
-    poisoned = [*HOG_PROMPT, faults.POISON["sampling.prefill_poisoned"]]
+    poisoned = [*HOG_PROMPT, *faults.POISONED["sampling.prefill_poisoned"]]
     with openai.OpenAI(base_url=srv.base_url + "/v1", api_key=VICTIM, max_retries=0) as oai:
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError, match="sampling.prefill_poisoned"):

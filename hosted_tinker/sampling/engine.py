@@ -57,13 +57,21 @@ from .jobs import SampleJob
 from .kv_budget import DEFAULT_KV_TOKENS, job_kv_tokens
 from .kv_cache import PAGE_TOKENS, KVPool
 from .pick import BatchPicker
-from .prompt_logits import needs_prompt_logits, prompt_logprobs, prompt_scores
+from .prompt_logits import needs_prompt_logits, prompt_answers
 from .rows import JobState, Row, RowRecorder, failure, rows_of
 from .step import AttentionMasks, DecodeBatch, DecodeStep, ForwardRow, forward_inputs, run_forward
 
 log = logging.getLogger(__name__)
 
 CANCELLED = "cancelled: nobody is waiting for this request any more"
+# The defaults' reasons, from shared/reference/gpu-notes.md's H200 figures for a Qwen3-1.7B-shaped body
+# (~3.4 GFLOP per token; a decode step reads ~3.4 GB of weights in ~0.8 ms; 748 TFLOP/s, ~65 % reached):
+# - 256 rows per decode step: a row costs ~7 us, so ~115 rows ride on the weight read for free; at 256 a
+#   step is compute-bound (~2 ms), and more rows would only lengthen every row's step.
+# - 2048 prefill tokens per forward while rows decode: ~14 ms, so a running row waits about two decode
+#   steps (issue 35's 8 ms target) for a long prompt's chunk.
+# - 16,384 with none decoding: ~0.1 s, enough to amortize a forward's launches; a prompt that arrives
+#   meanwhile starts in the next one. Not measured on a GPU with this engine yet (decode_profile.py).
 
 
 class SamplingEngine:
@@ -145,7 +153,7 @@ class SamplingEngine:
 
     def requested_adapter_ids(self) -> set[str]:
         """The `adapter_id`s the queued and running jobs asked for (before resolution)."""
-        return ({job.adapter_id for job in list(self._pending)} | {job.job.adapter_id for job in self._jobs()}) - {None}
+        return ({job.adapter_id for job in list(self._pending)} | {job.request.adapter_id for job in self._jobs()}) - {None}
 
     @property
     def tokens_generated(self) -> int:
@@ -253,7 +261,7 @@ class SamplingEngine:
 
     def _drop_cancelled(self, queue: list[JobState]) -> None:
         """Jobs whose clients left leave `queue`, their cache with them."""
-        for job in [j for j in queue if j.job.cancelled]:
+        for job in [j for j in queue if j.request.cancelled]:
             queue.remove(job)
             self._release(job)
             self.requests_cancelled += 1
@@ -274,7 +282,7 @@ class SamplingEngine:
             self.admission.waiting.remove(job)
             if not job.resolved:
                 try:
-                    job.adapter_id, job.resolved = resolve_adapter(job.job), True
+                    job.adapter_id, job.resolved = resolve_adapter(job.request), True
                 except Exception as e:  # e.g. an unreadable snapshot: only this request fails
                     job.fail(f"cannot load the sampler weights: {e}")
                     continue
@@ -335,23 +343,23 @@ class SamplingEngine:
         if not jobs:
             return []
         first = jobs[0]
-        images = first.job.pixels is not None
+        images = first.request.pixels is not None
         if images:
-            return [(j, len(j.job.prompt)) for j in jobs if j.job.pixels is not None][:1 if self.recurrent else None]
+            return [(j, len(j.request.prompt)) for j in jobs if j.request.pixels is not None][:1 if self.recurrent else None]
         decoding = any(job.rows for job in self.admission.running)
         budget = self.prefill_chunk_tokens if decoding else self.max_prefill_tokens
         batch, width = [], 0
         for job in jobs:
-            if job.job.pixels is not None:
+            if job.request.pixels is not None:
                 continue
-            left = len(job.job.prompt) - job.prefilled
+            left = len(job.request.prompt) - job.prefilled
             new_width = min(budget, max(width, left))
             if batch and (self.recurrent or (len(batch) + 1) * new_width > budget):
                 break
             batch.append(job)
             width = new_width
         batch.sort(key=lambda job: job.adapter_id or "")  # rows of one adapter together: fewer LoRA segments
-        return [(job, min(width, len(job.job.prompt) - job.prefilled)) for job in batch]
+        return [(job, min(width, len(job.request.prompt) - job.prefilled)) for job in batch]
 
     def _prefill(self, batch: list[tuple[JobState, int]]) -> list[tuple[JobState, torch.Tensor]]:
         """Prefill the next `n` tokens of each job's prompt; the jobs whose prompts are now complete,
@@ -359,30 +367,30 @@ class SamplingEngine:
         rows = []
         for job, n in batch:
             self.pool.extend(job.prefill, job.prefilled + n)
-            rows.append(ForwardRow(seq=job.prefill, tokens=job.job.prompt[job.prefilled:job.prefilled + n],
+            rows.append(ForwardRow(seq=job.prefill, tokens=job.request.prompt[job.prefilled:job.prefilled + n],
                                    start=job.prefilled))
         width = max(job.prefilled + n for job, n in batch)
         host = forward_inputs(rows, width, rope=self.rope)
         inputs = {name: t.to(self.device) for name, t in host.items()}
         extra, deltas = {}, None
-        if batch[0][0].job.pixels is not None:
+        if batch[0][0].request.pixels is not None:
             real = (torch.arange(inputs["input_ids"].shape[1], device=self.device)
                     >= inputs["input_ids"].shape[1] - torch.tensor([n for _, n in batch], device=self.device)[:, None])
             extra, deltas = prefill_inputs(self.model, inputs["input_ids"], real.long(), inputs["query_positions"],
-                                           [job.job.pixels for job, _ in batch])
-        keep = 0 if any(needs_prompt_logits(job.job) for job, _ in batch) else 1
+                                           [job.request.pixels for job, _ in batch])
+        keep = 0 if any(needs_prompt_logits(job.request) for job, _ in batch) else 1
         with self.routing.batch(segments_of([job.adapter_id for job, _ in batch]), exact=self.exact_lora):
-            _check_poison("sampling.prefill_poisoned", [job.job for job, _ in batch], faults.check_user)
+            faults.check_poisoned("sampling.prefill_poisoned", (job.request.prompt for job, _ in batch), user=True)
             logits = run_forward(self.model, self.pool, self.masks, inputs, width,
                                  continues=batch[0][0].prefilled > 0, logits_to_keep=keep, **extra).float()
         complete = []
         for r, (job, n) in enumerate(batch):
             job.prefill.length = job.prefilled = job.prefilled + n
-            if keep == 0 and needs_prompt_logits(job.job):
+            if keep == 0 and needs_prompt_logits(job.request):
                 job.prompt_logits.append(logits[r, logits.shape[1] - n:])
             if deltas is not None:
                 job.rope_delta = int(deltas[r])
-            if job.prefilled == len(job.job.prompt):
+            if job.prefilled == len(job.request.prompt):
                 complete.append((job, logits[r, -1]))
         return complete
 
@@ -393,14 +401,11 @@ class SamplingEngine:
             if job.prompt_logits:
                 full = torch.cat(job.prompt_logits)
                 job.prompt_logits = []
-                if job.job.prompt_logprobs or job.job.topk_prompt_logprobs:
-                    job.prompt_info = prompt_logprobs(job.job, full)
-                if job.job.prompt_targets is not None or job.job.prompt_alt_tokens_k:
-                    job.prompt_scores = prompt_scores(job.job, full)
-            job.rows = rows_of(job, self.pool.fork(job.prefill, job.job.num_samples))
+                job.prompt = prompt_answers(job.request, full)
+            job.rows = rows_of(job, self.pool.fork(job.prefill, job.request.num_samples))
             job.prefill = None
             rows += job.rows
-            logits += [last] * job.job.num_samples
+            logits += [last] * job.request.num_samples
         try:
             picks = self._pick(rows, torch.stack(logits))
         except Exception as e:
@@ -409,7 +414,7 @@ class SamplingEngine:
             return
         now = time.perf_counter()
         for job, _ in complete:
-            job.job.first_token_at = now
+            job.request.first_token_at = now
         self._record(rows, picks, logits[0].shape[-1])
 
     # -- decode ----------------------------------------------------------------------------------------
@@ -423,7 +428,7 @@ class SamplingEngine:
         layout, host = self.decode_batch(rows)
         placed = [row for row in layout.rows if row is not None]
         try:
-            _check_poison("sampling.decode_poisoned", [row.job.job for row in placed], faults.check)
+            faults.check_poisoned("sampling.decode_poisoned", (row.job.request.prompt for row in placed))
             logits = self.decode_step(layout, host)
             if len(placed) < len(layout.rows):  # padding rows: never picked
                 real = torch.tensor([i for i, row in enumerate(layout.rows) if row is not None], device=self.device)
@@ -493,8 +498,3 @@ class SamplingEngine:
         job.fail(failure(e))
         self._retire([job])
 
-
-def _check_poison(point: str, jobs: list[SampleJob], check: Callable[[str], None]) -> None:
-    """Test-only (faults.py): a forward holding a poisoned prompt raises, where the model would."""
-    if faults.armed(point) and any(faults.POISON[point] in job.prompt for job in jobs):
-        check(point)

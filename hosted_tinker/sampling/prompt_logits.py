@@ -5,12 +5,33 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from .jobs import SampleJob
 from .pick import row_seed
 from .prompt_scoring import alternatives_seed, draw_alternatives, score_targets
+
+
+class PromptAnswers(NamedTuple):
+    """What a sample result answers about its prompt, each None unless the job asked for it."""
+    logprobs: np.ndarray | None = None  # [len(prompt)] float32, NaN where not scored
+    topk_ids: np.ndarray | None = None  # [len(prompt), k]
+    topk_logprobs: np.ndarray | None = None
+    target_logprobs: object = None  # ScoredTargets (prompt_scoring.py)
+    alternatives: object = None  # PromptAlternatives
+
+
+def prompt_answers(job: SampleJob, logits: torch.Tensor) -> PromptAnswers:
+    """All that `job` asks of its prompt's logits [len(prompt), vocab]."""
+    lp = ids = vals = targets = alternatives = None
+    if job.prompt_logprobs or job.topk_prompt_logprobs:
+        lp, ids, vals = prompt_logprobs(job, logits)
+    if job.prompt_targets is not None or job.prompt_alt_tokens_k:
+        targets, alternatives = prompt_scores(job, logits)
+    return PromptAnswers(lp, ids, vals, targets, alternatives)
 
 
 def needs_prompt_logits(job: SampleJob) -> bool:

@@ -23,6 +23,7 @@ import torch
 from ..errors import UserError
 from .jobs import SampleJob, SampleResult, SequenceResult, SequenceSoFar, UserFailure
 from .kv_cache import Seq, Swapped
+from .prompt_logits import PromptAnswers
 from .pick import Picked, RowSampling, row_seed
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class JobState:
-    job: SampleJob
+    """A sample request as the engine runs it: its rows, its place in the KV pool, its answers so far."""
+    request: SampleJob
     rows_left: int
     results: list[SequenceResult | None]
-    prompt_info: tuple = (None, None, None)
-    prompt_scores: tuple = (None, None)  # (ScoredTargets, PromptAlternatives), each None unless asked
+    prompt: PromptAnswers = PromptAnswers()  # once prefilled, what the job asks of its prompt
     failed: bool = False
     number: int = 0  # arrival order: the older job goes first (admission.py)
     adapter_id: str | None = None  # resolved at its first admission
@@ -52,12 +53,12 @@ class JobState:
 
     @property
     def owner(self) -> str:
-        return self.job.owner
+        return self.request.owner
 
     @property
     def row_tokens(self) -> int:
         """The most KV-cache tokens one of its rows holds: its prompt and all it may generate."""
-        return len(self.job.prompt) + self.job.max_tokens
+        return len(self.request.prompt) + self.request.max_tokens
 
     @property
     def need(self) -> int:
@@ -72,13 +73,13 @@ class JobState:
     @property
     def started(self) -> bool:
         """Whether any of its rows has a token, or it was answered."""
-        return self.failed or self.rows_left < self.job.num_samples
+        return self.failed or self.rows_left < self.request.num_samples
 
     def fail(self, reason: str) -> None:
         """Answer the job with `reason` (once); the caller drops its rows."""
         if not self.failed:
             self.failed = True
-            self.job.on_error(reason)
+            self.request.on_error(reason)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -92,7 +93,7 @@ class Row(SequenceSoFar):
 
 def rows_of(state: JobState, seqs: list[Seq]) -> list[Row]:
     """The job's num_samples rows, each with its own noise stream and its copy of the prompt's cache."""
-    job = state.job
+    job = state.request
     return [Row(job=state, index=i, adapter_id=state.adapter_id, seq=seq,
                 sampling=RowSampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                                      key=row_seed(job.seed, i), logprobs_k=job.topk_sample_logprobs))
@@ -117,7 +118,7 @@ class RowRecorder:
 
     def record(self, row: Row, picked: Picked) -> bool:
         """Record `row`'s next token; whether the row is finished."""
-        job = row.job.job
+        job = row.job.request
         token = picked.token
         row.tokens.append(token)
         row.logprobs.append(picked.logprob)
@@ -143,17 +144,17 @@ class RowRecorder:
     def finish_row(self, row: Row) -> None:
         """The row is done: its job is answered once its last row is."""
         st = row.job
-        job = st.job
+        job = st.request
         st.results[row.index] = row.result(with_topk=job.topk_sample_logprobs > 0)
         st.rows_left -= 1
         if st.rows_left == 0 and not st.failed:
-            lp, ids, lps = st.prompt_info
-            targets, alternatives = st.prompt_scores
+            prompt = st.prompt
             self.requests_done += 1
             try:
-                job.on_done(SampleResult(sequences=st.results, prompt_logprobs=lp, topk_prompt_ids=ids,
-                                         topk_prompt_logprobs=lps, target_prompt_logprobs=targets,
-                                         prompt_alt_tokens=alternatives))
+                job.on_done(SampleResult(sequences=st.results, prompt_logprobs=prompt.logprobs,
+                                         topk_prompt_ids=prompt.topk_ids, topk_prompt_logprobs=prompt.topk_logprobs,
+                                         target_prompt_logprobs=prompt.target_logprobs,
+                                         prompt_alt_tokens=prompt.alternatives))
             except Exception as e:  # encoding the answer failed: the request fails, others go on
                 log.exception("delivering a sample result failed")
                 job.on_error(failure(e))
