@@ -52,7 +52,7 @@ KNOWN_LONG_MODULES: set[str] = set()
 KNOWN_STRING_DISPATCH: set[str] = set()
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
 KNOWN_SCHEME_LITERALS: set[str] = set()
-KNOWN_LONG_FUNCTIONS: set[str] = {"api.openai_compat.routes._answer"}
+KNOWN_LONG_FUNCTIONS: set[str] = set()
 KNOWN_TEST_IMPORTS: set[tuple[str, str]] = set()
 # Limits (settings named max_*) that bound by doing something else than refusing a request: each says what.
 LIMITS_THAT_REFUSE_NOTHING = {

@@ -156,32 +156,39 @@ async def _answer(request: Request, sampling: SamplingRequests, owner: str, plan
     channel = Channel(asyncio.get_running_loop())
     answer = Answer(plan)
     await run_in_threadpool(_submit, sampling, owner, plan, channel)  # it decodes the plan's images
+    if plan.stream:
+        return await _streamed_answer(request, plan, channel, answer)
+    return await _whole_answer(request, plan, channel, answer)
 
-    if not plan.stream:
-        results: list = [None] * len(plan.jobs)
 
-        async def collect() -> str | None:  # -> an error message, if a job failed
-            left = len(plan.jobs)
-            while left:
-                for ev in await channel.get():
-                    if ev[0] == "error":
-                        return ev[1]
-                    results[ev[1]] = ev[2]
-                    left -= 1
-            return None
+async def _whole_answer(request: Request, plan: Plan, channel: Channel, answer: Answer):
+    """One JSON answer once every job is done; the first failure fails the request."""
+    results: list = [None] * len(plan.jobs)
 
-        try:
-            stayed, error = await _unless_client_leaves(request, collect)
-        finally:
-            _stop(plan, channel)
-        if not stayed:
-            return Response(status_code=499)  # "client closed request": nobody reads it
-        if error is not None:
-            raise _job_failed(error)
-        return await run_in_threadpool(answer.from_results, results)
+    async def collect() -> str | None:  # -> an error message, if a job failed
+        left = len(plan.jobs)
+        while left:
+            for ev in await channel.get():
+                if ev[0] == "error":
+                    return ev[1]
+                results[ev[1]] = ev[2]
+                left -= 1
+        return None
 
-    # Wait for the first tokens before answering, so a request that fails at once (unreadable
-    # weights) is an HTTP error rather than a broken stream.
+    try:
+        stayed, error = await _unless_client_leaves(request, collect)
+    finally:
+        _stop(plan, channel)
+    if not stayed:
+        return Response(status_code=499)  # "client closed request": nobody reads it
+    if error is not None:
+        raise _job_failed(error)
+    return await run_in_threadpool(answer.from_results, results)
+
+
+async def _streamed_answer(request: Request, plan: Plan, channel: Channel, answer: Answer):
+    """Server-sent events as tokens come. It waits for the first tokens before answering, so that a
+    request that fails at once (unreadable weights) is an HTTP error rather than a broken stream."""
     try:
         stayed, first = await _unless_client_leaves(request, channel.get)
     except BaseException:
