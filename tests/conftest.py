@@ -45,6 +45,14 @@ def service_client(server):
         yield client
 
 
+@pytest.fixture(autouse=True)
+def rest_clients_read_their_test_s_api_key():
+    """Each test's `RestClient()` without an api_key is made with that test's $TINKER_API_KEY (the SDK
+    caches one per base URL for the process: leak_guard.forget_rest_clients_keyed_by_environment)."""
+    yield
+    leak_guard.forget_rest_clients_keyed_by_environment()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def closes_what_it_opens():
     """After each module (and its module-scoped fixtures): no SDK client still heartbeating and no

@@ -38,6 +38,24 @@ def open_sdk_sessions(*, stop: bool = False) -> list[str]:
     return asyncio.run_coroutine_threadsafe(beating(), loop).result(timeout=60)
 
 
+def forget_rest_clients_keyed_by_environment() -> int:
+    """Close and forget the SDK's session-less clients that read their API key from $TINKER_API_KEY.
+
+    tinker 0.38 keeps one session-less client per (base URL, API key) for the life of the process
+    (`sessionless_holder_cache`): `RestClient(base_url=...)` with no api_key, as the cookbook's
+    `weights.download` makes it, is cached under the key None and keeps whatever $TINKER_API_KEY was
+    when it was first made. A test that sets another $TINKER_API_KEY for the same server would
+    otherwise act as the earlier test's key (a 404 on its own checkpoints). Run after every test.
+    Returns how many were forgotten."""
+    from tinker.lib.internal_client_holder import sessionless_holder_cache as cache
+
+    with cache._lock:
+        stale = [cache._holders.pop(key) for key in [k for k in cache._holders if k[1] is None]]
+    for holder in stale:
+        holder.close()
+    return len(stale)
+
+
 def child_processes() -> list[psutil.Process]:
     """This process's live descendants, less multiprocessing's resource tracker: the interpreter
     starts that one itself the first time anything (torch's shared memory, a semaphore) needs it,

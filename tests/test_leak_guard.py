@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import tinker
 
 import leak_guard
+from hosted_tinker.auth import anonymous_owner
+from hosted_tinker.auth_tokens import user_urn
 from helpers import BASE_MODEL
 from server_process import ServerProcess
 
@@ -22,6 +25,23 @@ def test_an_open_sdk_client_is_seen_until_it_is_closed(server):
     assert len(set(leak_guard.open_sdk_sessions()) - before) == 1
     sc.close("success").result()
     assert set(leak_guard.open_sdk_sessions()) == before
+
+
+def _whoami_from_environment(server, monkeypatch, key: str) -> str:
+    """Who `RestClient(base_url=...)` acts as with $TINKER_API_KEY=key: how the cookbook makes one."""
+    monkeypatch.setenv("TINKER_API_KEY", key)
+    return tinker.RestClient(base_url=server.base_url).whoami().result().user_urn
+
+
+def test_a_rest_client_from_the_environment_is_left_behind(server, monkeypatch):
+    """This test leaves the SDK's cached client of the shared server keyed by $TINKER_API_KEY=first;
+    the next test sets another key (in the full suite, test_isolation_matrix's weights.download as
+    bob came before test_rest_client's as alice, whose export then answered 404)."""
+    assert _whoami_from_environment(server, monkeypatch, "tml-env-first") == user_urn(anonymous_owner("tml-env-first"))
+
+
+def test_the_next_test_acts_as_its_own_tinker_api_key(server, monkeypatch):
+    assert _whoami_from_environment(server, monkeypatch, "tml-env-next") == user_urn(anonymous_owner("tml-env-next"))
 
 
 def test_a_server_process_is_told_from_other_children():
