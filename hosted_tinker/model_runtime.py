@@ -45,6 +45,19 @@ class ModelRuntime(Protocol):
         """Each model's metrics, or `SkippedStep` (a user error) where its step was not finite."""
         ...
 
+    def launch_forward_backward(self, works: list[FBWork]) -> Any:
+        """`forward_backward` without the wait: `.outcomes()` after the next `wait()` (a worker pool's
+        pass runs to its end at once: runtime/pass_io.py's `PendingPass`, `ReadyPass`)."""
+        ...
+
+    def launch_optim_steps(self, steps: list[tuple[str, AdamParams]]) -> Any:
+        """`optim_steps` without the wait: `.results()` after the next `wait()`."""
+        ...
+
+    def wait(self) -> None:
+        """Wait for the device once: everything launched since the last wait is then readable."""
+        ...
+
     def adapter(self, model_id: str) -> Any: ...
 
     def describe_training(self) -> str:

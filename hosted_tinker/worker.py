@@ -1,9 +1,9 @@
 """`TrainingWorker`: executes one clock cycle against the model runtime and answers its futures.
 
 The scheduler decides *what* runs together; this module runs it: one fused forward/backward
-over every model's compute requests, then each ready optimizer step, then checkpoint saves and
-loads, in per-model order. A request that cannot be done fails with category "user" only when
-validation code said so (`UserError`, `CheckpointError`); anything else is the server's fault.
+over every model's compute requests, then each ready optimizer step (both launched, then read
+after the cycle's one wait for the device), then checkpoint saves and loads, in per-model
+order. A request that cannot be done fails with category "user" only when validation code said so (`UserError`, `CheckpointError`); anything else is the server's fault.
 An exception that escapes a cycle is the device loop's to answer (device_loop.py).
 
 A request's failure is its own: a fused pass that raises is rerun in halves until the request
@@ -34,13 +34,19 @@ from .request_types import (
 )
 from .isolation import MachineFault, Quarantine, run_isolating
 from .request_parts import PartsLedger
+from .runtime.adamw import PendingSteps
 from .runtime.adapters import GradientSnapshot, SkippedStep
+from .runtime.pass_io import PassStats, PendingPass, ReadyPass
 from .runtime.projections import refusal
 from .sampling.backend import SamplingBackend
 from .scheduler import CyclePlan, Request
 from .store import Store
 
 log = logging.getLogger(__name__)
+
+# One request's share of a launched pass: the pass, and the request's index in it (its outcome is
+# read after the cycle's wait).
+LaunchedOutcome = tuple[PendingPass | ReadyPass, int]
 
 # Tail requests that read a loaded model's adapter (a load_weights may also create one).
 NEEDS_ADAPTER = frozenset({RequestKind.SAVE_WEIGHTS, RequestKind.SAVE_WEIGHTS_FOR_SAMPLER,
@@ -66,16 +72,22 @@ class TrainingWorker:
         self.isolation_reruns = 0  # the passes run to find which request failed a pass
 
     def run_cycle(self, plan: CyclePlan, on_compute_answered: Callable[[set[str]], None]) -> None:
-        """Run the plan, answering each request as it completes. `on_compute_answered` hears
-        which models' compute results are handed out, just before the first of them is (a
-        request that a client posts once it has seen its result then always finds the scheduler
-        told: it is never taken for a pipelining client's), and before the optimizer steps run."""
+        """Run the plan, answering each request as it completes. The passes and the optimizer
+        steps are launched, then the cycle waits for the device once and reads them all (on a GPU
+        the cycle's one host sync). `on_compute_answered` hears which models' compute results are
+        handed out, just before the first of them is (a request that a client posts once it has
+        seen its result then always finds the scheduler told: it is never taken for a pipelining
+        client's)."""
         self.parts.settle(self.futures.is_pending)  # requests in parts that failed since the last cycle
+        passes: list[tuple[Request, LaunchedOutcome]] = []
         if plan.compute:
             models = {r.model_id for r in plan.compute}
-            self._run_compute(plan.compute, answering=lambda: on_compute_answered(models))
-        if plan.optim:
-            self._optim_steps(plan.optim)
+            passes = self._launch_compute(plan.compute, answering=lambda: on_compute_answered(models))
+        steps = self._launch_optim_steps(plan.optim) if plan.optim else None
+        self.runtime.wait()
+        self._answer_compute(passes)
+        if steps is not None:
+            self._answer_optim_steps(*steps)
         for req in plan.tail:
             self._guarded(req, self._tail_step)
         for req in plan.orphaned:
@@ -146,29 +158,45 @@ class TrainingWorker:
                 self.futures.fail(r.request_id, f"{prefix}model {r.model_id!r} is not loaded", "user")
         return loaded
 
-    def _run_compute(self, reqs: list[Request], answering: Callable[[], None]) -> None:
-        """The cycle's passes (`_passes`); `answering()` runs once they are over, before any answer.
-        A part of a request in parts (`final=False`) adds its outcome to the request's earlier
-        parts' and the last part answers (`PartsLedger`); a failed part fails the request and puts
-        its model's gradients back as they were before its first part, before the cycle's
-        optimizer steps. A part whose request already failed is dropped."""
+    def _launch_compute(self, reqs: list[Request], answering: Callable[[], None]
+                        ) -> list[tuple[Request, LaunchedOutcome]]:
+        """The cycle's passes launched (`_passes`); `answering()` runs once they are, before any
+        answer. A request that failed its pass is answered here, and a failed request in parts has
+        its model's gradients put back as they were before its first part, before the cycle's
+        optimizer steps are launched. The others' outcomes are read after the wait (`_answer_compute`)."""
         live = self._loaded([r for r in reqs if self.futures.is_pending(r.request_id)])
         if not live:
             answering()
-            return
+            return []
         for r in live:
             if r.first_part:
                 before = None if r.payload.forward_only else GradientSnapshot(self.runtime.adapter(r.model_id))
                 self.parts.begin(r.request_id, before)
+        self.last_cycle_tokens = self.last_cycle_models = 0
         results = self._passes(live)
         faults.check("after_forward_backward")
         faults.check_poisoned("cycle.poisoned_after_passes", (d.tokens for r in live for d in r.payload.data))
-        finished: list[tuple[Request, FBOutcome]] = []
-        failed: list[tuple[Request, Failed]] = []
+        answering()
+        launched = []
         for r, out in zip(live, results):
             if isinstance(out, Failed):
-                failed.append((r, out))
-                continue
+                self._fail_compute(r, out)
+            else:
+                launched.append((r, out))
+        self.parts.settle(self.futures.is_pending)
+        return launched
+
+    def _answer_compute(self, launched: list[tuple[Request, LaunchedOutcome]]) -> None:
+        """Each launched request's outcome, read after the cycle's wait: a part of a request in
+        parts (`final=False`) adds its outcome to the request's earlier parts' (`PartsLedger`),
+        and the last part answers. A part whose request already failed is dropped."""
+        read: dict[int, list[FBOutcome]] = {}  # per launched pass (by id), its outcomes
+        finished: list[tuple[Request, FBOutcome]] = []
+        for r, (pending, j) in launched:
+            if id(pending) not in read:
+                read[id(pending)] = pending.outcomes()
+                self._count(pending.stats)
+            out = read[id(pending)][j]
             if r.in_parts:
                 out = self.parts.add(r.request_id, out, last=r.final)
             if r.final:
@@ -177,24 +205,20 @@ class TrainingWorker:
         self.store.record_losses([
             (r.model_id, r.seq_id, self.runtime.adapters[r.model_id].step, r.payload.forward_only, out.metrics["loss:sum"])
             for r, out in finished if math.isfinite(out.metrics.get("loss:sum", math.nan))])
-        answering()
-        for r, failure in failed:
-            self._fail_compute(r, failure)
-        self.parts.settle(self.futures.is_pending)
         for r, out in finished:
             self._guarded(r, lambda req: self.futures.resolve(req.request_id, out.to_wire(), is_proto=True))
 
-    def _passes(self, reqs: list[Request]) -> list[FBOutcome | Failed]:
-        """Each request's outcome, or the error it failed with alone: one fused pass of the
-        trusted keys' requests, then one per quarantined key, each rerun in parts where it raises
-        until the request that made it raise is found (isolation.py)."""
+    def _passes(self, reqs: list[Request]) -> list[LaunchedOutcome | Failed]:
+        """Each request's launched outcome, or the error it failed with alone: one fused pass of
+        the trusted keys' requests, then one per quarantined key, each launched again in parts
+        where launching raises until the request that made it raise is found (isolation.py)."""
         batches: dict[str | None, list[int]] = {}
         for i, r in enumerate(reqs):
             batches.setdefault(_key(r) if _key(r) in self.quarantine else None, []).append(i)
-        self.last_cycle_tokens = self.last_cycle_models = 0
-        results: list[FBOutcome | Failed] = [None] * len(reqs)  # type: ignore[list-item]
+        results: list[LaunchedOutcome | Failed] = [None] * len(reqs)  # type: ignore[list-item]
         for key, idx in batches.items():
-            report = run_isolating(self._pass, [reqs[i].payload for i in idx], [reqs[i].model_id for i in idx])
+            report = run_isolating(self._launch_pass, [reqs[i].payload for i in idx],
+                                   [reqs[i].model_id for i in idx])
             self.failed_passes += report.failed_passes
             self.isolation_reruns += report.reruns
             for j, i in enumerate(idx):
@@ -206,14 +230,15 @@ class TrainingWorker:
                 self.quarantine.passed(key)
         return results
 
-    def _pass(self, works: list[FBWork]) -> list[FBOutcome]:
-        outcomes = self.runtime.forward_backward(works)
-        stats = self.runtime.last_pass
+    def _launch_pass(self, works: list[FBWork]) -> list[LaunchedOutcome]:
+        pending = self.runtime.launch_forward_backward(works)
+        return [(pending, j) for j in range(len(works))]
+
+    def _count(self, stats: PassStats) -> None:
         self.tokens_total += stats.tokens
         self.last_cycle_tokens += stats.tokens
         self.last_cycle_models += stats.models
         self.fused_passes += stats.models > 1
-        return outcomes
 
     def _fail_compute(self, req: Request, failure: Failed) -> None:
         """A request that failed a pass of its own (or a pass the machine failed): its own failure."""
@@ -227,25 +252,35 @@ class TrainingWorker:
         self.futures.fail(req.request_id, f"{req.kind} failed{'' if user else ' on the server'}: "
                                           f"{type(error).__name__}: {error}{alone}", "user" if user else "server")
 
-    def _optim_steps(self, reqs: list[Request]) -> None:
-        """All of the cycle's optimizer steps in one multi-adapter AdamW step."""
+    def _launch_optim_steps(self, reqs: list[Request]) -> tuple[list[Request], PendingSteps] | None:
+        """All of the cycle's optimizer steps launched as one multi-adapter AdamW step (read after
+        the cycle's wait: `_answer_optim_steps`)."""
         ready = self._loaded(reqs, prefix="optim_step: ")
         if not ready:
-            return
+            return None
         try:
             # A model appears at most once per cycle (its optim_step is its barrier).
-            results = self.runtime.optim_steps([(r.model_id, r.payload) for r in ready])
+            return ready, self.runtime.launch_optim_steps([(r.model_id, r.payload) for r in ready])
         except Exception as e:
-            log.exception("optimizer step over %d models failed", len(ready))
-            for r in ready:
-                self.futures.fail(r.request_id, f"optim_step failed on the server: {type(e).__name__}: {e}",
-                                  "server")
+            self._fail_optim_steps(ready, e)
+            return None
+
+    def _answer_optim_steps(self, ready: list[Request], pending: PendingSteps) -> None:
+        try:
+            results = pending.results()
+        except Exception as e:
+            self._fail_optim_steps(ready, e)
             return
         for r, result in zip(ready, results):
             self._guarded(r, lambda req: self._answer_optim_step(req, result))
         for r, result in zip(ready, results):
             if not isinstance(result, SkippedStep):
                 self._announce(r.model_id)
+
+    def _fail_optim_steps(self, ready: list[Request], e: Exception) -> None:
+        log.exception("optimizer step over %d models failed", len(ready), exc_info=e)
+        for r in ready:
+            self.futures.fail(r.request_id, f"optim_step failed on the server: {type(e).__name__}: {e}", "server")
 
     def _answer_optim_step(self, req: Request, result: dict[str, float] | SkippedStep) -> None:
         if isinstance(result, SkippedStep):

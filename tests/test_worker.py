@@ -22,6 +22,7 @@ from hosted_tinker.futures import FutureStore
 from hosted_tinker.request_types import DatumWork, FBWork, LoadSpec, RequestKind, SaveSpec
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.losses import resolve_loss_config
+from hosted_tinker.runtime.step_audit import SyncAudit
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import SamplingBackend
 from hosted_tinker.scheduler import CyclePlan, Request
@@ -192,3 +193,20 @@ def test_the_scheduler_hears_of_compute_answers_before_any_is_visible(worker):
     worker.run_cycle(c.plan, on_compute_answered=lambda models: seen_when_told.append(worker.futures.lookup(fb_id)))
     assert seen_when_told == [None]  # told once, with the answer not yet there
     assert not answer(worker, fb_id)["failed"]
+
+
+def test_a_cycle_waits_for_the_device_once(worker):
+    """Two models' forward_backward and optim_step in one cycle: the passes and the optimizer
+    steps are launched, then read after one wait for the device (issue 34: the cycle reads its
+    metrics to the host once; the worker used to wait after the passes and again after the steps)."""
+    for m in ("a", "b"):
+        assert not create(worker, m)["failed"]
+    for _ in range(2):  # the first cycle makes the layout's plans and slot tensors
+        c = Cycle(worker)
+        ids = [c.add("compute", m, RequestKind.FORWARD_BACKWARD, fb(m)) for m in ("a", "b")]
+        ids += [c.add("optim", m, RequestKind.OPTIM_STEP, AdamParams(learning_rate=1e-3)) for m in ("a", "b")]
+        with SyncAudit() as audit:
+            c.run()
+    assert dict(audit.reasons) == {"wait_for_device": 1}
+    assert not any(answer(worker, r)["failed"] for r in ids)
+    assert all(answer(worker, r)["metrics"]["grad_norm"] > 0 for r in ids[2:])

@@ -42,7 +42,8 @@ from torch import nn
 
 from .. import faults
 from ..isolation import MachineFault
-from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, SkippedStep, zero_grads
+from .adamw import PendingSteps
+from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, zero_grads
 from .invariance import FusionPolicy
 from .pool_launch import RankPool
 from .rank_shares import merged_outcome, split_datums
@@ -51,6 +52,7 @@ from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from .sharding import ShardedBase, root_unsharded, shard_base, transplant_lora_layers
 from .packing import bucket_width
 from ..request_types import FBOutcome, FBWork
+from .pass_io import ReadyPass
 from .trainer import PassStats, TrainingRuntime
 
 log = logging.getLogger(__name__)
@@ -174,7 +176,11 @@ class RankRuntime(TrainingRuntime):
             self._reduce_gradients(trained)
 
         try:
-            return TrainingRuntime.forward_backward(self, works, after_phase=after_phase, before_commit=before_commit)
+            # This process's own share (TrainingRuntime's launch: rank 0's own is the pool's pass).
+            pending = TrainingRuntime.launch_forward_backward(self, works, after_phase=after_phase,
+                                                              before_commit=before_commit)
+            self.wait()
+            return pending.outcomes()
         except (PoolBroken, PassAborted):
             raise
         except Exception as e:
@@ -377,10 +383,10 @@ class PoolRuntime(RankRuntime):
         self._dirty.add(model_id)
         return adapter
 
-    def optim_steps(self, steps: list[tuple[str, AdamParams]]) -> list[dict[str, float] | SkippedStep]:
-        results = super().optim_steps(steps)
+    def launch_optim_steps(self, steps: list[tuple[str, AdamParams]]) -> PendingSteps:
+        pending = super().launch_optim_steps(steps)
         self._dirty.update(mid for mid, _ in steps)
-        return results
+        return pending
 
     def _sync(self) -> Sync:
         removed = [m for m in self._synced if m not in self.adapters]
@@ -397,6 +403,11 @@ class PoolRuntime(RankRuntime):
         self._dirty.clear()
 
     # -- the pass -----------------------------------------------------------------------------------
+    def launch_forward_backward(self, works: list[FBWork]) -> ReadyPass:
+        """The pool's pass runs to its end at once (its ranks wait for one another's collectives)."""
+        outcomes = self.forward_backward(works)
+        return ReadyPass(outcomes, self.last_pass)
+
     def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
         """One pass over the pool: each rank its share, rank 0 the gradients and the outputs.
 

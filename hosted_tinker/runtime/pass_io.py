@@ -112,3 +112,15 @@ class PendingPass:
         stats.seconds = time.perf_counter() - self.start
         self.on_done(stats)
         return outcomes
+
+
+@dataclass
+class ReadyPass:
+    """A pass that ran to its end when it was launched (a worker pool's: its ranks' collectives wait
+    for one another), read like a `PendingPass`."""
+
+    ready: list[FBOutcome]
+    stats: PassStats
+
+    def outcomes(self) -> list[FBOutcome]:
+        return self.ready
