@@ -3,8 +3,9 @@
 The scheduler decides *what* runs together; this module runs it: one fused forward/backward
 over every model's compute requests, then each ready optimizer step (both launched, then read
 after the cycle's one wait for the device), then checkpoint saves and loads, in per-model
-order. A request that cannot be done fails with category "user" only when validation code said so (`UserError`, `CheckpointError`); anything else is the server's fault.
-An exception that escapes a cycle is the device loop's to answer (device_loop.py).
+order. A request that cannot be done fails with category "user" only when validation code
+said so (`UserError`, `CheckpointError`); anything else is the server's fault. An exception
+that escapes a cycle is the device loop's to answer (device_loop.py).
 
 A request's failure is its own: a fused pass that raises is rerun in halves until the request
 that made it raise fails alone, the others getting their own results (isolation.py); a request
