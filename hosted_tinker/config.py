@@ -79,8 +79,11 @@ class ServerConfig(BaseSettings):
                                       cli_shortcuts={"base-model": "model"},  # vLLM's --model
                                       use_attribute_docstrings=True)  # a setting's description: its docstring
 
+    # Old setting names this configuration used (RENAMED). Not between a field and its docstring: the
+    # docstring is the description of the line above it.
+    _deprecations: list[str] = PrivateAttr(default_factory=list)
+
     config: Path | None = None
-    _deprecations: list[str] = PrivateAttr(default_factory=list)  # old setting names used (RENAMED)
     """YAML (.yaml/.yml) or TOML (.toml) file of settings, keyed by setting name (base_model or base-model);
     flags and HOSTED_TINKER_* variables override it"""
     host: str = "127.0.0.1"
