@@ -63,9 +63,9 @@ class Metrics:
                                         ["base_model"], buckets=_SECONDS, registry=r)
         self.fused_tokens = Histogram("hosted_tinker_fused_pass_tokens", "tokens in a fused forward/backward pass",
                                       ["base_model"], buckets=_TOKENS, registry=r)
-        self.fused_runs = [Histogram(name, help, ["base_model"], buckets=_TENANTS, registry=r) for name, help in (
-            ("hosted_tinker_fused_pass_training_runs", "training runs in a fused forward/backward pass"),
-            ("hosted_tinker_fused_pass_models", _deprecated("hosted_tinker_fused_pass_training_runs")))]
+        self.fused_runs = [Histogram(name, help, ["base_model"], buckets=_TENANTS, registry=r)
+                           for name, help in _with_old_names("hosted_tinker_fused_pass_training_runs",
+                                                             "training runs in a fused forward/backward pass")]
         self.ttft = Histogram("hosted_tinker_sampling_time_to_first_token_seconds",
                               "time from a sample request's arrival to its first generated token", ["base_model"],
                               buckets=_SECONDS, registry=r)
@@ -148,8 +148,10 @@ RENAMED_SERIES = {"hosted_tinker_last_cycle_models": "hosted_tinker_last_cycle_t
                   "hosted_tinker_fused_pass_models": "hosted_tinker_fused_pass_training_runs"}
 
 
-def _deprecated(new: str) -> str:
-    return f"deprecated, goes in the next release: the old name of {new}"
+def _with_old_names(name: str, help: str) -> list[tuple[str, str]]:
+    """(name, help) of a series, then of each old name it is still reported under (`RENAMED_SERIES`)."""
+    return [(name, help)] + [(old, f"deprecated, goes in the next release: the old name of {name}")
+                             for old, new in RENAMED_SERIES.items() if new == name]
 
 
 # (family, name, help, value of one served model), read from its own parts at scrape time (its
@@ -209,8 +211,7 @@ class _ServerCollector(Collector):
         if server is None:
             return
         for family, name, help, value in _PER_MODEL:
-            names = [(name, help)] + [(old, _deprecated(new)) for old, new in RENAMED_SERIES.items() if new == name]
-            for series, text in names:
+            for series, text in _with_old_names(name, help):
                 metric = family(series, text, labels=["base_model"])
                 for served in server.models:
                     metric.add_metric([served.name], value(served))
