@@ -482,4 +482,3 @@ class PoolRuntime(RankRuntime):
         sync = self._sync()
         self.group.scatter([PassShare(sync, shares[r], decisions, pad, model_ids) for r in range(self.world)])
         return sync, pad
-

@@ -24,6 +24,7 @@ def split_datums(work: FBWork, world: int) -> list[list[int]]:
         before += n
     return shares
 
+
 def merged_outcome(work: FBWork, parts: list[FBOutcome], split: list[list[int]]) -> FBOutcome:
     """One request's outcome from its ranks' parts: outputs back in datum order, metrics merged."""
     outputs: list = [None] * len(work.data)
