@@ -50,7 +50,7 @@ def save_adapter(adapter: LoRAAdapter, out_dir: Path, base_model: str, *, with_o
                 continue
             optim[f"{name}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous()
             optim[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
-            # A copy: an adapter's tensors share one step counter (adamw.adamw_step).
+            # A copy: an adapter's tensors share one step counter (adamw._step_one).
             optim[f"{name}.step"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1).cpu().clone()
 
     def write(tmp: Path) -> None:

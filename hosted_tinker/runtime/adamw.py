@@ -23,14 +23,13 @@ step makes no copy.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from .adapters import AdamParams, LoRAAdapter, SkippedStep, zero_grads
-from .host_copies import device_constant, to_host, wait_for_device
+from .host_copies import device_constant, to_host
 from .invariance import row_norms
 from .lora_slots import SlotStack
 from .torch_compat import adamw_update_, flat_copy, norms, scale_by_
@@ -184,7 +183,12 @@ class PendingSteps:
     fresh: dict[int, list[torch.Tensor]]  # per stepping item: tensors whose state this step made
 
     def results(self) -> list[dict[str, float] | SkippedStep]:
-        """The step's results from its host copy of the metrics (call after the device wait)."""
+        """The step's results from its host copy of the metrics (call after the device wait).
+
+        A step that is not finite is skipped (`SkippedStep`), for that adapter only: a gradient norm
+        that is inf or NaN (huge loss weights or advantages), or weights that the update would make
+        non-finite (a huge learning_rate). Either way its gradients are dropped and its weights and
+        AdamW state stay as they were, so one tenant's numbers never poison its adapter for good."""
         rows = dict(zip(self.stepping, self.metrics.numpy().tolist())) if self.metrics is not None else {}
         out: list[dict[str, float] | SkippedStep] = []
         for k, (adapter, hp) in enumerate(self.items):
@@ -212,7 +216,7 @@ class PendingSteps:
 
 def launch_adamw(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None) -> PendingSteps:
     """Queue one AdamW step (decoupled weight decay) for each (adapter, its hyper-parameters),
-    with no host sync; `PendingSteps.results()` after the device wait gives what `adamw_step` does.
+    with no host sync; `PendingSteps.results()` after the device wait gives each adapter's result.
 
     The gradient norms of all stepping adapters (`tensor_norms`), a multi-tensor scale of the
     clipped adapters' gradients, one fused AdamW kernel per adapter (torch's own `fused=True`
@@ -282,17 +286,3 @@ def _step_one(adapter: LoRAAdapter, hp: AdamParams, params: list[torch.Tensor], 
                   lr=hp.learning_rate, beta1=hp.beta1, beta2=hp.beta2, eps=hp.eps, weight_decay=hp.weight_decay,
                   found_inf=found_inf)
     return fresh
-
-
-def adamw_step(items: list[tuple[LoRAAdapter, AdamParams]], policy: "FusionPolicy | None" = None,
-               wait: Callable[[], None] | None = None) -> list[dict[str, float] | SkippedStep]:
-    """`launch_adamw`, the device wait (`wait`, else `host_copies.wait_for_device`), the results.
-
-    A step that is not finite is skipped (`SkippedStep`), for that adapter only: a gradient norm
-    that is inf or NaN (huge loss weights or advantages), or weights that the update would make
-    non-finite (a huge learning_rate). Either way its gradients are dropped and its weights and
-    AdamW state stay as they were, so one tenant's numbers never poison its adapter for good."""
-    pending = launch_adamw(items, policy)
-    if pending.metrics is not None:
-        (wait or (lambda: wait_for_device(items[0][0].device)))()
-    return pending.results()
