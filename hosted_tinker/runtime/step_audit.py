@@ -26,7 +26,6 @@ and autograd dispatch), which is what a host pays per launch on a GPU.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,10 +169,6 @@ class MatmulAudit(TorchDispatchMode):
 
     def counts(self) -> Counter[str]:
         return Counter(c.op for c in self.calls)
-
-
-def total_flops(calls: list[Matmul]) -> float:
-    return math.fsum(c.flops for c in calls)
 
 
 def host_op_counts(fn) -> tuple[int, int]:
