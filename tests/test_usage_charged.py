@@ -3,13 +3,15 @@ whose client goes away, and a sample that fails after its prefill, are charged t
 tokens generated until they stopped, once, as the admin's usage report (`AdminClient.get_billing_usage`)
 shows them. Before, both were free.
 
-One server for the module, with a keys file (each test its own owner) and the built-in sampler's
-`sampling.decode_poisoned` fault point armed from its 5th reach: a prompt holding the poisoned id
-fails at its 5th decode step, after its prefill and 5 tokens per sample, every time.
+One server for the module, with a keys file (each test its own owner), a rate card whose every rate is
+the largest a card may hold (so each cost is its token count, and no report can overflow), and the
+built-in sampler's `sampling.decode_poisoned` fault point armed from its 5th reach: a prompt holding
+the poisoned id fails at its 5th decode step, after its prefill and 5 tokens per sample, every time.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 
 import openai
@@ -19,6 +21,7 @@ from tinker import types
 
 from helpers import BASE_MODEL, WAIT, sampling_metrics, wait_until, write_team_keys
 from hosted_tinker import faults
+from hosted_tinker.rate_card import MAX_RATE_USD
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +35,11 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17]  # not the poisoned id: the fault point ne
 def srv(tmp_path_factory):
     root = tmp_path_factory.mktemp("usage-charged")
     keys = write_team_keys(root / "keys", KEYS)
-    proc = ServerProcess(root / "srv", args=("--api-keys-file", str(keys), "--admin-users", "root"),
+    rates = {kind: MAX_RATE_USD for kind in ("training", "sampling_prefill", "sampling_prefill_cached",
+                                            "sampling_sample")}
+    (root / "card.json").write_text(json.dumps({"models": {"*": rates}, "storage_usd_per_gigabyte_month": MAX_RATE_USD}))
+    proc = ServerProcess(root / "srv", args=("--api-keys-file", str(keys), "--admin-users", "root",
+                                             "--rate-card", str(root / "card.json")),
                          env={faults.ENV_VAR: f"sampling.decode_poisoned@{TOKENS_BEFORE_FAILING}"}).start()
     yield proc
     proc.stop()
@@ -46,7 +53,9 @@ def usage_of(srv, owner: str) -> dict[str, int]:
     totals: dict[str, int] = {}
     for event in report.data:
         if event.user_name == owner:
-            totals[event.event_info.type] = totals.get(event.event_info.type, 0) + event.event_info.token_count
+            tokens = event.event_info.token_count
+            assert event.estimated_cost_usd == pytest.approx(tokens)  # the largest rate: a dollar a token
+            totals[event.event_info.type] = totals.get(event.event_info.type, 0) + tokens
     return totals
 
 
@@ -80,3 +89,14 @@ def test_a_sample_that_fails_after_its_prefill_is_charged_its_prefill_and_tokens
     charged = usage_of(srv, "failer")
     assert charged == {"sampling_prefill": len(prompt), "sampling_sample": 2 * TOKENS_BEFORE_FAILING}
     assert usage_of(srv, "failer") == charged
+
+
+def test_the_largest_rates_price_storage_finitely(srv):
+    with srv.client(KEYS["failer"]) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
+        tc.save_state("priced").result()
+    admin = tinker.AdminClient(base_url=srv.base_url, api_key=KEYS["root"])
+    storage = admin.get_current_checkpoint_storage_usage().result()
+    (group,) = storage.data
+    assert storage.effective_rate_usd_per_gigabyte_month == MAX_RATE_USD
+    assert group.estimated_monthly_cost_usd == pytest.approx(group.size_gigabytes * MAX_RATE_USD)
