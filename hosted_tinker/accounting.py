@@ -241,8 +241,8 @@ class Accounting:
             with self._lock:
                 usage, audit, timings = self._usage, self._audit, self._timings
                 self._usage, self._audit, self._timings = {}, [], []
-            try:
-                self.tables.write(usage, audit, timings)
+            try:  # a batch's entries in time order: their ids (the audit log's order) follow their times
+                self.tables.write(usage, sorted(audit, key=lambda e: e.at), timings)
             except Exception:
                 with self._lock:  # kept for the next flush, added to what came meanwhile
                     for key, quantity in usage.items():
