@@ -7,8 +7,9 @@ Where each count comes from, each hook in one place:
   the plan it ran and each request's answer in the `FutureStore` (a request that failed is not
   charged; a part of a split request is charged when it ran);
 - prefill and sampled tokens and the sample requests' timings: `count_sample`, which the sampling
-  service wraps around a job's `on_done` before the job is queued, so a sample is counted before its
-  answer exists, whichever backend ran it;
+  service wraps around a job's `on_done` and `on_error` before the job is queued, so a sample is counted
+  once, before its answer exists, whichever backend ran it; one cut short (its client left, or it
+  failed) is charged what was computed of it until it stopped;
 - the other audit entries (reads, publish, TTL, copies, deletes, project moves): `audit`, called by
   the services;
 - storage GB-hours: accrued from the live checkpoints every `STORAGE_TICK_S` and before a report.
@@ -154,32 +155,43 @@ class Accounting:
     # -- the services' side -------------------------------------------------------------------------
     def count_sample(self, job: SampleJob, owner: str, base_model: str, request_id: str,
                      sampling_session_id: str | None = None) -> None:
-        """Count `job`'s prefill and sampled tokens when it is done, before its own `on_done` runs (so before
-        its answer exists). Call before the job is queued. A job that fails or is cancelled is not charged."""
+        """Charge `job` once, when it ends, before its own `on_done` / `on_error` runs (so before its answer
+        exists). Done: its prompt and every sampled token. Cancelled (its client left) or failed: what its
+        backend computed until it stopped (`SampleJob.prefilled_tokens`, `generated_tokens`), nothing if it
+        never started. Call before the job is queued."""
         session_id = "" if sampling_session_id is None else self._session_of(sampling_session_id)
-        arrived, own_done = time.time(), job.on_done
+        arrived, own_done, own_error = time.time(), job.on_done, job.on_error
+        once = threading.Lock()  # a job whose answer fails to encode is told both: charged at on_done
 
-        def done(result: SampleResult) -> None:
+        def charge(prefill: int, sampled: int, outcome: str) -> None:
+            if not once.acquire(blocking=False):
+                return
             try:
-                self._count_sample(job, result, owner, base_model, session_id, request_id, arrived,
-                                   sampling_session_id or "")
+                self._count_sample(job, prefill, sampled, outcome, owner, base_model, session_id, request_id,
+                                   arrived, sampling_session_id or "")
             except Exception:  # counting must never fail a sample
                 log.exception("counting a sample's usage failed")
+
+        def done(result: SampleResult) -> None:
+            charge(len(job.prompt), sum(len(s.tokens) for s in result.sequences), "done")
             own_done(result)
 
-        job.on_done = done
+        def error(message: str) -> None:
+            charge(job.prefilled_tokens, job.generated_tokens, "failed")
+            own_error(message)
 
-    def _count_sample(self, job: SampleJob, result: SampleResult, owner: str, base_model: str, session_id: str,
-                      request_id: str, arrived: float, target: str) -> None:
+        job.on_done, job.on_error = done, error
+
+    def _count_sample(self, job: SampleJob, prefill: int, sampled: int, outcome: str, owner: str, base_model: str,
+                      session_id: str, request_id: str, arrived: float, target: str) -> None:
         now = time.time()
-        prefill, sampled = len(job.prompt), sum(len(s.tokens) for s in result.sequences)
         hour = hour_of(now)
         # The built-in engine keeps no prefix cache: every prefill token is computed (cached=False).
         usage = [(UsageKey(hour, base_model, owner, session_id, PREFILL, False), prefill),
-                 (UsageKey(hour, base_model, owner, session_id, SAMPLE), sampled)]
+                 (UsageKey(hour, base_model, owner, session_id, SAMPLE), sampled)] if prefill or sampled else []
         first = None if job.first_token_at is None else now - (time.perf_counter() - job.first_token_at)
         timings = [RequestTiming(session_id, base_model, request_id, "sample", target, arrived, first, now, now,
-                                 None, None, prefill + sampled, "done")] if session_id else []
+                                 None, None, prefill + sampled, outcome)] if session_id else []
         self._add(usage, [], timings)
 
     def _session_of(self, sampling_session_id: str) -> str:
@@ -229,8 +241,8 @@ class Accounting:
             with self._lock:
                 usage, audit, timings = self._usage, self._audit, self._timings
                 self._usage, self._audit, self._timings = {}, [], []
-            try:
-                self.tables.write(usage, audit, timings)
+            try:  # a batch's entries in time order: their ids (the audit log's order) follow their times
+                self.tables.write(usage, sorted(audit, key=lambda e: e.at), timings)
             except Exception:
                 with self._lock:  # kept for the next flush, added to what came meanwhile
                     for key, quantity in usage.items():

@@ -74,7 +74,9 @@ ModelEntries = TypeAliasType("MODEL[@DEVICE]", list[Annotated[str, AfterValidato
 class ServerConfig(BaseSettings):
     """Settings of `hosted-tinker serve`. The docstring under a setting is its description (`--help`)."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
+    # allow_inf_nan=False: every number is finite (an `inf` timeout or window passed start-up, then broke the
+    # device loop's wait: threading's timeouts overflow).
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, allow_inf_nan=False,
                                       cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True,
                                       cli_shortcuts={"base-model": "model"},  # vLLM's --model
                                       use_attribute_docstrings=True)  # a setting's description: its docstring

@@ -33,6 +33,9 @@ CREATE TABLE IF NOT EXISTS audit_log (
     details TEXT NOT NULL            -- JSON object
 );
 CREATE INDEX IF NOT EXISTS audit_log_at ON audit_log(at);
+-- The audit report's filters: each index holds the rowid, so a filtered page is read in id order.
+CREATE INDEX IF NOT EXISTS audit_log_actor ON audit_log(actor);
+CREATE INDEX IF NOT EXISTS audit_log_event ON audit_log(event);
 CREATE TABLE IF NOT EXISTS request_timings (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     session_id TEXT NOT NULL,
@@ -130,11 +133,27 @@ class AccountingTables:
         return [UsageRow(UsageKey(r["bucket_start"], r["base_model"], r["owner"], r["session_id"], r["kind"],
                                   bool(r["cached"])), r["quantity"]) for r in rows]
 
-    def audit(self, start: float, end: float, resource: str | None, limit: int) -> list[AuditEntry]:
-        """Audit entries in [start, end), oldest first, of one resource (None: every one); at most `limit`."""
-        rows = self.db.all("SELECT * FROM audit_log WHERE at >= ? AND at < ? AND (? IS NULL OR resource = ?)"
-                           " ORDER BY at, id LIMIT ?", (start, end, resource, resource, limit))
-        return [AuditEntry(r["at"], r["event"], r["resource"], r["actor"], json.loads(r["details"])) for r in rows]
+    def audit(self, start: float, end: float, *, after: int = 0, resource: str | None = None,
+              event: str | None = None, actor: str | None = None, limit: int) -> list[tuple[int, AuditEntry]]:
+        """Audit entries timed in [start, end) with an id above `after`, of one resource, event and actor (None:
+        any), each with its id, in id order: the order they were written. Ids only grow, so an entry written
+        after a page was read, whatever its time, has a larger id than any that page gave: paging on from the
+        page's last id (`after`) reaches it, and reaches nothing twice. At most `limit`."""
+        if not after:  # the first page starts at the window's first entry, not at the table's
+            (first,) = self.db.one("SELECT MIN(id) FROM audit_log WHERE at >= ? AND at < ?", (start, end))
+            if first is None:
+                return []
+            after = first - 1
+        # Read in rowid order, or through a filter's index, which holds the rowid: a page costs its own rows. The
+        # unary + keeps SQLite off the time index, which would sort the whole window for every page.
+        where, args = ["id > ?", "+at >= ?", "+at < ?"], [after, start, end]
+        for column, value in (("resource", resource), ("event", event), ("actor", actor)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        rows = self.db.all(f"SELECT * FROM audit_log WHERE {' AND '.join(where)} ORDER BY id LIMIT ?", (*args, limit))
+        return [(r["id"], AuditEntry(r["at"], r["event"], r["resource"], r["actor"], json.loads(r["details"])))
+                for r in rows]
 
     def timings(self, session_id: str, limit: int) -> list[RequestTiming]:
         """A session's latest `limit` request timings, oldest first."""

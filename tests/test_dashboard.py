@@ -3,7 +3,8 @@
 Two keys train through the real SDK against a real server; the browser logs in with one key and
 must see that key's run with the loss curve of exactly the steps trained (`loss:sum` per step, as
 the SDK returned it), must not see the other key's run, and cannot open it by URL. Screenshots of
-both pages are saved under the test's tmp dir (paths printed) as artifacts.
+both pages are saved under the test's tmp dir (paths printed) as artifacts. An admin pages through
+the audit log in the browser, filtered, and gets the entries the admin route gives, page for page.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # Flags for a sandboxed CI machine with no display and no network.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-ALICE, BOB = "tml-dashboard-alice", "tml-dashboard-bob"
+ALICE, BOB, ROOT = "tml-dashboard-alice", "tml-dashboard-bob", "tml-dashboard-root"
 
 
 def _train(server: ServerProcess, key: str, steps: int) -> tuple[str, list[float]]:
@@ -41,8 +42,9 @@ def _train(server: ServerProcess, key: str, steps: int) -> tuple[str, list[float
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text(f"alice: {ALICE}\nbob: {BOB}\n")
-    srv = ServerProcess(tmp_path_factory.mktemp("dashboard"), args=("--api-keys-file", str(keys))).start()
+    keys.write_text(f"alice: {ALICE}\nbob: {BOB}\nroot: {ROOT}\n")
+    srv = ServerProcess(tmp_path_factory.mktemp("dashboard"),
+                        args=("--api-keys-file", str(keys), "--admin-users", "root")).start()
     try:
         alice_run, alice_losses = _train(srv, ALICE, 3)
         bob_run, _ = _train(srv, BOB, 1)
@@ -109,3 +111,54 @@ def test_dashboard_data_needs_a_key(trained):
     assert [p["step"] for p in answer.json()["points"]] == [0, 1, 2]
     page = httpx.get(f"{srv.base_url}/dashboard")  # no key: the login form, not data
     assert page.status_code == 200 and 'name="api_key"' in page.text and alice_run not in page.text
+
+
+def _route_pages(srv, **params) -> list[list[str]]:
+    """The admin route's pages of `params`: each page's entries' checkpoint paths."""
+    pages, query = [], params
+    while True:
+        answer = httpx.get(f"{srv.base_url}/api/v1/audit", params=query, headers={"X-API-Key": ROOT}, timeout=60).json()
+        pages.append([e["tinker_path"] for e in answer["entries"]])
+        if answer["next_cursor"] is None:
+            return pages
+        query = {"cursor": answer["next_cursor"], "limit": params["limit"]}
+
+
+def _browser_pages(page) -> list[list[str]]:
+    """The audit pages the browser shows from here on, following the next-page links."""
+    pages = []
+    while True:
+        pages.append(page.eval_on_selector_all("#audit tbody tr td code", "cells => cells.map(c => c.textContent)"))
+        if page.query_selector("#next-page") is None:
+            assert page.query_selector("#last-page") is not None
+            return pages
+        page.click("#next-page")
+        page.wait_for_selector("#audit-filters")
+
+
+def test_an_admin_pages_the_audit_log_as_the_admin_route_gives_it(trained, browser, tmp_path):
+    srv, alice_run, _, bob_run = trained
+    assert httpx.get(f"{srv.base_url}/dashboard/audit", headers={"X-API-Key": ALICE}).status_code == 403
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(f"{srv.base_url}/dashboard")
+    page.fill("#api_key", ROOT)
+    page.click("button[type=submit]")
+    page.click("#audit-link")
+    page.wait_for_selector("#audit-filters")
+    page.select_option("select[name=event]", "checkpoint_create")
+    page.fill("input[name=limit]", "1")
+    page.click("#audit-filters button[type=submit]")
+    page.wait_for_selector("#audit")
+    shown = _browser_pages(page)
+    saved = [f"tinker://{alice_run}/weights/after-training", f"tinker://{bob_run}/weights/after-training"]
+    assert shown == [[path] for path in saved]  # a page each, in the order they were saved
+    assert shown == _route_pages(srv, event="checkpoint_create", limit=1)
+    shot = tmp_path / "dashboard-audit.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"\nscreenshot: {shot}")
+
+    page.goto(f"{srv.base_url}/dashboard/audit?user=bob&event=&limit=")  # empty fields: not given
+    assert _browser_pages(page) == [[saved[1]]]
+    page.goto(f"{srv.base_url}/dashboard/audit?limit=0")
+    assert "limit: '0' is not a number of entries from 1 to 10000" in page.text_content("[role=alert]")
+    page.close()

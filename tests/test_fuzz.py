@@ -7,6 +7,7 @@ Run with `pytest tests/test_fuzz.py -s` to see how many requests each fuzzer sen
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import os
@@ -26,7 +27,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from helpers import BASE_MODEL, sft_batch
+from helpers import BASE_MODEL, TEAM, sft_batch
 from server_process import ServerProcess
 
 # The SDK's own encoder warns when a hostile float does not fit in float32; that is the point.
@@ -276,6 +277,69 @@ def test_integers_beyond_int64_are_4xx_naming_the_field(srv, fuzz_world):
         sampler.sample(types.ModelInput.from_ints([1, 2, 3, 4]), 1, types.SamplingParams(max_tokens=1),
                        target_prompt_logprobs=col).result()
     assert 400 <= refused.value.status_code < 500
+
+
+# -- the admin's audit log: its pages, cursors and filters (issue 40) ----------------------------------
+
+AUDIT_EXAMPLES = 250
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+@st.composite
+def audit_params(draw, real_cursor: str) -> dict:
+    """Query parameters of the audit route: real values, hostile ones, and cursors real, forged and broken."""
+    text = st.one_of(st.text(max_size=30), st.text(min_size=1020, max_size=1030), st.just(""))
+    forged = st.dictionaries(st.sampled_from(["day", "event_type", "event", "user", "after", "extra"]),
+                             st.one_of(st.none(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12),
+                                       st.sampled_from(["0001-01-01", "9999-12-31", "all", "checkpoint_read"])))
+    cursor = st.one_of(st.just(real_cursor), text, st.builds(lambda d: _b64(json.dumps(d).encode()), forged),
+                       st.builds(lambda b: _b64(b), st.binary(max_size=40)),
+                       st.builds(lambda n: real_cursor[:n], st.integers(0, len(real_cursor))))
+    fields = {
+        "day": st.one_of(st.sampled_from(["0001-01-01", "9999-12-31", time.strftime("%Y-%m-%d", time.gmtime()),
+                                          "2026-02-30", "today"]), text),
+        "event_type": st.one_of(st.sampled_from(["all", "checkpoints", "projects", "teams", "organizations"]), text),
+        "event": st.one_of(st.sampled_from(["checkpoint_read", "checkpoint_ttl_set", "project_session_assign"]), text),
+        "user": st.one_of(st.sampled_from(["alice", "tml:user:alice", "tml:user:", "root"]), text),
+        "limit": st.one_of(st.integers(-5, 12_000), st.sampled_from([2**63, 2**70, -(2**63) - 1]), text),
+        "cursor": cursor,
+    }
+    return {name: draw(value) for name, value in fields.items() if draw(st.booleans())}
+
+
+def test_the_audit_pages_and_filters_are_answers_or_4xx(team_server):
+    """Every combination of the audit route's parameters is a page (its cursor, when it has one, giving the
+    next) or a 4xx naming what is wrong; the dashboard's audit view is a page or a 4xx too."""
+    tally = Tally("audit pages")
+    with team_server.client(TEAM["alice"]) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
+        for i in range(3):
+            tc.save_state(f"fuzz-audit-{i}").result()
+    with httpx.Client(base_url=team_server.base_url, timeout=REQUEST_TIMEOUT, headers={"X-API-Key": TEAM["root"]}) as http:
+        real = http.get("/api/v1/audit", params={"limit": 1, "user": "alice"}).json()["next_cursor"]
+        assert real is not None
+
+        @settings(max_examples=AUDIT_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @seed(SEED)
+        @given(params=audit_params(real), page=st.booleans())
+        def fuzz(params, page):
+            r = http.get("/dashboard/audit" if page else "/api/v1/audit", params=params)
+            tally.check(f"{'dashboard' if page else 'route'} {str(params)[:200]}", r.status_code,
+                        r.content if not page or r.status_code < 400 else b'{"detail": "the form"}',
+                        r.headers.get("content-type", ""))
+            if not page and r.status_code == 200:
+                answer = r.json()
+                if answer["next_cursor"] is not None:  # a cursor it gives is one it takes
+                    follow = http.get("/api/v1/audit", params={"cursor": answer["next_cursor"]})
+                    tally.check(f"the next page of {params}", follow.status_code, follow.content, "", ok_statuses=(200,))
+
+        fuzz()
+    print(f"\n[fuzz] {tally.report()}")
+    assert not tally.failures, "\n".join(tally.failures[:15])
+    assert tally.statuses[200] and sum(n for status, n in tally.statuses.items() if 400 <= status < 500)
 
 
 # -- schemathesis ------------------------------------------------------------------------------------

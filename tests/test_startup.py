@@ -47,6 +47,9 @@ pytestmark = pytest.mark.e2e
     (("--vllm", "--vllm-url", "http://127.0.0.1:8001"), {},
      r"--vllm-url http://127.0.0.1:8001: give --vllm \(launch vLLM\) or --vllm-url \(attach to a running one\), "
      r"not both"),
+    # Issue 40: an infinite window or timeout passed start-up, then overflowed the device loop's wait.
+    (("--gather-window-s", "inf"), {}, r"--gather-window-s inf: Input should be a finite number"),
+    ((), {"HOSTED_TINKER_GAP_TIMEOUT_S": "1e999"}, r"\$HOSTED_TINKER_GAP_TIMEOUT_S=1e999: Input should be a finite number"),
     (("--vllm-url", "127.0.0.1:8001"), {},
      r"--vllm-url 127.0.0.1:8001: '127.0.0.1:8001' is not an http\(s\) URL: use e.g. http://127.0.0.1:8001"),
 ])

@@ -29,10 +29,19 @@ def test_admins_from_the_environment_and_the_config_file(tmp_path):
 
 
 @pytest.mark.parametrize("card, pattern", [
-    ("models: {'%s': {training: -1}}" % BASE_MODEL, r".*models\..*\.training: Input should be greater than or equal to 0"),
+    ("models: {'%s': {training: -1}}" % BASE_MODEL,
+     r".*models\..*\.training = -1: Input should be greater than or equal to 0"),
     ("models: {'Qwen/Nope': {training: 1}}", r".*rates for 'Qwen/Nope', which this server does not serve .*"),
-    ("storage_usd_per_gb: 1", r".*storage_usd_per_gb: Extra inputs are not permitted"),
+    ("storage_usd_per_gb: 1", r".*storage_usd_per_gb = 1: Extra inputs are not permitted"),
     ("models: [", r".*card.yaml: .*"),
+    # Issue 40: these passed start-up, then every usage and storage report was a 500.
+    ("models: {'*': {sampling_sample: .inf}}", r".*card.yaml: models\.\*\.sampling_sample = inf: Input should be a finite number"),
+    ("storage_usd_per_gigabyte_month: 1e308",
+     r".*card.yaml: storage_usd_per_gigabyte_month = '1e308': Input should be less than or equal to 1000000"),
+    ("models: {'*': {training: 1.0e+308}}", r".*card.yaml: models\.\*\.training = 1e\+308: Input should be less .*"),
+    ("models: {'*': {training: .nan}}", r".*card.yaml: models\.\*\.training = nan: Input should be a finite number"),
+    ('{"storage_usd_per_gigabyte_month": Infinity}', r".*storage_usd_per_gigabyte_month = 'Infinity': .* finite number"),
+    ("models: {'*': {training: yes}}", r".*models\.\*\.training = True: .*a rate is a number of USD, not a boolean"),
 ])
 def test_a_bad_rate_card_is_one_line(tmp_path, card, pattern):
     (tmp_path / "card.yaml").write_text(card)

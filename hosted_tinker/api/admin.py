@@ -6,6 +6,7 @@ naming the role (services/reports.py builds the reports).
 from __future__ import annotations
 
 from datetime import date, datetime, timezone
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 
@@ -13,13 +14,15 @@ from ..access import Access
 from ..auth_tokens import user_urn
 from ..server import Server
 from ..services.reports import (
-    AuditReport, StorageGroup, UsageEvent, audit_report, session_metadata, storage_report, usage_report, usage_window,
+    MAX_AUDIT_ENTRIES, AuditReport, StorageGroup, UsageEvent, audit_query, audit_report, session_metadata,
+    storage_report, usage_report, usage_window,
 )
 from ..store_accounting import AuditEntry
 from .deps import get_access, get_server, require_owner
 from .schemas import ShortText
 
 router = APIRouter()
+MAX_CURSOR_CHARS = 8192  # an audit cursor: its query as JSON in base64, a user name of up to 1024 characters included
 
 
 def _iso(ts: float) -> str:
@@ -91,9 +94,18 @@ def _audit_entry(e: AuditEntry) -> dict:
 
 
 @router.get("/api/v1/audit")
-def audit_log(event_type: str = "all", day: date | None = None, owner: str = Depends(require_owner),
-              server: Server = Depends(get_server), access: Access = Depends(get_access)):
-    """`AdminClient.get_audit_log`: one UTC day (default today) of one event type, oldest first; at most
-    10,000 entries (`truncated` says when the day had more)."""
-    report: AuditReport = audit_report(server, access, owner, event_type, day)
-    return {"entries": [_audit_entry(e) for e in report.entries], "truncated": report.truncated}
+def audit_log(event_type: ShortText | None = None, day: date | None = None, event: ShortText | None = None,
+              user: ShortText | None = None, cursor: Annotated[str | None, Query(max_length=MAX_CURSOR_CHARS)] = None,
+              limit: int = Query(MAX_AUDIT_ENTRIES, ge=1, le=MAX_AUDIT_ENTRIES),
+              owner: str = Depends(require_owner), server: Server = Depends(get_server),
+              access: Access = Depends(get_access)):
+    """`AdminClient.get_audit_log` (`event_type`, `day`): one UTC day (default today) of one resource type,
+    in the order the entries were written, a page of at most `limit` (10,000 by default). Ours besides:
+    `event` (one event, e.g. checkpoint_read) and `user` (an owner or its URN) filter it; a page that does
+    not hold every entry has `truncated: true` and `next_cursor`, which, sent as `cursor`, gives the next
+    page of the same query (stable while entries are added: none is skipped or given twice)."""
+    access.admin(owner)
+    query = audit_query(cursor=cursor, day=day, event_type=event_type, event=event, user=user)
+    report: AuditReport = audit_report(server, access, owner, query, limit)
+    return {"entries": [_audit_entry(e) for e in report.entries], "truncated": report.truncated,
+            "next_cursor": report.next_cursor}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import date
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -23,11 +24,15 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from ..accounting import AUDIT_EVENTS
 from ..auth import InvalidCredential
 from ..checkpoints.paths import TinkerPath
+from ..errors import Forbidden, UserError
 from ..server import Server
-from ..services.reports import DASHBOARD_DAYS, usage_by_owner
-from .deps import credential, get_server
+from ..services.reports import (
+    AUDIT_EVENT_TYPES, DASHBOARD_DAYS, MAX_AUDIT_ENTRIES, audit_query, audit_report, usage_by_owner,
+)
+from .deps import credential, get_access, get_server
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
 
@@ -36,6 +41,7 @@ _ASSETS = Path(__file__).resolve().parent.parent / "dashboard"
 _STATIC = {p.name: p for p in (_ASSETS / "static").iterdir() if p.suffix in (".js", ".css")}
 templates = Jinja2Templates(directory=_ASSETS / "templates")
 ROWS = 200  # runs / checkpoints / sessions listed per page
+AUDIT_ROWS = 100  # audit log entries per page, unless the page asks for another `limit`
 
 
 def _when(ts: float | None) -> str:
@@ -63,7 +69,11 @@ def _tinker_path(checkpoint) -> str:
     return str(TinkerPath.of_record(checkpoint.model_id, checkpoint.checkpoint_id))
 
 
-templates.env.filters.update(when=_when, size=_size, expires=_expires, tinker_path=_tinker_path)
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+
+
+templates.env.filters.update(when=_when, utc=_utc, size=_size, expires=_expires, tinker_path=_tinker_path)
 
 
 def _key(request: Request) -> str | None:
@@ -177,6 +187,44 @@ def cycles(request: Request):
     queued = sum(served.scheduler.queue_depth() for served in server.models)
     return {"cycles": request.app.state.metrics.recent_cycles(), "queue_depth": queued,
             "max_tokens_per_cycle": server.config.max_tokens_per_cycle}
+
+
+@router.get("/audit")
+def audit_page(request: Request):
+    """The admin's audit log, a page at a time: the query, pages and cursors of the admin route
+    (`/api/v1/audit`), from a form (an empty field is not given) and the next page's link."""
+    owner = _owner(request)
+    if owner is None:
+        return _login_page(request)
+    server, access = get_server(request), get_access(request)
+    given = {name: value for name, value in request.query_params.items() if value.strip()}
+    context = {"owner": owner, "given": given, "event_types": AUDIT_EVENT_TYPES, "events": AUDIT_EVENTS,
+               "report": None, "query": None, "error": None}
+    try:
+        access.admin(owner)
+        query = audit_query(cursor=given.get("cursor"), day=_form_day(given.get("day")),
+                            event_type=given.get("event_type"), event=given.get("event"), user=given.get("user"))
+        context.update(query=query, report=audit_report(server, access, owner, query, _form_limit(given.get("limit"))))
+    except Forbidden as e:
+        raise HTTPException(403, str(e)) from None
+    except UserError as e:  # the form again, saying what is wrong
+        context["error"] = str(e)
+    return templates.TemplateResponse(request, "audit.html", context, status_code=400 if context["error"] else 200)
+
+
+def _form_day(text: str | None) -> date | None:
+    try:
+        return None if text is None else date.fromisoformat(text)
+    except ValueError:
+        raise UserError(f"day: {text!r} is not a date (YYYY-MM-DD)") from None
+
+
+def _form_limit(text: str | None) -> int:
+    if text is None:
+        return AUDIT_ROWS
+    if not text.isdigit() or not 1 <= int(text) <= MAX_AUDIT_ENTRIES:
+        raise UserError(f"limit: {text!r} is not a number of entries from 1 to {MAX_AUDIT_ENTRIES}")
+    return int(text)
 
 
 @router.get("/static/{name}")

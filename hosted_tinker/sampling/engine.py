@@ -264,8 +264,8 @@ class SamplingEngine:
         for job in [j for j in queue if j.request.cancelled]:
             queue.remove(job)
             self._release(job)
+            job.fail(CANCELLED)  # first: once counted as cancelled, it is charged (accounting.py)
             self.requests_cancelled += 1
-            job.fail(CANCELLED)
 
     def _release(self, job: JobState) -> None:
         """Free what `job` holds of the pool."""
@@ -385,7 +385,7 @@ class SamplingEngine:
                                  continues=batch[0][0].prefilled > 0, logits_to_keep=keep, **extra).float()
         complete = []
         for r, (job, n) in enumerate(batch):
-            job.prefill.length = job.prefilled = job.prefilled + n
+            job.prefill.length = job.prefilled = job.request.prefilled_tokens = job.prefilled + n
             if keep == 0 and needs_prompt_logits(job.request):
                 job.prompt_logits.append(logits[r, logits.shape[1] - n:])
             if deltas is not None:

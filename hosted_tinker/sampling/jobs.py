@@ -53,6 +53,10 @@ class SampleJob:
     # engine drops the job at admission or before its next decode step, with its KV cache, and
     # calls on_error once.
     cancelled: bool = False
+    # What its backend has computed of it so far, kept current as it runs (on the backend's thread):
+    # a job that ends unfinished (cancelled, failed) is charged for these (accounting.py).
+    prefilled_tokens: int = 0  # prompt tokens prefilled
+    generated_tokens: int = 0  # tokens generated, over all its samples
     # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

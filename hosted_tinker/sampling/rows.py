@@ -126,6 +126,7 @@ class RowRecorder:
             row.topk_ids.append(picked.topk_ids)
             row.topk_logprobs.append(picked.topk_logprobs)
         self.tokens_generated += 1
+        job.generated_tokens += 1
         if token in job.stop_token_ids or (job.stop_strings and self._hit_stop_string(row, job)):
             row.stop_reason = "stop"
         elif len(row.tokens) >= job.max_tokens:

@@ -35,6 +35,10 @@ vLLM going down fails the requests in flight with a server error at once; new re
 it to come back up to `outage_wait_s`, then fail. `cancel_job` (the client left) stops a job
 wherever it is: waiting for vLLM, or its HTTP request to vLLM, which is closed. An adapter vLLM no longer knows (404: it
 restarted unseen) is registered again and the request retried once.
+
+Usage (accounting.py): a streamed job's tokens are counted as they arrive (`SampleJob.prefilled_tokens`,
+`generated_tokens`), so one cut short is charged its prompt and what vLLM generated until then. vLLM tells
+nothing of a whole (not streamed) request until its answer: one cut short is charged nothing.
 """
 
 from __future__ import annotations
@@ -399,6 +403,9 @@ class VLLMSamplingBackend:
                         i = ch["index"]
                         c = choices[i]
                         _add(c, ch, body["logprobs"])
+                        # What vLLM has computed so far, charged if the job ends unfinished (accounting.py).
+                        job.prefilled_tokens = len(job.prompt)
+                        job.generated_tokens += len(ch.get("token_ids") or [])
                         prompt_entries = prompt_entries or ch.get("prompt_logprobs")
                         done = len(c.tokens) if c.stop_reason is not None else len(c.tokens) - 1
                         for pos in range(reported[i], done):

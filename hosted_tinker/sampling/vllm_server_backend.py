@@ -280,11 +280,11 @@ class VLLMBackend(SamplingBackend):
             own_done(result)
 
         def error(message: str) -> None:
+            self._on_request_done(job, None, time.perf_counter() - started)
+            own_error(message)  # first: once counted as cancelled, it is charged (accounting.py)
             if job.cancelled:
                 with self._lock:
                     self.requests_cancelled += 1
-            self._on_request_done(job, None, time.perf_counter() - started)
-            own_error(message)
 
         def token(*args) -> None:
             if job.first_token_at is None:

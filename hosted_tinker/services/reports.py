@@ -3,18 +3,24 @@
 Each is for the admin role only (`Access.admin`: anyone else gets `Forbidden`, a 403 naming the role) and
 first settles the accounting (accounting.py): it shows everything answered before it was asked. Each is
 bounded: a usage window of at most 14 days on hour boundaries holding at most `MAX_USAGE_EVENTS` events,
-at most `MAX_AUDIT_ENTRIES` entries of one day's audit log.
+and pages of at most `MAX_AUDIT_ENTRIES` entries of one day's audit log. A page that does not hold every
+entry says so with the cursor of the next one (`AuditQuery`): paging reaches every entry once, those
+written while it pages included, and never drops one silently.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from ..access import Access
-from ..accounting import CHECKPOINT, STORAGE
+from ..accounting import AUDIT_EVENTS, CHECKPOINT, STORAGE
+from ..auth_tokens import owner_of_urn
 from ..errors import UserError
 from ..rate_card import HOURS_PER_MONTH
 from ..server import Server
@@ -22,7 +28,7 @@ from ..store_accounting import AuditEntry
 from ..store_records import SessionRecord
 
 MAX_WINDOW = timedelta(days=14)
-MAX_AUDIT_ENTRIES = 10_000
+MAX_AUDIT_ENTRIES = 10_000  # a page's most, and its size by default: the SDK's call (it cannot page) gets one
 MAX_USAGE_EVENTS = 100_000
 AUDIT_EVENT_TYPES = ("all", "checkpoints", "projects", "teams", "organizations")
 
@@ -61,7 +67,56 @@ class StorageGroup:
 @dataclass(frozen=True)
 class AuditReport:
     entries: list[AuditEntry]
-    truncated: bool  # more entries than MAX_AUDIT_ENTRIES that day: the first ones are given
+    next_cursor: str | None  # the page did not hold every entry: where the next one starts
+
+    @property
+    def truncated(self) -> bool:
+        return self.next_cursor is not None
+
+
+class AuditQuery(BaseModel):
+    """What an audit report asks for: one UTC day's entries of one resource type (`event_type`, as the SDK
+    names it), of one event and one user if given; `after`: the last entry id a previous page gave."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    day: date
+    event_type: str = "all"
+    event: str | None = None
+    user: str | None = None
+    after: int = Field(0, ge=0, lt=2**63)  # an SQLite integer
+
+    def cursor(self, after: int) -> str:
+        """Opaque to its reader: this query, continued after entry `after` (URL-safe text)."""
+        text = self.model_copy(update={"after": after}).model_dump_json()
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    @classmethod
+    def of_cursor(cls, cursor: str) -> "AuditQuery":
+        try:
+            return cls.model_validate_json(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)), strict=False)
+        except (ValueError, ValidationError):  # binascii.Error is a ValueError
+            raise UserError("cursor: not a cursor this route gave out; start again without one") from None
+
+
+def audit_query(*, cursor: str | None, day: date | None, event_type: str | None, event: str | None,
+                user: str | None) -> AuditQuery:
+    """The query a request asks for: its parameters (`user` an owner or its URN), or the query its `cursor`
+    continues, with which any parameter given beside it must agree; a `UserError` naming what is wrong."""
+    user = None if user is None else owner_of_urn(user) or user
+    given = {"day": day, "event_type": event_type, "event": event, "user": user}
+    if cursor is None:
+        query = AuditQuery(**{**given, "day": day or datetime.now(timezone.utc).date(), "event_type": event_type or "all"})
+    else:
+        query = AuditQuery.of_cursor(cursor)
+        for name, value in given.items():
+            if value is not None and value != getattr(query, name):
+                raise UserError(f"{name}: {value} is not the {name} of the query the cursor continues "
+                                f"({getattr(query, name)}); leave {name} out, or start again without the cursor")
+    if query.event_type not in AUDIT_EVENT_TYPES:
+        raise UserError(f"event_type must be one of {', '.join(AUDIT_EVENT_TYPES)}; got {query.event_type!r}")
+    if query.event is not None and query.event not in AUDIT_EVENTS:
+        raise UserError(f"event must be one of {', '.join(AUDIT_EVENTS)}; got {query.event!r}")
+    return query
 
 
 def usage_window(starting_on: datetime, ending_before: datetime) -> tuple[int, int]:
@@ -141,17 +196,20 @@ def storage_report(server: Server, access: Access, owner: str, project_id: str |
             for (project, who), (n, size) in sorted(groups.items(), key=lambda g: (g[0][0] or "", g[0][1]))]
 
 
-def audit_report(server: Server, access: Access, owner: str, event_type: str, day: date | None) -> AuditReport:
-    """One UTC day's audit entries (today's by default) of one resource type, oldest first."""
+def audit_report(server: Server, access: Access, owner: str, query: AuditQuery,
+                 limit: int = MAX_AUDIT_ENTRIES) -> AuditReport:
+    """One page of at most `limit` of the audit entries `query` asks for, in the order they were written (time
+    order but for entries written in the same moment), and the cursor of the next page if there are more."""
     access.admin(owner)
-    if event_type not in AUDIT_EVENT_TYPES:
-        raise UserError(f"event_type must be one of {', '.join(AUDIT_EVENT_TYPES)}; got {event_type!r}")
-    day = day or datetime.now(timezone.utc).date()
-    start = datetime(day.year, day.month, day.day, tzinfo=timezone.utc).timestamp()
+    if not 1 <= limit <= MAX_AUDIT_ENTRIES:
+        raise UserError(f"limit must be from 1 to {MAX_AUDIT_ENTRIES} entries a page; got {limit}")
+    start = datetime(query.day.year, query.day.month, query.day.day, tzinfo=timezone.utc).timestamp()
     server.accounting.settle(server.cycles_started())
-    resource = None if event_type == "all" else event_type
-    entries = server.accounting.tables.audit(start, start + 86400, resource, MAX_AUDIT_ENTRIES + 1)
-    return AuditReport(entries[:MAX_AUDIT_ENTRIES], len(entries) > MAX_AUDIT_ENTRIES)
+    resource = None if query.event_type == "all" else query.event_type
+    rows = server.accounting.tables.audit(start, start + 86400, after=query.after, resource=resource,
+                                          event=query.event, actor=query.user, limit=limit + 1)
+    page = rows[:limit]
+    return AuditReport([entry for _, entry in page], query.cursor(page[-1][0]) if len(rows) > limit else None)
 
 
 @dataclass(frozen=True)
