@@ -144,12 +144,14 @@ def test_moe_tenants_on_the_gpu_get_their_solo_bits():
     assert_each_tenant_matches_solo(rt, tenants, fused_hist, fused_state, steps=2)
 
 
-def test_a_captured_moe_cycle_waits_for_the_device_once():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_captured_moe_cycle_waits_for_the_device_once(dtype):
     """Issue 34: a bf16 MoE's routing is planned on the device and its expert LoRA runs as bf16
     grouped GEMMs, so once its layout is captured a whole cycle -- the replayed pass and the
     optimizer steps (norms, clipping, the finite check, AdamW) -- launches without a host sync; the
-    one wait reads both."""
-    rt = TrainingRuntime(tiny_decoder("moe", dtype=torch.bfloat16).to(CUDA), "moe", device=CUDA)
+    one wait reads both. Issue 44: so does an fp32 MoE's (its expert GEMMs a bmm per tenant over
+    padded groups)."""
+    rt = TrainingRuntime(tiny_decoder("moe", dtype=dtype).to(CUDA), "moe", device=CUDA)
     for t in range(4):
         rt.create_adapter(f"m{t}", LoRAConfig(rank=8, seed=t))
     works = [random_work(900 + t, f"m{t}", "cross_entropy", {}, lengths=(64, 50)) for t in range(4)]

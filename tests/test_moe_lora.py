@@ -22,9 +22,12 @@ from hosted_tinker.checkpoints.adapter_io import check_fits, restore_adapter, sa
 from hosted_tinker.checkpoints.format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, CheckpointError, read_checkpoint
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import same_bits
+from hosted_tinker.runtime.moe_lora import ExpertProjection, describe_expert_gemms
+from hosted_tinker.runtime import moe_routing
+from hosted_tinker.runtime.moe_routing import PaddedGroups
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from helpers import assert_each_tenant_matches_solo, train_tenants
-from tiny_model import ce_work, one_torch_thread  # noqa: F401  (autouse: one CPU thread)
+from tiny_model import ce_work, grads, one_torch_thread  # noqa: F401  (autouse: one CPU thread)
 
 EXPERTS, LAYERS, RANK, VOCAB = 4, 2, 4, 1024
 # hidden 32, expert width 48: neither equal nor half of the other, so the cookbook's merge finds
@@ -175,17 +178,28 @@ def test_an_expert_factor_shared_by_every_expert_is_broadcast_on_load(moe, tmp_p
     rt.remove_adapter("s")
 
 
+def force_device_plan(monkeypatch) -> None:
+    """The expert GEMM plan of a CUDA device, forced on the CPU (no CUDA here): off bf16, a bmm per
+    tenant over padded groups (`moe_routing.pads_groups`) instead of torch's loop of one `mm` per
+    group."""
+    monkeypatch.setattr(moe_routing, "pads_groups", lambda x: x.dtype != torch.bfloat16)
+
+
+@pytest.mark.parametrize("plan", ["cpu", "device"])
 @pytest.mark.parametrize("tenants", [[0, 1, 3, 5], [0, 4]], ids=["mixed", "one-rank"])
-def test_cobatched_equals_solo_on_an_moe_model(moe, monkeypatch, tenants):
+def test_cobatched_equals_solo_on_an_moe_model(moe, monkeypatch, tenants, plan):
     """Tenants sharing micro-batches, two steps fused vs each alone: logprobs, losses, grad norms,
     weights and moments bit for bit. Mixed: four tenants of other losses, ranks and train flags, two
     of them without expert LoRA (the LoRA gathers its rows); one-rank: two tenants whose expert LoRA
     runs on the base GEMMs' own groups. (Until the base expert GEMMs ran per (tenant, expert)
     group, the second step lost bits: a tenant's expert group grew with the other tenants' tokens
-    and took other kernels.)"""
+    and took other kernels.) With the CPU's fp32 plan and with a device's (issue 44: padded groups,
+    a bmm per tenant)."""
     kind, _, rt = moe
     if kind != "qwen3_moe":
         pytest.skip("one MoE family is enough for the co-batching check")
+    if plan == "device":
+        force_device_plan(monkeypatch)
     # Only the start-up probe of this machine's kernels may keep tenants apart (under AVX2 kernels
     # it does so for dense models too), never the experts themselves.
     refused = rt.policy.mixing_refused
@@ -226,3 +240,70 @@ def test_wide_experts_share_micro_batches_wherever_their_dense_twin_does():
         solo_hist, solo_state = train_tenants(rt, [i], steps=2)
         assert [norm for _, norm in fused_hist[i]] == [norm for _, norm in solo_hist[i]]
         assert all(same_bits(fused_state[i][k], solo_state[i][k]) for k in solo_state[i]), i
+
+
+def test_padded_groups_give_each_groups_products():
+    """Issue 44: the fp32 expert GEMMs run as one bmm over groups padded to a bound the host knows
+    (`PaddedGroups`, no group length read to the host): each group's rows get their products with
+    its own matrix -- empty groups and a group as long as the bound included -- and the weight
+    gradients sum each group's rows alone; a group longer than the bound fails loudly."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3, 0, 5, 1, 0, 5]
+    offs = torch.tensor(lengths).cumsum(0).to(torch.int32)
+    x, w = torch.randn(sum(lengths), 7, generator=gen), torch.randn(len(lengths), 7, 4, generator=gen)
+    b = torch.randn(sum(lengths), 4, generator=gen)
+    padded = PaddedGroups.of(offs, sum(lengths), cap=5)
+    y, grads = padded.mm(x, w), padded.weight_mm(x, b)
+    at = 0
+    for g, n in enumerate(lengths):
+        torch.testing.assert_close(y[at:at + n], x[at:at + n] @ w[g], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grads[g], x[at:at + n].T @ b[at:at + n], rtol=1e-6, atol=1e-6)
+        at += n
+    with pytest.raises(RuntimeError):
+        PaddedGroups.of(offs, sum(lengths), cap=4)
+
+
+def test_the_device_plan_computes_what_the_cpu_plan_does(moe, monkeypatch):
+    """Issue 44: a device's fp32 expert GEMMs (a bmm per tenant over padded groups, forced here on
+    the CPU) give the logprobs, loss and LoRA gradients of the CPU's (one `mm` per group), which
+    match the merged PEFT model's (test_experts_train_save_merge_and_load): two tenants, one pass."""
+    kind, _, rt = moe
+    seqs = {"a": SEQS[:3], "b": SEQS[3:]}
+    got = {}
+    for plan in ("cpu", "device"):
+        if plan == "device":
+            force_device_plan(monkeypatch)
+        for mid in seqs:
+            rt.create_adapter(mid, LoRAConfig(rank=RANK, seed=len(mid) + ord(mid)))
+            with torch.no_grad():  # non-zero B: the deltas and A's gradients count
+                for w in rt.adapter(mid).weights.values():
+                    w.B.normal_(0, 0.1, generator=torch.Generator().manual_seed(ord(mid)))
+        outs = rt.forward_backward([ce_work(mid, s) for mid, s in seqs.items()])
+        got[plan] = [(o.metrics["loss:sum"], [d["logprobs"] for d in o.outputs], grads(rt.adapter(mid)))
+                     for mid, o in zip(seqs, outs)]
+        for mid in seqs:
+            rt.remove_adapter(mid)
+    for (loss, lps, g), (loss_d, lps_d, g_d) in zip(got["cpu"], got["device"]):
+        assert abs(loss - loss_d) <= 1e-5 * abs(loss), (kind, loss, loss_d)
+        assert max(np.abs(x - y).max() for x, y in zip(lps, lps_d)) <= 1e-5, kind
+        assert any(k.endswith("experts.w2.lora_A.weight") and g[k] is not None for k in g), sorted(g)[:4]
+        for k in g:
+            torch.testing.assert_close(g_d[k], g[k], rtol=1e-4, atol=1e-6, msg=f"{kind} {k}")
+
+
+def test_the_start_up_summary_says_how_the_experts_run_and_what_fp32_costs_on_a_gpu(moe):
+    """Issue 44: the training line of the start-up summary names the expert GEMMs' plan; for an fp32
+    body on a device (its weights moved to the meta device here: no GPU) it says that MoE trains at
+    the GPU's pace only in bf16, and what fp32 costs."""
+    kind, _, rt = moe
+    line = rt.describe_training()
+    assert "MoE experts float32, one GEMM per (tenant, expert) group" in line, line
+    experts = next(layer.owner for layer in rt.layers.values() if isinstance(layer, ExpertProjection))
+    base = experts.base
+    saved = base.gate_up_proj
+    try:
+        base.gate_up_proj = torch.nn.Parameter(saved.detach().to("meta"), requires_grad=False)
+        on_gpu = describe_expert_gemms(rt.layers)
+    finally:
+        base.gate_up_proj = saved
+    assert f"{EXPERTS} / top-k times the FLOPs" in on_gpu and "GPU's pace only in bfloat16" in on_gpu, on_gpu

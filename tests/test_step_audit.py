@@ -12,6 +12,9 @@ runtime/step_audit.py's dispatch modes from the aten ops the step dispatches:
   host loop of one `mm` per group), and the matmul calls of an MoE step do not grow with the
   expert count (no loop over groups);
 - host ops per cycle: 16 tenants cost at most 1.5x one tenant's.
+An fp32 MoE body (`--dtype float32`) on a GPU reads the host no more than a bf16 one: its expert
+GEMMs run as a bmm per tenant over padded groups (runtime/moe_routing.py's `PaddedGroups`), not as
+grouped GEMMs; counted here with that plan forced on the CPU (`device_plan`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hosted_tinker.runtime import moe_routing
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig, SkippedStep
 from hosted_tinker.runtime.step_audit import MatmulAudit, SyncAudit, host_op_counts
 from hosted_tinker.runtime.trainer import TrainingRuntime
@@ -29,8 +33,9 @@ CPU = torch.device("cpu")
 KINDS = ["dense", "moe"]
 
 
-def runtime(kind: str, *, tenants: int, ranks=(8,), layers: int = 2, experts: int = 4) -> TrainingRuntime:
-    rt = TrainingRuntime(tiny_decoder(kind, layers=layers, experts=experts, dtype=torch.bfloat16), kind, device=CPU)
+def runtime(kind: str, *, tenants: int, ranks=(8,), layers: int = 2, experts: int = 4,
+            dtype: torch.dtype = torch.bfloat16) -> TrainingRuntime:
+    rt = TrainingRuntime(tiny_decoder(kind, layers=layers, experts=experts, dtype=dtype), kind, device=CPU)
     for t in range(tenants):
         rt.create_adapter(f"t{t}", LoRAConfig(rank=ranks[t % len(ranks)], seed=t))
     return rt
@@ -128,3 +133,48 @@ def test_host_ops_per_cycle_grow_at_most_1_5x_from_1_to_16_tenants(kind):
         counts[n] = host_op_counts(lambda: one_cycle(rt, works(n, step=1), steps[:n]))[1]
     print(f"{kind}: host ops per cycle N=1 {counts[1]}, N=16 {counts[16]}: {counts[16] / counts[1]:.2f}x")
     assert counts[16] <= 1.5 * counts[1], counts
+
+
+
+@pytest.fixture
+def device_plan(monkeypatch):
+    """The expert GEMM plan of a CUDA device, forced on the CPU (no CUDA here): off bf16, a bmm per
+    tenant over padded groups (`moe_routing.pads_groups`). The CPU's own plan keeps torch's loop of
+    one `mm` per group, which waits for nothing there. (Without such a switch, as before issue 44,
+    the plan stays the CPU's: raising=False lets these tests show what that plan reads.)"""
+    monkeypatch.setattr(moe_routing, "pads_groups", lambda x: x.dtype != torch.bfloat16, raising=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_moe_cycle_reads_the_host_as_often_at_16_tenants_as_at_1(device_plan, dtype):
+    """Issue 44: an fp32 MoE body read the host once per expert GEMM -- torch's grouped GEMM of other
+    than bf16 operands copies the group offsets to the host and loops one `mm` per group -- 46
+    times a cycle at one tenant and 166 at 16 tenants (its frozen expert GEMMs run per tenant). On a
+    device they now run as a bmm per tenant over padded groups: in either dtype a cycle's only host
+    syncs are the pass's and the optimizer step's waits, at 1 tenant as at 16."""
+    rt = runtime("moe", tenants=16, dtype=dtype)
+    steps = [(f"t{t}", AdamParams(learning_rate=1e-3)) for t in range(16)]
+    reasons = {}
+    for n in (1, 16):
+        one_cycle(rt, works(n), steps[:n])  # warm-up: the layout's plans and slot tensors are made
+        with SyncAudit() as audit:
+            one_cycle(rt, works(n, step=1), steps[:n])
+        reasons[n] = dict(audit.reasons)
+    assert reasons[1] == reasons[16] == {"wait_for_device": 2}, reasons
+
+
+def test_an_fp32_moe_step_on_a_device_runs_no_grouped_loop(device_plan):
+    """Issue 44: on an fp32 MoE body no grouped GEMM runs on a device (CUDA's fp32 `_grouped_mm` is a
+    host loop of one `mm` per group); its expert GEMMs are bmm calls, as many with 8 experts as
+    with 4."""
+    calls = {}
+    for experts in (4, 8):
+        rt = runtime("moe", tenants=4, experts=experts, dtype=torch.float32)
+        steps = [(f"t{t}", AdamParams(learning_rate=1e-3)) for t in range(4)]
+        one_cycle(rt, works(4), steps)
+        with MatmulAudit() as audit:
+            one_cycle(rt, works(4, step=1), steps)
+        calls[experts] = audit.counts()
+        assert not calls[experts]["aten::_grouped_mm"], calls[experts]
+        assert any(c.op == "aten::bmm" and c.shape[0] == experts for c in audit.calls)
+    assert calls[4] == calls[8], calls

@@ -17,7 +17,7 @@ import torch
 
 from .batch_invariant import training_kernels
 from .invariance import FusionPolicy, RowIndependenceProbe
-from .moe_lora import ExpertProjection
+from .moe_lora import ExpertProjection, describe_expert_gemms
 from .multi_lora import fp32_logits_refused
 from .packing import bucket_width, max_rows
 
@@ -106,7 +106,8 @@ class KernelChoices:
         if self.invariant is not None:
             parts.append(f"batch-invariant kernels: {self.invariant.describe()}")
         parts += [f"CUDA graphs {self.graphs_how}", f"logits {self.logits_fp32}"]
-        return "; ".join(parts)
+        experts = describe_expert_gemms(self.layers)
+        return "; ".join(parts + ([experts] if experts else []))
 
     # -- the fusion probe (see invariance.py) -----------------------------------------------------
     def _probe_sample(self, width: int, rows: int, seed: int) -> tuple[torch.Tensor, ...]:

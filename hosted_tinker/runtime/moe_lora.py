@@ -23,7 +23,11 @@ takes: an fp32 `_grouped_mm` is a host loop of one `mm` per group there, and can
 their weight gradients are taken per (tenant, expert, datum) group and the datums' bf16 results
 summed in fp32 into the fp32 gradient rows of the slots (`expert_weight_grad`: a micro-batch's
 gradient rounded to bf16 as a whole made a split batch's logprobs differ by 2.9e-3 after a step).
-On an fp32 base they run in fp32, as before. A tenant's bits still do not depend on who shares
+On an fp32 base they run in fp32: on a GPU as a bmm per tenant over its expert groups padded to
+its tokens (`moe_routing.PaddedGroups`: no count read back, capturable, but E / top-k times the
+FLOPs and no tensor cores -- MoE trains at the GPU's pace only in bf16, which the start-up
+summary says: `describe_expert_gemms`), on the CPU as torch's loop of one `mm` per group, which
+waits for nothing there and computes no padding. A tenant's bits still do not depend on who shares
 its batch: its groups, their rows and their order are its own (tests/test_moe_lora.py,
 tests/test_lora_precision.py).
 """
@@ -81,8 +85,8 @@ def expert_weight_grad(a: torch.Tensor, b: torch.Tensor, routes: ExpertRoutes, r
     """Σ over each (tenant, expert) group's pairs of a^T b: a [N, p], b [N, q] -> [n*E, p, q] fp32.
     In bf16 per (tenant, expert, datum) group, the bf16 results summed in fp32 (as
     `lora_ops.weight_grad`: a datum's partial gradient is the same in any micro-batch)."""
-    if a.dtype == torch.float32:
-        return grouped_mm(a.t(), b, routes.offsets(run.first, run.end))
+    if a.dtype != torch.bfloat16:
+        return routes.weight_grad(a, b, run.first, run.end)
     datums = routes.layout.datums
     per = grouped_mm(a.t(), b, routes.datum_offsets(run.first, run.end))  # [n*E*datums, p, q]
     return per.view(-1, datums, *per.shape[1:]).float().sum(1) if datums > 1 else per.float()
@@ -98,10 +102,9 @@ class ExpertLoRA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, stack: SlotStack, run: "ExpertRun", routes: ExpertRoutes):
         A, B = padded_factors(stack, run.slots, lora_dtype(x.dtype))
-        offs = routes.offsets(run.first, run.end)
         xa = x.to(A.dtype)
-        h = grouped_mm(xa, A.transpose(1, 2), offs)  # [N, r']
-        d = grouped_mm(h, B.transpose(1, 2), offs).mul_(run.scaling)  # [N, out]; in place: the same bits, one buffer less
+        h = routes.grouped(xa, A.transpose(1, 2), run.first, run.end)  # [N, r']
+        d = routes.grouped(h, B.transpose(1, 2), run.first, run.end).mul_(run.scaling)  # [N, out]; in place: the same bits, one buffer less
         ctx.save_for_backward(xa, A, B, h)
         ctx.stack, ctx.run, ctx.routes, ctx.x_dtype = stack, run, routes, x.dtype
         return d.to(x.dtype)
@@ -110,12 +113,11 @@ class ExpertLoRA(torch.autograd.Function):
     def backward(ctx, gd):
         x, A, B, h = ctx.saved_tensors
         stack, run, routes = ctx.stack, ctx.run, ctx.routes
-        offs = routes.offsets(run.first, run.end)
         g = gd.to(A.dtype).contiguous() * run.scaling
         grad_B = expert_weight_grad(h, g, routes, run).transpose(1, 2)  # [G, out, r']
-        gh = grouped_mm(g, B, offs)  # [N, r']
+        gh = routes.grouped(g, B, run.first, run.end)  # [N, r']
         grad_A = expert_weight_grad(x, gh, routes, run).transpose(1, 2)  # [G, r', in]
-        grad_x = grouped_mm(gh, A, offs).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_x = routes.grouped(gh, A, run.first, run.end).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         n, r = run.slots.shape[0], stack.rank
         grad_A, grad_B = grad_A[:, :r], grad_B[:, :, :r]
         grad_A, grad_B = grad_A.reshape(n, *stack.grad_A.shape[1:]), grad_B.reshape(n, *stack.grad_B.shape[1:])
@@ -307,6 +309,24 @@ class MultiLoRAExperts(nn.Module):
                     seen[u] += 1
             return pair_layout(of_token if len(tenants) > 1 else None, datum, tokens, top_k, self.num_experts, device)
         return tenants, self.routing.per_layout(("moe pairs", tokens, top_k, self.num_experts), make)
+
+
+def describe_expert_gemms(layers: dict) -> str | None:
+    """The start-up summary's word on how the LoRA-adapted MoE experts' GEMMs run here (None
+    without any): their dtype decides it (`moe_routing.pads_groups`), and off bf16 on a GPU it
+    says what that costs."""
+    owner = next((layer.owner for layer in layers.values() if isinstance(layer, ExpertProjection)), None)
+    if owner is None:
+        return None
+    weight = owner.base.gate_up_proj
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if weight.dtype == torch.bfloat16:
+        return "MoE experts bfloat16, grouped GEMMs (on CUDA one kernel per tenant, no count read back)"
+    if weight.device.type == "cpu":
+        return f"MoE experts {dtype}, one GEMM per (tenant, expert) group"
+    return (f"MoE experts {dtype}: a batched GEMM per tenant over its expert groups padded to its tokens "
+            f"({owner.num_experts} / top-k times the FLOPs, no tensor cores), no count read back; "
+            f"MoE trains at the GPU's pace only in bfloat16 (--dtype bfloat16)")
 
 
 def attach_moe_lora(model: nn.Module, routing: LoRARouting, projections: list[Projection]

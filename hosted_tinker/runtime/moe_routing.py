@@ -17,6 +17,13 @@ not independent of how many other rows share its GEMM -- AVX-512, 1 thread: a 1-
 another kernel than a longer one, and with 1024 inputs groups of 1-7 rows also give other bits
 than the same rows in a group of 400 -- and on CUDA the grouped kernel picks its tile shape by
 the mean group size.) The call count grows with the tenants, not with the experts or the tokens.
+
+CUDA's grouped kernel takes bf16 only; for any other dtype torch's `_grouped_mm` copies the offsets
+to the host and loops one `mm` per group. So off bf16 on a device (`pads_groups`: an fp32 body on a
+GPU) each tenant's groups are padded to a bound the host knows -- the tenant's tokens, since a
+token's top-k experts are distinct -- and run as one `bmm` (`PaddedGroups`): nothing read back,
+capturable, each tenant's shapes its own (its own bits), at E / top-k times the expert GEMMs'
+FLOPs. On the CPU, where the loop waits for nothing, fp32 keeps it.
 """
 
 from __future__ import annotations
@@ -30,8 +37,64 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """Rows offs[g-1]:offs[g] of x [N, in] times w[g] [in, out]; or, with x [in, N] and w [N, out]
     (both 2-D), the per-group products [G, in, out] (weight gradients). On CUDA (sm90/sm100) with
     bf16 operands one CUTLASS grouped kernel reads `offs` on the device; any other dtype runs
-    torch's fallback, a host loop of one `mm` per group that reads each offset."""
+    torch's fallback, which copies `offs` to the host and loops one `mm` per group."""
     return torch._grouped_mm(x, w, offs=offs)
+
+
+def pads_groups(x: torch.Tensor) -> bool:
+    """Whether x's grouped GEMMs run as a bmm per tenant over padded groups (`PaddedGroups`): off
+    bf16 on a device. There CUDA's grouped kernel does not run (bf16 only), and torch's fallback
+    waits for the offsets and cannot be captured. On the CPU that loop waits for nothing (the
+    offsets are host memory) and computes no padding rows: on the 8-expert, top-2 body of
+    benchmarks/bodies.py (2 x 64 tokens a tenant, 1 thread) a padded fp32 cycle took 1.9x as long
+    as the loop's at one tenant and 2.6x at 16."""
+    return x.dtype != torch.bfloat16 and x.device.type != "cpu"
+
+
+@dataclass(frozen=True)
+class PaddedGroups:
+    """G consecutive groups of rows (ends `offs`, on the device), each of at most `cap` rows, laid
+    out as a [G, cap] batch: group g's rows first in entry g, in their order, then padding rows.
+    A grouped GEMM runs on it as one `bmm` -- one kernel, no count read to the host, capturable --
+    at G * cap rows' FLOPs instead of N's (an expert's group of a tenant holds at most the tenant's
+    tokens: E / top-k times the FLOPs). `source` [G * cap]: each batch row's row (a padding row
+    copies row 0; `padding` says which they are); `slot` [N]: each row's batch row."""
+
+    source: torch.Tensor
+    padding: torch.Tensor  # [G * cap, 1] bool
+    slot: torch.Tensor
+    groups: int
+    cap: int
+
+    @classmethod
+    def of(cls, offs: torch.Tensor, rows: int, cap: int) -> "PaddedGroups":
+        ends = offs.long()
+        begins = torch.cat([ends.new_zeros(1), ends[:-1]])
+        lengths = ends - begins
+        torch._assert_async((lengths <= cap).all())  # on the device: a longer group never goes unseen
+        at = torch.arange(cap, device=offs.device)
+        padding = at >= lengths[:, None]  # [G, cap]
+        source = (begins[:, None] + at).masked_fill_(padding, 0).flatten()
+        row = torch.arange(rows, device=offs.device)
+        group = torch.searchsorted(ends, row, right=True)
+        return cls(source, padding.view(-1, 1), group * cap + row - begins[group], offs.shape[0], cap)
+
+    def _pad(self, x: torch.Tensor, zeros: bool) -> torch.Tensor:
+        """x [N, d] -> [G, cap, d]; the padding rows zero only where they are summed (a gather:
+        CPU's index_copy_ into zeros took 4x as long)."""
+        out = x.index_select(0, self.source)
+        return (out.masked_fill_(self.padding, 0) if zeros else out).view(self.groups, self.cap, -1)
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`grouped_mm(x, w, offs)` for x [N, in], w [G, in, out]: one bmm (a row of a GEMM reads no
+        other row, so what the padding rows hold is never seen)."""
+        y = torch.bmm(self._pad(x, zeros=False), w)
+        return y.view(-1, y.shape[-1]).index_select(0, self.slot)
+
+    def weight_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Σ over each group's rows of a^T b: a [N, p], b [N, q] -> [G, p, q], one bmm (the padding
+        rows are zero in both: they add exact zeros, and no 0 * inf)."""
+        return torch.bmm(self._pad(a, zeros=True).transpose(1, 2), self._pad(b, zeros=True))
 
 
 @dataclass(frozen=True)
@@ -90,9 +153,10 @@ class ExpertRoutes:
         self.experts_of_pairs = self.key % experts if layout.tenant_of_pair is not None else self.key
         self.offs = torch.searchsorted(self.key, layout.group_ends, out_int32=True)
         self.num_experts = experts
+        self.top_k = top_k
         self.layout = layout
         self.starts = layout.starts
-        self._local: dict[tuple, torch.Tensor] = {}
+        self._local: dict[tuple, torch.Tensor | PaddedGroups] = {}  # offsets and padded groups of tenant spans
         self._datum_offs: torch.Tensor | None = None
 
     @property
@@ -121,10 +185,44 @@ class ExpertRoutes:
             self._local[(per_tenant, first, end)] = got
         return got
 
+    def padded(self, u: int) -> PaddedGroups:
+        """Tenant u's expert groups as a `PaddedGroups`: a token's top-k experts are distinct, so an
+        expert's group holds at most the tenant's tokens."""
+        got = self._local.get(("padded", u))
+        if got is None:
+            pairs = self.starts[u + 1] - self.starts[u]
+            got = self._local[("padded", u)] = PaddedGroups.of(self.offsets(u, u + 1), pairs, pairs // self.top_k)
+        return got
+
+    def _tenants(self, first: int, end: int):
+        """(u, its first and end pair counted from tenant `first`'s first pair) of tenants first..end-1."""
+        return [(u, self.starts[u] - self.starts[first], self.starts[u + 1] - self.starts[first])
+                for u in range(first, end)]
+
+    def grouped(self, x: torch.Tensor, w: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """x [pairs of tenants first..end-1, in] times w[g] [in, out] per (tenant, expert) group g
+        (w: [(end - first) * E, in, out]): one grouped GEMM, or where `pads_groups` one bmm per
+        tenant over its `padded` groups -- shapes of the tenant's own, and so its own bits."""
+        if not pads_groups(x):
+            return grouped_mm(x, w, self.offsets(first, end))
+        E = self.num_experts
+        outs = [self.padded(u).mm(x[a:b], w[(u - first) * E:(u - first + 1) * E])
+                for u, a, b in self._tenants(first, end) if b > a]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def weight_grad(self, a: torch.Tensor, b: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """Σ over each (tenant, expert) group's pairs of a^T b: a [N, p], b [N, q] -> [(end - first)
+        * E, p, q], as `grouped` runs them (bf16's, per datum: moe_lora.expert_weight_grad)."""
+        if not pads_groups(a):
+            return grouped_mm(a.t(), b, self.offsets(first, end))
+        return torch.cat([self.padded(u).weight_mm(a[i:j], b[i:j]) if j > i
+                          else a.new_zeros(self.num_experts, a.shape[1], b.shape[1])
+                          for u, i, j in self._tenants(first, end)])
+
     def map(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Each tenant's pairs of x [pairs, in] times their experts' w [E, in, out] -> [pairs, out]:
-        one grouped GEMM per tenant with pairs."""
-        outs = [grouped_mm(x[self.starts[u]:self.starts[u + 1]], w, self.offsets(u, u + 1))
+        one grouped GEMM (or bmm) per tenant with pairs."""
+        outs = [self.grouped(x[self.starts[u]:self.starts[u + 1]], w, u, u + 1)
                 for u in range(len(self.starts) - 1) if self.starts[u + 1] > self.starts[u]]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -11,7 +11,9 @@ suite included -- from the aten ops the step dispatches:
   (`.item()`, `float(t)`, `bool(t)`: `aten::_local_scalar_dense`), ops whose output size depends
   on the data (`nonzero`, `masked_select`, `unique`, boolean indexing, `bincount`,
   `repeat_interleave` without `output_size`), `equal`, copies from the device to the host, a
-  `_grouped_mm` of other than bf16 operands (a host loop reading each group's offsets), a tensor
+  `_grouped_mm` of other than bf16 operands (a host loop reading each group's offsets; an fp32 MoE
+  body on the CPU still runs it, where it waits for nothing: on a device the runtime pads the
+  groups instead, `moe_routing.pads_groups`), a tensor
   made from host data (`torch.tensor(...)`: a copy from pageable memory, which waits), and
   `Tensor.tolist()`; plus the runtime's own one sanctioned wait (`host_copies.wait_for_device`,
   which tells `sync_observers`).
