@@ -24,6 +24,7 @@ import torch
 
 from hosted_tinker.runtime import moe_routing
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig, SkippedStep
+from hosted_tinker.runtime.invariance import FusionPolicy
 from hosted_tinker.runtime.step_audit import MatmulAudit, SyncAudit, host_op_counts
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from helpers import random_work
@@ -120,8 +121,18 @@ def test_a_bf16_step_runs_no_large_fp32_matmul_and_no_grouped_loop(kind):
         assert calls[4] == calls[8], calls
 
 
+@pytest.fixture
+def shared_like_a_gpu(monkeypatch):
+    """The fusion probes' decisions as a GPU takes them (batch-invariant kernels: every shared call
+    proven), whatever this CPU's kernels say: whether a CPU's batched matmul keeps each entry's bits
+    is a property of its kernels (an AVX2-only CPU refuses grouped LoRA deltas that an AVX-512 one
+    proves), and what is counted here is the shared path's ops, not the probes'."""
+    for decision in ("mix_tenants", "group_lora", "stacked_norms"):
+        monkeypatch.setattr(FusionPolicy, decision, lambda self, *a, **k: True)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_host_ops_per_cycle_grow_at_most_1_5x_from_1_to_16_tenants(kind):
+def test_host_ops_per_cycle_grow_at_most_1_5x_from_1_to_16_tenants(kind, shared_like_a_gpu):
     """A cycle of 16 tenants (2 x 24 tokens each, one rank) dispatches at most 1.5x the aten ops of
     one tenant's, on a 4-layer body: the layers' calls are shared, what grows with the tenants is
     per tenant (its loss; on MoE its expert GEMMs, one grouped call per tenant)."""
