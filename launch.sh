@@ -55,7 +55,7 @@ case "$cmd" in
     ;;
   pool-node)
     install serve
-    exec "$VENV/bin/python" -m hosted_tinker.runtime.pool_launch "$@"
+    exec "$VENV/bin/hosted-tinker" pool-node "$@"
     ;;
   test)
     install test

@@ -193,7 +193,7 @@ def test_a_rank_killed_mid_pass_fails_the_pass_and_training_goes_on(tmp_path, sh
 
 def test_two_machines_launched_as_documented(tmp_path):
     """docs/scale.md's two-machine launch, both "machines" here: the server (machine 0, rank 0)
-    and `launch.sh pool-node` (machine 1: torchrun, rank 1, with its own data directory). When
+    and `hosted-tinker pool-node` (machine 1: torchrun, rank 1, with its own data directory). When
     rank 1 is killed, its torchrun starts it again, it asks rank 0 for a new epoch, and training
     goes on as on one machine."""
     srv = ServerProcess(tmp_path / "machine0")  # its HTTP port is chosen here; the store's must differ
@@ -201,7 +201,7 @@ def test_two_machines_launched_as_documented(tmp_path):
     srv.args = ("--workers", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
     node_log = open(tmp_path / "node.log", "wb")
     node = subprocess.Popen(
-        [sys.executable, "-m", "hosted_tinker.runtime.pool_launch", "--nnodes", "2", "--node-rank", "1",
+        [sys.executable, "-m", "hosted_tinker", "pool-node", "--nnodes", "2", "--node-rank", "1",
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--workers", "1",
          "--data-dir", str(tmp_path / "machine1")],
         stdout=node_log, stderr=subprocess.STDOUT, env={**os.environ, "HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@3"})
