@@ -19,14 +19,12 @@ is skipped with the reason; CI runs as root.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import tinker
 from tinker import types
@@ -34,6 +32,7 @@ from tinker.types.request_error_category import RequestErrorCategory
 
 from helpers import BASE_MODEL, logprobs_of, read_adapter, sft_batch, wait_until
 from server_process import REPO_ROOT, ServerProcess
+from pool_ranks import GONE, kill_rank_before_sending, rank_of, torchrun_of
 from two_machines import INTERFACE, PortForward, TwoMachines
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +43,6 @@ ADAM = types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
 TOL = dict(rtol=1e-5, atol=1e-5)
 DEBIAN_HOSTS = "127.0.0.1 localhost\n127.0.1.1 {name}\n"
 ASKED = "asked rank 0 for a new epoch"  # machine B's restarted rank
-GONE = "a rank was gone before this command went out"  # rank 0, as a pass goes out
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +96,8 @@ def test_a_server_that_would_advertise_loopback_to_other_machines_is_one_line(ma
     """Machine A's hostname maps to 127.0.1.1 (Debian's /etc/hosts): without --pool-interface gloo
     would advertise it, and machine B could never connect."""
     cmd = [sys.executable, "-m", "hosted_tinker", "serve", "--data-dir", str(tmp_path / "data"), "--workers", "1",
-           "--nnodes", "2", "--master-addr", machines.a.address, "--master-port", str(MASTER_PORT)]
+           "--nnodes", "2", "--master-addr", machines.a.address, "--master-port", str(MASTER_PORT),
+           "--pool-timeout-s", "30"]
     out = subprocess.run(machines.a.command(cmd), capture_output=True, text=True, timeout=WAIT, cwd=REPO_ROOT)
     assert out.returncode == 2, out.stderr
     assert [line for line in out.stderr.splitlines() if "error:" in line] == [
@@ -136,14 +135,6 @@ class Pool:
     server: ServerProcess
     node: subprocess.Popen  # machine B's pool-node, which became its torchrun
     node_log: Path
-
-    def rank_1(self) -> psutil.Process:
-        """Machine B's rank (torchrun's child), once it runs."""
-        def find():
-            return next((p for p in psutil.Process(self.node.pid).children(recursive=True)
-                         if p.status() != psutil.STATUS_ZOMBIE and "hosted_tinker.runtime.pool_worker" in p.cmdline()),
-                        None)
-        return wait_until(find, "machine B's torchrun runs a rank")
 
     def node_says(self) -> str:
         return self.node_log.read_text(errors="replace")
@@ -197,26 +188,18 @@ def train(sc, before_step=lambda tc, s, batch: None, loses_a_pass: bool = False)
 
 
 def kill_while_idle(pool: Pool, tc, s: int, batch):
-    """Step 3: machine B's torchrun held, its rank killed, the pass sent: rank 0 can learn of the
-    death only from the rank's closed socket as the pass goes out; torchrun goes on once it has.
-    Step 4: the rank killed and its successor started, asking to rejoin (before it loads the
-    model), before the pass is sent."""
-    if s not in (3, 4):
-        return None
-    rank, asked = pool.rank_1(), pool.node_says().count(ASKED)
+    """Before step 3: machine B's rank killed with its torchrun held, step 3's pass sent: rank 0 can
+    learn of the death only from the rank's closed socket as the pass goes out. Before step 4: the
+    rank killed, and its successor started and asking to rejoin (before it loads the model)."""
+    torchrun = torchrun_of(pool.node.pid)
+    if s == 3:
+        return kill_rank_before_sending(torchrun, lambda: tc.forward_backward(batch, "cross_entropy"),
+                                        lambda: pool.server.log(tail=None))
     if s == 4:
-        rank.kill()
+        asked = pool.node_says().count(ASKED)
+        rank_of(torchrun).kill()
         wait_until(lambda: pool.node_says().count(ASKED) > asked, "the restarted rank asks to rejoin")
-        return None
-    torchrun = psutil.Process(pool.node.pid)
-    torchrun.send_signal(signal.SIGSTOP)
-    try:
-        rank.kill()
-        future = tc.forward_backward(batch, "cross_entropy")
-        wait_until(lambda: GONE in pool.server.log(tail=None), "rank 0 finds the rank gone as the pass goes out")
-    finally:
-        torchrun.send_signal(signal.SIGCONT)
-    return future
+    return None
 
 
 @pytest.fixture(scope="module")
