@@ -235,6 +235,8 @@ def test_two_machines_launched_as_documented(tmp_path):
                         r"\(--workers N and/or --nnodes M\)"),
     (("--workers", "2", "--nnodes", "2"), r"--nnodes 2: the other machines need a fixed --master-port \(and a "
                                           r"--master-addr they can reach\) to join the pool"),
+    (("--workers", "2", "--pool-interface", "nosuch0"),
+     r"--pool-interface nosuch0: this machine has no network interface nosuch0 \(it has .*lo.*\)"),
     (("--workers", "2", "--port", "8123", "--master-port", "8123"),
      r"--master-port 8123: the HTTP server listens on that port; give the pool's rendezvous store another one"),
     (("--workers", "2", "--base-model", BASE_MODEL, "--base-model", "/elsewhere/model"),
