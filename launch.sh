@@ -5,7 +5,7 @@
 #   ./launch.sh pool-node --nnodes M --node-rank K --master-addr A --master-port P --workers N
 #                                this machine's ranks of a worker pool whose server (rank 0) runs on
 #                                machine A with `serve --workers N --nnodes M --master-addr A
-#                                --master-port P` (torchrun; docs/scale.md)
+#                                --master-port P` (`hosted-tinker pool-node`: torchrun; docs/scale.md)
 #   ./launch.sh test [pytest args]   install the test dependencies and run the whole suite
 #
 # torch==2.13.0 is installed first and on its own: any other torch (pulled in by a later
@@ -55,7 +55,7 @@ case "$cmd" in
     ;;
   pool-node)
     install serve
-    exec "$VENV/bin/python" -m hosted_tinker.runtime.pool_launch "$@"
+    exec "$VENV/bin/hosted-tinker" pool-node "$@"
     ;;
   test)
     install test

@@ -1,4 +1,5 @@
-"""`hosted-tinker` command line: `serve` runs the server; `export` / `import` move checkpoints out and in."""
+"""`hosted-tinker` command line: `serve` runs the server; `export` / `import` move checkpoints out and in;
+`pool-node` runs another machine's ranks of a worker pool."""
 
 from __future__ import annotations
 
@@ -41,13 +42,14 @@ def _serve(config: ServerConfig) -> int:
     from .api.metrics import Metrics
     from .data_dir_lock import DataDirInUse
     from .server import Server
+    from .runtime.pool_launch import PoolUnavailable
     from .sqlite_db import StoreUnavailable
     from .vision import MissingPackage
 
     metrics = Metrics()
     try:
         srv = Server(config, observer=metrics)  # the data-dir lock first, then the store, then the model load
-    except (DataDirInUse, StoreUnavailable, MissingPackage) as e:
+    except (DataDirInUse, StoreUnavailable, MissingPackage, PoolUnavailable) as e:
         checked.sock.close()
         return _fail("serve", [str(e)])
     # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:
@@ -127,6 +129,40 @@ def _rotate_token_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool_node(args: argparse.Namespace) -> int:
+    from .logs import configure_logging
+    from .runtime.pool_launch import PoolUnavailable
+    from .runtime.pool_node import NodeArgs, run_node
+
+    configure_logging("info", "text")
+    try:
+        run_node(NodeArgs(**{k: v for k, v in vars(args).items() if k not in ("command", "func")}))
+    except PoolUnavailable as e:
+        return _fail("pool-node", [str(e)])
+    return 0  # not reached: run_node becomes torchrun
+
+
+def _add_pool_node(sub) -> None:
+    p = sub.add_parser(
+        "pool-node", help="run this machine's ranks of a worker pool whose server runs on another machine",
+        description="Run this machine's ranks of a hosted-tinker worker pool (docs/scale.md): torchrun starts one per "
+                    "device and starts each again when it exits. The server (rank 0) runs on machine 0: hosted-tinker "
+                    "serve --workers N --nnodes M --master-addr A --master-port P; this command waits for it.")
+    p.add_argument("--nnodes", type=int, required=True, help="machines in the pool (the server's --nnodes)")
+    p.add_argument("--node-rank", type=int, required=True, help="this machine: 1 .. nnodes-1 (0 is the server's)")
+    p.add_argument("--master-addr", required=True, help="the server's --master-addr (its rendezvous store)")
+    p.add_argument("--master-port", type=int, required=True, help="the server's --master-port")
+    p.add_argument("--workers", type=int, required=True, help="ranks on this machine, one per device (the server's "
+                                                               "--workers)")
+    p.add_argument("--data-dir", type=Path, default=Path("./data"),
+                   help="where this machine builds or finds the base model (default ./data)")
+    p.add_argument("--max-restarts", type=int, default=1000, help="how often torchrun restarts this machine's ranks")
+    p.add_argument("--pool-interface", help="the network interface this machine's ranks bind and advertise (sets "
+                                            "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME); default: the server's "
+                                            "--pool-interface")
+    p.set_defaults(func=_pool_node)
+
+
 def _add_remote(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", help="server URL (default: $TINKER_BASE_URL)")
     p.add_argument("--api-key", help="API key (default: $TINKER_API_KEY)")
@@ -177,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     "invalid_token, and SDK clients exchange their API key for a new token by themselves.")
     rotate.add_argument("--data-dir", type=Path, default=Path("./data"), help="the server's --data-dir (default ./data)")
     rotate.set_defaults(func=_rotate_token_key)
+    _add_pool_node(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:

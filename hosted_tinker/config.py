@@ -113,7 +113,7 @@ class ServerConfig(BaseSettings):
     """shard the base model's weights across the pool's ranks with FSDP2, for a model that does not fit one
     device (needs more than one rank)"""
     nnodes: int = Field(1, ge=1)
-    """machines in the worker pool (as torchrun's --nnodes); machines 1.. run `launch.sh pool-node`
+    """machines in the worker pool (as torchrun's --nnodes); machines 1.. run `hosted-tinker pool-node`
     (docs/scale.md)"""
     master_addr: str = "127.0.0.1"
     """as torchrun's --master-addr: this machine's address, where the pool's other machines reach its rendezvous
@@ -122,7 +122,12 @@ class ServerConfig(BaseSettings):
     """as torchrun's --master-port: the port of the pool's rendezvous store; 0 = any free port (one machine only)"""
     pool_timeout_s: float = Field(300.0, gt=0)
     """how long a rank of the pool waits for the others (to join, in a collective) before the pool counts as
-    broken and is relaunched"""
+    broken and is relaunched; forming the pool (every rank joined and connected) never takes the server longer"""
+    pool_interface: str = ""
+    """the network interface the pool's ranks bind and advertise (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME
+    for every rank, other machines' too unless their `hosted-tinker pool-node` names its own); empty = the
+    address this machine's hostname resolves to, which Debian's /etc/hosts makes a loopback one (127.0.1.1)
+    that other machines cannot reach"""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """padded tokens per fused forward/backward micro-batch (bounds activation memory); 0 = auto: 8192 on GPU;
     on CPU 512-8192 by the model's MLP width, since passes whose activations outgrow the caches run slower

@@ -68,6 +68,8 @@ POINTS = {
     # crash_point() in a rank > 0 of a worker pool's first epoch (its relaunched successors never
     # reach it): runtime/distributed.py
     "pool.rank_mid_pass": "a pass's share done and its gradients summed into rank 0's, its outputs not yet sent",
+    # gate() in a rank > 0 of a worker pool (runtime/pool_worker.py)
+    "pool.rank_before_join": "a rank has said it is ready to join the epoch's group and has not begun to join it",
     # In the built-in sampler (sampling/engine.py), reached once per forward that holds a job whose
     # prompt holds the point's POISONED ids: such a prompt breaks the forward, as a prompt the model
     # cannot take does (issue 33: a poisoned image prompt once failed every job prefilled beside it)

@@ -69,7 +69,7 @@ def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir
         shard_base=config.shard_base, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
         max_live_adapters=config.max_live_adapters, timeout_s=config.pool_timeout_s,
         threads=cpu_threads_per_rank(config.workers) if device.type == "cpu" else 0,
-        log_level=config.log_level, log_format=config.log_format)
+        log_level=config.log_level, log_format=config.log_format, interface=config.pool_interface)
     if device.type == "cpu":
         torch.set_num_threads(settings.threads)
     else:  # rank 0 is the first GPU (preflight: the device was given as cuda or auto)

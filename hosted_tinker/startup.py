@@ -142,6 +142,9 @@ def _check_pool(config: ServerConfig) -> None:
         if torch.cuda.is_available() and torch.cuda.device_count() < config.workers:
             raise StartupError(f"{flag('workers')} {config.workers}: this machine has {torch.cuda.device_count()} "
                                "GPU(s), one per rank")
+    problem = _pool_address_problem(config)
+    if problem:
+        raise StartupError(problem)
     if config.master_port and config.master_port == config.port:
         raise StartupError(f"{flag('master_port')} {config.master_port}: the HTTP server listens on that port; give the "
                            "pool's rendezvous store another one")
@@ -154,6 +157,17 @@ def _check_pool(config: ServerConfig) -> None:
                 raise StartupError(f"{flag('master_port')} {config.master_port}: cannot listen on {config.master_addr}:"
                                    f"{config.master_port} ({e.strerror}); choose another port, or a "
                                    f"{flag('master_addr')} of this machine") from None
+
+
+def _pool_address_problem(config: ServerConfig) -> str | None:
+    """What keeps the other ranks from reaching rank 0 (this process) at the address it would advertise."""
+    from .runtime.pool_address import address_problem, use_interface
+    from .runtime.pool_launch import spans_machines
+
+    if config.pool_interface:
+        use_interface(config.pool_interface)  # as the pool will (runtime/pool_launch.py)
+    return address_problem("rank 0 (this server)", flag("pool_interface"),
+                           multi_machine=spans_machines(config.nnodes, config.master_addr))
 
 
 def _check_vllm(config: ServerConfig) -> Path | None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -37,12 +38,14 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, data_dir: Path, *, base_model: str | None = None, env: dict | None = None,
-                 args: tuple[str, ...] = (), checkout: Path = REPO_ROOT):
+                 args: tuple[str, ...] = (), checkout: Path = REPO_ROOT,
+                 wrap: Callable[[list[str]], list[str]] | None = None):
         self.data_dir = Path(data_dir)
         self.checkout = checkout  # `python -m hosted_tinker` runs the package of its working directory
         self.base_model = base_model
         self.env = {**os.environ, **(env or {})}
         self.args = args
+        self.wrap = wrap  # the server's command line -> one that runs it elsewhere (two_machines.Machine.command)
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = self.data_dir / "server.log"
@@ -61,6 +64,8 @@ class ServerProcess:
                "--data-dir", str(self.data_dir), *self.args]
         if self.base_model:
             cmd += ["--base-model", self.base_model]
+        if self.wrap is not None:
+            cmd = self.wrap(cmd)
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.checkout)
         deadline = time.monotonic() + timeout

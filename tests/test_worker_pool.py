@@ -8,8 +8,9 @@ on CPU), driven through the real SDK.
 - The same with the base model sharded over the 2 ranks by FSDP2 (--shard-base).
 - A rank killed (SIGKILL, by a fault point, mid-pass: its gradients already summed into rank
   0's, its outputs not yet sent) fails that request with category `server`; the pool is
-  relaunched; the retried step, the rest of training, and a run resumed from the last
-  checkpoint all give what an uninterrupted run gives.
+  relaunched; a rank killed while the pool is idle fails nothing; the retried step, the rest of
+  training, and a run resumed from the last checkpoint all give what an uninterrupted run gives.
+- Forming the pool never takes the server longer than --pool-timeout-s.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tinker import types
 from tinker.types.request_error_category import RequestErrorCategory
 
 from helpers import BASE_MODEL, assert_one_line_error, logprobs_of, read_adapter, rl_datum, serve, sft_batch
+from pool_ranks import GONE, kill_rank_before_sending, torchrun_of
 from server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.e2e
@@ -148,12 +150,13 @@ def train_steps(tc, steps) -> None:
         tc.optim_step(ADAM).result(timeout=WAIT)
 
 
-def interrupted_training(srv: ServerProcess) -> None:
+def interrupted_training(srv: ServerProcess, ranks_host: int) -> None:
     """Two steps, a checkpoint, then a step whose pass loses a rank (the server was started with
     `pool.rank_mid_pass@3` armed: rank 1 is killed in its third pass, after its gradients were
     summed into rank 0's and before its outputs were sent). That request fails with category
-    `server`; retried, it counts once; an uninterrupted run and a run resumed from the checkpoint
-    end with the same weights."""
+    `server`; retried, it counts once. Then rank 1 is killed while the pool is idle (`ranks_host`:
+    the process whose torchrun runs it), and the next step fails nothing. An uninterrupted run and
+    a run resumed from the checkpoint end with the same weights."""
     with tinker.ServiceClient(base_url=srv.base_url, api_key="tml-pool") as sc:
         tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result(timeout=WAIT)
         train_steps(tc, [0, 1])
@@ -162,7 +165,12 @@ def interrupted_training(srv: ServerProcess) -> None:
             tc.forward_backward(sft_batch(4, seed=2), "cross_entropy").result(timeout=WAIT)
         assert failed.value.category is RequestErrorCategory.Server
         assert "worker pool" in failed.value.message
-        train_steps(tc, [2, 3])  # the pool is relaunched before this pass
+        train_steps(tc, [2])  # the pool is relaunched before this pass
+        fb = kill_rank_before_sending(torchrun_of(ranks_host), lambda: tc.forward_backward(sft_batch(4, seed=3),
+                                                                                          "cross_entropy"),
+                                      lambda: srv.log(tail=None))
+        fb.result(timeout=WAIT)  # rank 0 found the rank gone as the pass went out, and relaunched first
+        tc.optim_step(ADAM).result(timeout=WAIT)
         interrupted = read_adapter(srv, tc.save_weights_for_sampler("end").result(timeout=WAIT).path)
 
         reference = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result(timeout=WAIT)
@@ -183,17 +191,17 @@ def test_a_rank_killed_mid_pass_fails_the_pass_and_training_goes_on(tmp_path, sh
     srv = served(tmp_path / "pool", "--workers", "2", *(["--shard-base"] if sharded else []),
                  env={"HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@3"})
     try:
-        interrupted_training(srv)
+        interrupted_training(srv, srv.proc.pid)
     finally:
         srv.stop()
     log = srv.log_path.read_text()
-    assert "worker pool: back (epoch 2, relaunch 1)" in log
-    assert "rank 1 of 2 ready (epoch 2" in log
+    assert "worker pool: back (epoch 2, relaunch 1)" in log and "worker pool: back (epoch 3, relaunch 2)" in log
+    assert "rank 1 of 2 ready (epoch 3" in log and GONE in log
 
 
 def test_two_machines_launched_as_documented(tmp_path):
     """docs/scale.md's two-machine launch, both "machines" here: the server (machine 0, rank 0)
-    and `launch.sh pool-node` (machine 1: torchrun, rank 1, with its own data directory). When
+    and `hosted-tinker pool-node` (machine 1: torchrun, rank 1, with its own data directory). When
     rank 1 is killed, its torchrun starts it again, it asks rank 0 for a new epoch, and training
     goes on as on one machine."""
     srv = ServerProcess(tmp_path / "machine0")  # its HTTP port is chosen here; the store's must differ
@@ -201,14 +209,14 @@ def test_two_machines_launched_as_documented(tmp_path):
     srv.args = ("--workers", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
     node_log = open(tmp_path / "node.log", "wb")
     node = subprocess.Popen(
-        [sys.executable, "-m", "hosted_tinker.runtime.pool_launch", "--nnodes", "2", "--node-rank", "1",
+        [sys.executable, "-m", "hosted_tinker", "pool-node", "--nnodes", "2", "--node-rank", "1",
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--workers", "1",
          "--data-dir", str(tmp_path / "machine1")],
         stdout=node_log, stderr=subprocess.STDOUT, env={**os.environ, "HOSTED_TINKER_FAULTS": "pool.rank_mid_pass@3"})
     try:
         srv.start(timeout=START)
         try:
-            interrupted_training(srv)
+            interrupted_training(srv, node.pid)
         finally:
             srv.stop()
         assert node.wait(WAIT) == 0  # told to stop: machine 1's torchrun ends with the pool
@@ -217,9 +225,9 @@ def test_two_machines_launched_as_documented(tmp_path):
             node.terminate()
             node.wait(WAIT)
         node_log.close()
-    assert "worker pool: back (epoch 2, relaunch 1)" in srv.log_path.read_text()
+    assert "worker pool: back (epoch 3, relaunch 2)" in srv.log_path.read_text()
     machine1 = (tmp_path / "node.log").read_text()
-    assert "rank 1 of 2 ready (epoch 1" in machine1 and "rank 1 of 2 ready (epoch 2" in machine1
+    assert all(f"rank 1 of 2 ready (epoch {epoch}" in machine1 for epoch in (1, 2, 3))
 
 
 @pytest.mark.parametrize("args, pattern", [
@@ -227,6 +235,8 @@ def test_two_machines_launched_as_documented(tmp_path):
                         r"\(--workers N and/or --nnodes M\)"),
     (("--workers", "2", "--nnodes", "2"), r"--nnodes 2: the other machines need a fixed --master-port \(and a "
                                           r"--master-addr they can reach\) to join the pool"),
+    (("--workers", "2", "--pool-interface", "nosuch0"),
+     r"--pool-interface nosuch0: this machine has no network interface nosuch0 \(it has .*lo.*\)"),
     (("--workers", "2", "--port", "8123", "--master-port", "8123"),
      r"--master-port 8123: the HTTP server listens on that port; give the pool's rendezvous store another one"),
     (("--workers", "2", "--base-model", BASE_MODEL, "--base-model", "/elsewhere/model"),
@@ -246,3 +256,19 @@ def test_a_rendezvous_port_in_use_is_one_line(tmp_path):
         out = serve(tmp_path, "--workers", "2", "--master-port", str(port))
     assert_one_line_error(out, rf"--master-port {port}: cannot listen on 127\.0\.0\.1:{port} \(.*\); choose another "
                                r"port, or a --master-addr of this machine")
+
+
+def test_forming_the_pool_never_takes_the_server_longer_than_its_timeout(tmp_path):
+    """Rank 1 says it is ready and then never joins the group (held at a fault point): the server
+    gives up at --pool-timeout-s from the start of forming the pool, in one line (which names the
+    ranks that never came, where rank 1 loads slower than that)."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    os.mkfifo(gates / "pool.rank_before_join")  # never opened by the test: rank 1 waits there
+    out = serve(tmp_path, "--workers", "2", "--pool-timeout-s", "20",
+                env={"HOSTED_TINKER_FAULTS": "pool.rank_before_join", "HOSTED_TINKER_GATES": str(gates)})
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        "hosted-tinker serve: error: the worker pool did not form within 20s (--pool-timeout-s): "), out.stderr
+    assert "PoolUnavailable" not in out.stderr  # no traceback of the server's (torchrun prints one when stopped)

@@ -21,12 +21,12 @@ each pass:
 
 A share that raises (one request's datum the model cannot take) aborts the pass on every rank, and
 rank 0 raises it as the pass's error: the worker reruns the pass's requests in halves until that
-request fails alone (isolation.py), as on one rank. A rank that dies makes a collective fail
-(`PoolBroken`), and so does a share that raises where the base is sharded (FSDP's collectives no
-longer pair up, and which request raised on another rank is lost with it): a `MachineFault`,
-the pass's requests fail with category `server`, nothing is rerun, and rank 0's gradients are
-rolled back to before the pass (so no acknowledged gradient is lost). Before the next pass the pool is relaunched -- a new epoch, new processes -- and every
-adapter is sent to them again from rank 0: training goes on from the last acknowledged step.
+request fails alone (isolation.py), as on one rank. A rank that dies mid-pass makes a collective
+fail (`PoolBroken`), and so does a share that raises where the base is sharded (FSDP's collectives
+no longer pair up): a `MachineFault`, the pass's requests fail with category `server`, nothing is
+rerun, rank 0's gradients are rolled back to before the pass. A rank that died while the pool was
+idle fails nothing: the next command finds it gone (`_ensure_pool`, `_send`), and the pool is
+relaunched -- a new epoch, new processes, every adapter sent again from rank 0 -- before it goes out.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -53,6 +52,7 @@ from .sharding import ShardedBase, root_unsharded, shard_base, transplant_lora_l
 from .packing import bucket_width
 from ..request_types import FBOutcome, FBWork
 from .pass_io import ReadyPass
+from .pool_messages import Mirror, PassShare, ShareResult, Stop, Sync, flat_tensors, unflatten_into
 from .trainer import PassStats, TrainingRuntime
 
 log = logging.getLogger(__name__)
@@ -60,55 +60,6 @@ log = logging.getLogger(__name__)
 
 class PassAborted(RuntimeError):
     """Another rank's share of this pass failed; every rank rolls its share back."""
-
-
-# -- messages from rank 0 (pickled through RankGroup.scatter) -----------------------------------
-@dataclass
-class Sync:
-    """Adapters the other ranks must drop, and those to (re)create with these configs; the weights
-    of the latter follow as one broadcast each, in this order."""
-
-    removed: list[str] = field(default_factory=list)
-    changed: list[tuple[str, LoRAConfig]] = field(default_factory=list)
-
-
-@dataclass
-class PassShare:
-    sync: Sync
-    works: list[FBWork]  # every request of the pass, with this rank's datums only
-    decisions: dict[tuple[int, int], bool]  # rank 0's mix_tenants answer per (width, rows)
-    pad: tuple[int, int]  # gradient / forward-only micro-batches every rank runs (sharded base)
-    model_ids: list[str]  # every model of the pass (each rank pages all of them in)
-
-
-@dataclass
-class Mirror:
-    """With a sharded base: run what rank 0 runs outside a pass, so that FSDP's collectives pair up."""
-
-    call: str  # "forward" (a sampling step), "probe_sample", "probe_run"
-    args: tuple = ()
-
-
-@dataclass
-class Stop:
-    pass
-
-
-@dataclass
-class ShareResult:
-    outcomes: list[FBOutcome] | None = None  # None: aborted, or failed (error)
-    stats: PassStats | None = None
-    error: str | None = None
-
-
-def flat_tensors(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors]).to(device)
-
-
-def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
-            t.copy_(piece.view_as(t))
 
 
 class DecidedByRankZero(FusionPolicy):
@@ -324,11 +275,15 @@ class PoolRuntime(RankRuntime):
     # -- the pool ----------------------------------------------------------------------------------
     def _ensure_pool(self) -> None:
         """Relaunch the pool if a rank died (seen by a failed collective, torchrun's exit, or a
-        rank of another machine asking to rejoin); raises if it cannot be brought back."""
+        restarted rank of another machine asking to rejoin), waiting for its ranks within
+        --pool-timeout-s; a `MachineFault` if it cannot be brought back."""
         if self.pool.healthy():
             return
         log.warning("worker pool: a rank is gone (epoch %d); relaunching the other ranks", self.pool.epoch)
-        self.group = self.pool.start()
+        try:
+            self.group = self.pool.start()
+        except Exception as e:
+            raise MachineFault(f"the worker pool is down and could not be relaunched ({e}); resubmit") from e
         self.relaunches += 1
         self._synced.clear()  # new processes: every adapter goes to them again
         if self.sharded:
@@ -349,9 +304,24 @@ class PoolRuntime(RankRuntime):
         shard_base(fresh, self.group.mesh())
         self.model.module = fresh
 
+    def _send(self, commands: Callable[[], list]) -> list:
+        """One command per rank (made by `commands`), sent; returns them. A pool found broken as the
+        command goes out -- a rank that died while the pool was idle: gloo saw its socket close --
+        is relaunched and the command made and sent again: no rank had begun it, rank 0 had
+        changed nothing."""
+        sent = commands()
+        try:
+            self.group.scatter(sent)
+        except PoolBroken as e:
+            log.warning("worker pool: a rank was gone before this command went out (%s)", e)
+            self._ensure_pool()
+            sent = commands()
+            self.group.scatter(sent)
+        return sent
+
     def _mirror(self, call: str, *args) -> None:
         if self.sharded:
-            self.group.scatter([Mirror(call, args)] * self.world)
+            self._send(lambda: [Mirror(call, args)] * self.world)
 
     def _mirror_forward(self) -> None:
         if not self._own:
@@ -414,10 +384,7 @@ class PoolRuntime(RankRuntime):
         All or nothing for rank 0's gradients, as on one rank: until every rank's outputs are
         in, a failure puts back what they were before the pass."""
         start = time.perf_counter()
-        try:
-            self._ensure_pool()
-        except Exception as e:
-            raise MachineFault(f"the worker pool is down and could not be relaunched ({e}); resubmit") from e
+        self._ensure_pool()
         split = [split_datums(w, self.world) for w in works]
         shares = [[FBWork(w.model_id, [w.data[i] for i in split[wi][r]], w.loss_fn, w.loss_config, w.forward_only)
                    for wi, w in enumerate(works)] for r in range(self.world)]
@@ -479,6 +446,8 @@ class PoolRuntime(RankRuntime):
         if self.sharded:
             counts = [self.micro_batch_counts(share) for share in shares]
             pad = (max(c[0] for c in counts), max(c[1] for c in counts))
-        sync = self._sync()
-        self.group.scatter([PassShare(sync, shares[r], decisions, pad, model_ids) for r in range(self.world)])
-        return sync, pad
+
+        def commands() -> list[PassShare]:
+            sync = self._sync()  # after a relaunch: every adapter
+            return [PassShare(sync, shares[r], decisions, pad, model_ids) for r in range(self.world)]
+        return self._send(commands)[0].sync, pad

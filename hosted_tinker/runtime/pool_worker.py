@@ -1,10 +1,11 @@
 """A rank of the worker pool other than rank 0: the process torchrun starts (pool_launch.py).
 
-It reads the pool's settings from rank 0's store, loads the base model, joins the current
-epoch's process group and then does what rank 0 says (`FollowerRuntime.serve`) until told to
-stop. When the group fails (rank 0 or another rank died) it exits with status 1: on rank 0's
-machine rank 0 starts the next epoch's processes itself; on other machines torchrun restarts
-this one, which then asks rank 0 for a new epoch and joins it.
+It reads the pool's settings from rank 0's store, loads the base model, publishes the address it
+advertises (logged too), joins the current epoch's process group and then does what rank 0 says
+(`FollowerRuntime.serve`) until told to stop. When the group fails (rank 0 or another rank died)
+it exits with status 1: on rank 0's machine rank 0 starts the next epoch's processes itself; on
+other machines torchrun restarts this one, which -- before it loads the model, so that rank 0
+knows at once that it is not back -- asks rank 0 for a new epoch, and joins it.
 """
 
 from __future__ import annotations
@@ -36,30 +37,41 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _epoch_to_join(store: dist.Store, pool_id: str) -> int:
-    """The current epoch, or -- if it formed without this rank (torchrun restarted it after the
-    group started) -- the next one, which this rank asks rank 0 to open."""
-    from .pool_launch import EPOCH, FORMED, REJOIN, REJOIN_WAIT_S
+def _ask_to_rejoin_if_late(store: dist.Store, pool_id: str, rank: int) -> int | None:
+    """If torchrun restarted this rank after the current epoch formed without it: ask rank 0 for a
+    new one and return the epoch it asked after; None while the current epoch is still forming.
+    Asked at once, before the model loads: rank 0 then knows this rank is not back before it sends
+    the pool a pass, and waits for it."""
+    from .pool_launch import EPOCH, REJOIN, epoch_formed
 
     epoch = int(store.get(EPOCH))
-    if not store.check([f"{pool_id}/epoch{epoch}/{FORMED}"]):
-        return epoch
+    if not epoch_formed(store, pool_id, epoch):
+        return None
     store.add(REJOIN, 1)
+    log.info("rank %d restarted after epoch %d formed without it: asked rank 0 for a new epoch", rank, epoch)
+    return epoch
+
+
+def _epoch_to_join(store: dist.Store, pool_id: str, rank: int, asked_after: int | None) -> int:
+    """After the model loaded: the epoch forming now, or the first one rank 0 opens after
+    `asked_after` (asking now if the current one formed while this rank loaded)."""
+    from .pool_launch import EPOCH, REJOIN_WAIT_S
+
+    if asked_after is None:
+        asked_after = _ask_to_rejoin_if_late(store, pool_id, rank)
+        if asked_after is None:
+            return int(store.get(EPOCH))
     deadline = time.monotonic() + REJOIN_WAIT_S
-    while int(store.get(EPOCH)) == epoch:
+    while (epoch := int(store.get(EPOCH))) == asked_after:
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank 0 opened no new epoch in {REJOIN_WAIT_S:.0f}s")
         time.sleep(0.2)
-    return int(store.get(EPOCH))
+    return epoch
 
 
 def main(argv: list[str] | None = None) -> int:
     from ..logs import configure_logging
-    from ..model_loading import load_base_model, pick_dtype
-    from .distributed import FollowerRuntime
-    from .pool_launch import POOL_ID, READY, REJOIN_WAIT_S, SETTINGS, PoolSettings
-    from .rank_group import PoolBroken, RankGroup
-    from .recompute import RecomputeChoice
+    from .pool_launch import POOL_ID, REJOIN_WAIT_S, SETTINGS, PoolSettings
 
     args = _parse(argv)
     local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun
@@ -77,18 +89,41 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s %d here, but the server runs with %s %d: give every machine the same", name, mine, name, theirs)
             return 2
     rank = settings.rank_of(args.node_rank, local_rank)
+    asked_after = None if args.epoch is not None else _ask_to_rejoin_if_late(store, pool_id, rank)
     device = settings.device_of(args.node_rank, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif settings.threads:
         torch.set_num_threads(settings.threads)
+    model = _load_model(settings, args.data_dir, device)
+    epoch = args.epoch if args.epoch is not None else _epoch_to_join(store, pool_id, rank, asked_after)
+    return _serve(store, f"{pool_id}/epoch{epoch}/", epoch, settings, rank, device, model)
+
+
+def _load_model(settings, data_dir: Path, device: torch.device):
+    from ..model_loading import load_base_model, pick_dtype
+
     # A sharded base is loaded on the CPU; fully_shard moves each rank's shards to its device.
-    model, _ = load_base_model(settings.base_model, args.data_dir,
-                               torch.device("cpu") if settings.shard_base else device,
+    model, _ = load_base_model(settings.base_model, data_dir, torch.device("cpu") if settings.shard_base else device,
                                pick_dtype(settings.dtype, device))
-    epoch = args.epoch if args.epoch is not None else _epoch_to_join(store, pool_id)
-    prefix = f"{pool_id}/epoch{epoch}/"
+    return model
+
+
+def _serve(store: dist.Store, prefix: str, epoch: int, settings, rank: int, device: torch.device, model) -> int:
+    """Say where this rank can be reached and that it is ready, join the epoch's group, then do what
+    rank 0 says until it says stop (0) or the group fails (1)."""
+    from .. import faults
+    from .distributed import FollowerRuntime
+    from .pool_address import advertised_address
+    from .pool_launch import ADDRESS, READY
+    from .rank_group import PoolBroken, RankGroup
+    from .recompute import RecomputeChoice
+
+    address = advertised_address()
+    log.info("rank %d advertises %s to the worker pool", rank, address)
+    store.set(f"{prefix}{ADDRESS}{rank}", address.to_json())
     store.add(prefix + READY, 1)
+    faults.gate("pool.rank_before_join")
     try:
         group = RankGroup.join(store, prefix, rank, settings.world, device, settings.timeout_s)
     except PoolBroken as e:

@@ -54,7 +54,8 @@ class RankGroup:
         except RuntimeError as e:  # a rank that never came, or died while the group formed
             if dist.is_initialized():
                 dist.destroy_process_group()
-            raise PoolBroken(f"the worker pool's ranks did not all join ({type(e).__name__}: {e})") from e
+            raise PoolBroken(f"the worker pool's ranks did not all join ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:300]})") from e
         return cls(rank, world, device, control)
 
     def leave(self) -> None:
