@@ -41,6 +41,7 @@ GATES_VAR = "HOSTED_TINKER_GATES"
 # What a datum or prompt poisoned for each check_poisoned() point holds (ids every test model has).
 POISONED = {"pass.poisoned_datum": (4, 8, 15, 16, 23, 42),
             "cycle.poisoned_after_passes": (42, 23, 16, 15, 8, 4),
+            "answer.poisoned": (8, 4, 42, 23, 15, 16),
             "sampling.prefill_poisoned": (666,),
             "sampling.decode_poisoned": (667,)}
 HOLD_AT_MOST_S = 600.0  # a gate the test never opens lets go after this: a stuck test, not a stuck server
@@ -53,6 +54,8 @@ POINTS = {
                            "pass, after the pass's earlier micro-batches added their gradients",
     "cycle.poisoned_after_passes": "a cycle whose compute holds a poisoned datum, its passes done and not yet "
                                    "answered (a fault no rerun mends: the cycle fails)",
+    "answer.poisoned": "a compute request holding a poisoned datum, its pass done and read, its answer being "
+                       "made (it alone fails, its gradients already added: as a result that cannot be encoded)",
     # hold(): parks while the test's gate is closed
     "device_loop.before_plan": "the device loop, before it plans its next training cycle",
     # crash_point(): SIGKILL. The moments inside a checkpoint write (save, overwrite, import,

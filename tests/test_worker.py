@@ -103,8 +103,8 @@ def create(worker: TrainingWorker, model_id: str, **flags) -> dict:
     return answer(worker, rid)
 
 
-def fb(model_id: str) -> FBWork:
-    rng = np.random.default_rng(0)
+def fb(model_id: str, seed: int = 0) -> FBWork:
+    rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 1000, 12)
     data = [DatumWork(tokens=tokens, inputs={"target_tokens": rng.integers(0, 1000, 12),
                                              "weights": np.ones(12, dtype=np.float32)})]
@@ -210,3 +210,62 @@ def test_a_cycle_waits_for_the_device_once(worker):
     assert dict(audit.reasons) == {"wait_for_device": 1}
     assert not any(answer(worker, r)["failed"] for r in ids)
     assert all(answer(worker, r)["metrics"]["grad_norm"] > 0 for r in ids[2:])
+
+
+def grads(worker: TrainingWorker, model_id: str) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in worker.runtime.adapter(model_id).parameters()]
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["fresh", "after-an-earlier-cycle"])
+def test_a_request_whose_answer_fails_after_its_pass_leaves_no_gradient(worker, monkeypatch, earlier):
+    """Two forward_backwards of one model share a pass; storing the second one's answer fails (as a
+    server bug would) after its backward added its gradients. It fails, and the model's gradients
+    are, bit for bit, those of a model that ran only the first one (with the same earlier cycle, if
+    any). They used to keep the failed request's gradients, for the next optim_step to apply."""
+    for m in ("m", "ref"):
+        assert not create(worker, m)["failed"]
+    for m in ("m", "ref") if earlier else ():
+        c = Cycle(worker)
+        c.add("compute", m, RequestKind.FORWARD_BACKWARD, fb(m, seed=3))
+        c.run()
+    c = Cycle(worker)
+    kept = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m", seed=1))
+    lost = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m", seed=2))
+    resolve = worker.futures.resolve
+
+    def broken_resolve(request_id, *args, **kwargs):
+        if request_id == lost:
+            raise OSError("disk I/O error")
+        resolve(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(worker.futures, "resolve", broken_resolve)
+    c.run()
+    assert not answer(worker, kept)["failed"]
+    got = answer(worker, lost)
+    assert got["failed"] and got["category"] == "server" and "OSError" in got["error"]
+    c = Cycle(worker)
+    c.add("compute", "ref", RequestKind.FORWARD_BACKWARD, fb("ref", seed=1))
+    c.run()
+    for a, b in zip(grads(worker, "m"), grads(worker, "ref"), strict=True):
+        assert a is not None and torch.equal(a, b)
+    assert worker.launched.rolled_back == 1
+
+
+def test_a_requests_only_gradient_goes_with_it(worker, monkeypatch):
+    """The model's only request of its cycle fails as its answer is stored: the model has no
+    gradients left, and its next optim_step has none to apply."""
+    assert not create(worker, "m")["failed"]
+    c = Cycle(worker)
+    lost = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m"))
+    monkeypatch.setattr(worker.futures.store, "complete_future", _fails_for(worker.futures.store.complete_future, lost))
+    c.run()
+    assert answer(worker, lost)["failed"]
+    assert grads(worker, "m") == [None] * len(grads(worker, "m"))
+
+
+def _fails_for(complete, request_id):
+    def maybe_broken(rid, payload, is_proto, failed):
+        if rid == request_id and not failed:
+            raise OSError("disk I/O error")
+        return complete(rid, payload, is_proto, failed)
+    return maybe_broken
