@@ -79,8 +79,10 @@ POINTS = {
     # trace_exports.py: a session trace's build
     "trace.build": "gate(): a session trace's build has started, nothing read yet",
     "trace.build_fails": "check(): a session trace's build fails",
-    # services/images.py
-    "image.decode": "gate(): a request's images about to be decoded, one of its key's decode slots taken",
+    # image_decodes.py
+    "image.decode": "gate(): a request's images about to be checked, one of its key's decode slots taken",
+    "image.before_processing": "hold(): a request's images about to be processed for its pass or prefill, a "
+                               "decode slot taken",
 }
 
 
@@ -110,7 +112,7 @@ def _parse(spec: str) -> dict[str, _Armed]:
 
 
 _armed = _parse(os.environ.get(ENV_VAR, ""))
-HOLDS = {"device_loop.before_plan"}  # the points that hold(): they need the gate dir
+HOLDS = {"device_loop.before_plan", "image.before_processing"}  # the points that hold(): they need the gate dir
 if HOLDS & set(_armed) and not os.environ.get(GATES_VAR):
     raise RuntimeError(f"{ENV_VAR} arms {sorted(HOLDS & set(_armed))}: set {GATES_VAR} to the test's gate dir")
 _lock = threading.Lock()

@@ -166,7 +166,8 @@ class TrainingWorker:
         answer. A request that failed its pass is answered here, and a failed request in parts has
         its model's gradients put back as they were before its first part, before the cycle's
         optimizer steps are launched. The others' outcomes are read after the wait (`_answer_compute`)."""
-        live = self._loaded([r for r in reqs if self.futures.is_pending(r.request_id)])
+        live = [r for r in self._loaded([r for r in reqs if self.futures.is_pending(r.request_id)])
+                if not self._images_failed(r)]
         if not live:
             answering()
             return []
@@ -270,6 +271,14 @@ class TrainingWorker:
         self.last_cycle_tokens += stats.tokens
         self.last_cycle_models += stats.models
         self.fused_passes += stats.models > 1
+
+    def _images_failed(self, req: Request) -> bool:
+        """Whether the request's images could not be processed (image_decodes.py, before its cycle was
+        planned): it fails before the pass, which it would fail."""
+        error = next((p.error for p in req.payload.images if p.error is not None), None)
+        if error is not None:
+            self._fail_compute(req, Failed(error, others_rerun=False))
+        return error is not None
 
     def _fail_compute(self, req: Request, failure: Failed) -> None:
         """A request that failed a pass of its own (or a pass the machine failed): its own failure."""

@@ -195,7 +195,7 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
     (_G, "hosted_tinker_live_adapters", "adapters resident on the device", lambda m: len(m.runtime.live)),
     (_C, "hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", lambda m: m.runtime.page_outs),
     (_C, "hosted_tinker_images_decoded",
-     "images decoded and processed (a request's, once its key's image budget holds them: a refused request "
+     "images processed for the model (a request's, shortly before its pass or prefill; a refused request "
      "decodes none)", lambda m: 0 if m.images is None else m.images.decoded),
 ]
 
@@ -219,6 +219,11 @@ class _ServerCollector(Collector):
         yield from _backend_families(server.models)
         yield CounterMetricFamily("hosted_tinker_futures_resolved", "futures resolved",
                                   value=server.futures.resolved_total)
+        yield GaugeMetricFamily("hosted_tinker_image_decodes_running", "image decodes running now (checks of arriving "
+                                "requests and processings before a pass or prefill; max_image_decodes)",
+                                value=server.image_decodes.running)
+        yield GaugeMetricFamily("hosted_tinker_image_decodes_waiting", "requests' images waiting to be processed "
+                                "for their pass or prefill", value=server.image_decodes.waiting)
         if torch.cuda.is_available():
             g = GaugeMetricFamily("hosted_tinker_gpu_memory_allocated_bytes", "GPU memory held by tensors",
                                   labels=["device"])
