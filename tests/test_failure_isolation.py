@@ -242,10 +242,12 @@ def test_a_request_whose_answer_fails_leaves_no_gradient(srv, clients):
     want = reference_step(sa, acked)
     tc = model(sa)
     tc.forward_backward(acked, "cross_entropy").result()
+    rolled_back = metric(srv, "hosted_tinker_failed_requests_rolled_back_total")
     with pytest.raises(tinker.RequestFailedError, match="answer.poisoned") as failed:
         tc.forward_backward([poisoned("answer.poisoned", seed=6)], "cross_entropy").result()
     assert failed.value.category is RequestErrorCategory.Server
     assert_step_is(tc, want)
+    assert metric(srv, "hosted_tinker_failed_requests_rolled_back_total") == rolled_back + 1
 
 
 def test_a_request_in_one_part_of_a_cycle_that_fails_after_its_passes_leaves_no_gradient(srv, gate, clients):

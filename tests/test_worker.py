@@ -27,6 +27,7 @@ from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import SamplingBackend
 from hosted_tinker.scheduler import CyclePlan, Request
 from hosted_tinker.store import Store
+from hosted_tinker.vision import ImageError, Pixels
 from hosted_tinker.worker import TrainingWorker
 
 
@@ -269,3 +270,22 @@ def _fails_for(complete, request_id):
             raise OSError("disk I/O error")
         return complete(rid, payload, is_proto, failed)
     return maybe_broken
+
+
+def test_a_request_whose_images_could_not_be_processed_fails_before_its_pass(worker):
+    """Images are processed on image_decodes.py's threads before a request is planned; one its
+    processor refused fails its request as the user's, before the pass, and the cycle's other
+    request runs (no pass fails, nobody is rerun)."""
+    assert not create(worker, "m")["failed"]
+    bad = fb("m", seed=4)
+    bad.data[0].pixels = Pixels(images=[], error=ImageError("datum 0 image 0: this model's image processor "
+                                                            "cannot use this 64x32 CMYK image"))
+    c = Cycle(worker)
+    failed = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, bad)
+    fine = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m", seed=5))
+    c.run()
+    assert answer(worker, failed) == {"failed": True, "category": "user", "error": (
+        "forward_backward failed: ImageError: datum 0 image 0: this model's image processor cannot use this 64x32 "
+        "CMYK image")}
+    assert not answer(worker, fine)["failed"]
+    assert worker.failed_passes == 0

@@ -185,6 +185,8 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
      lambda m: len(m.worker.parts)),
     (_C, "hosted_tinker_parts_rolled_back", "requests in parts that failed after a part: their earlier parts' "
      "gradients put back", lambda m: m.worker.parts.rolled_back),
+    (_C, "hosted_tinker_failed_requests_rolled_back", "models whose gradients were put back as before a pass, a "
+     "forward_backward of it having failed after the pass", lambda m: m.worker.launched.rolled_back),
     (_G, "hosted_tinker_queue_depth", "training requests waiting", lambda m: m.scheduler.queue_depth()),
     (_G, "hosted_tinker_pipelining_training_runs",
      "training runs whose client pipelines (posts optim_step before its forward_backward result): their "
