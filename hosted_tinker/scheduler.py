@@ -248,8 +248,8 @@ class ClockCycleScheduler:
     def has_training_work(self) -> bool:
         """Whether a cycle could run now (a model whose next request waits for its images could not)."""
         with self._lock:
-            return (any(ready and not _waits_for_images(ready[0]) for ready in (q.ready() for q in self._queues.values()))
-                    or bool(self._after or self._orphaned))
+            heads = (q.ready()[:1] for q in self._queues.values())
+            return any(head and not _waits_for_images(head[0]) for head in heads) or bool(self._after or self._orphaned)
 
     def submit_after_queue(self, req: Request) -> None:
         """An unload_model (no seq_id): runs at the end of the next cycle, and closes the model's
