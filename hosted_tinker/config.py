@@ -217,11 +217,16 @@ class ServerConfig(BaseSettings):
     max_image_pixels_per_key: int = Field(1 << 28, ge=1)
     """pixels of the images in one API key's waiting and running requests together, training (forward_backward,
     forward) and sampling in one budget, each image counted at the larger of its size as sent and as the model's
-    processor resizes it (Qwen-VL holds 24 bytes per resized pixel until the request is answered); checked from
-    the images' headers before any is decoded; beyond it, 429 (one request over it alone, 400)"""
+    processor resizes it (Qwen-VL's patches take 24 bytes per resized pixel while the request runs; a queued
+    request holds its images as sent); checked from the images' headers before any is decoded; beyond it, 429
+    (one request over it alone, 400)"""
     max_image_decodes_per_key: int = Field(2, ge=1)
-    """requests of one API key whose images are being decoded at once (each decodes its images one after
-    another; a 4096 x 4096 image takes seconds of CPU and ~1 GB at its peak); beyond it, 429"""
+    """one API key's image decodes at once: its requests' images checked as they arrive, and processed for the
+    model shortly before they run (a 4096 x 4096 image takes seconds of CPU and ~1 GB at its peak); a request
+    arriving beyond it gets 429, a processing beyond it waits while other keys' go first"""
+    max_image_decodes: int = Field(4, ge=1)
+    """image decodes at once on the whole server, every key's and model's together (as max_image_decodes_per_key
+    counts them); a request with images arriving beyond it gets 429, a processing beyond it waits its turn"""
     max_pending_per_key: int = Field(4096, ge=1)
     """unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)"""
     max_training_runs_per_key: int = Field(64, ge=1)

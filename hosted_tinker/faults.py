@@ -41,6 +41,7 @@ GATES_VAR = "HOSTED_TINKER_GATES"
 # What a datum or prompt poisoned for each check_poisoned() point holds (ids every test model has).
 POISONED = {"pass.poisoned_datum": (4, 8, 15, 16, 23, 42),
             "cycle.poisoned_after_passes": (42, 23, 16, 15, 8, 4),
+            "answer.poisoned": (8, 4, 42, 23, 15, 16),
             "sampling.prefill_poisoned": (666,),
             "sampling.decode_poisoned": (667,)}
 HOLD_AT_MOST_S = 600.0  # a gate the test never opens lets go after this: a stuck test, not a stuck server
@@ -53,6 +54,8 @@ POINTS = {
                            "pass, after the pass's earlier micro-batches added their gradients",
     "cycle.poisoned_after_passes": "a cycle whose compute holds a poisoned datum, its passes done and not yet "
                                    "answered (a fault no rerun mends: the cycle fails)",
+    "answer.poisoned": "a compute request holding a poisoned datum, its pass done and read, its answer being "
+                       "made (it alone fails, its gradients already added: as a result that cannot be encoded)",
     # hold(): parks while the test's gate is closed
     "device_loop.before_plan": "the device loop, before it plans its next training cycle",
     # crash_point(): SIGKILL. The moments inside a checkpoint write (save, overwrite, import,
@@ -78,8 +81,10 @@ POINTS = {
     # trace_exports.py: a session trace's build
     "trace.build": "gate(): a session trace's build has started, nothing read yet",
     "trace.build_fails": "check(): a session trace's build fails",
-    # services/images.py
-    "image.decode": "gate(): a request's images about to be decoded, one of its key's decode slots taken",
+    # image_decodes.py
+    "image.decode": "gate(): a request's images about to be checked, one of its key's decode slots taken",
+    "image.before_processing": "hold(): a request's images about to be processed for its pass or prefill, a "
+                               "decode slot taken",
 }
 
 
@@ -109,7 +114,7 @@ def _parse(spec: str) -> dict[str, _Armed]:
 
 
 _armed = _parse(os.environ.get(ENV_VAR, ""))
-HOLDS = {"device_loop.before_plan"}  # the points that hold(): they need the gate dir
+HOLDS = {"device_loop.before_plan", "image.before_processing"}  # the points that hold(): they need the gate dir
 if HOLDS & set(_armed) and not os.environ.get(GATES_VAR):
     raise RuntimeError(f"{ENV_VAR} arms {sorted(HOLDS & set(_armed))}: set {GATES_VAR} to the test's gate dir")
 _lock = threading.Lock()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
 from typing import ClassVar, Protocol, Union
 
@@ -136,6 +137,11 @@ class FBWork:
         """K of the request's (N, K) target_tokens, 0 for (N,) ones (one form per request: the API
         checks it). A pool rank's share may hold no datum: 0."""
         return targets_per_position(self.data[0].inputs) if self.data else 0
+
+    @cached_property
+    def images(self) -> list[Pixels]:
+        """Its datums' images, in datum order (none for text; a part of a request in parts has its own)."""
+        return [d.pixels for d in self.data if d.pixels is not None]
 
 
 @dataclass

@@ -39,6 +39,7 @@ the gradients from before the request (worker.py); a failed request's later part
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -161,6 +162,15 @@ class _CycleBudget:
         return admitted
 
 
+def _waits_for_images(r: Request, ask: bool = False) -> bool:
+    """Whether a compute request's images are not decoded yet (`ask`: asking for their decode)."""
+    if not isinstance(r.payload, FBWork) or not r.payload.images:
+        return False
+    if ask:
+        return not all([p.ready() for p in r.payload.images])  # a list: every one is asked, not only the first
+    return any(p.waiting for p in r.payload.images)
+
+
 def _earliest(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
@@ -236,8 +246,10 @@ class ClockCycleScheduler:
                     q.in_flight_compute = False
 
     def has_training_work(self) -> bool:
+        """Whether a cycle could run now (a model whose next request waits for its images could not)."""
         with self._lock:
-            return any(q.ready() for q in self._queues.values()) or bool(self._after or self._orphaned)
+            heads = (q.ready()[:1] for q in self._queues.values())
+            return any(head and not _waits_for_images(head[0]) for head in heads) or bool(self._after or self._orphaned)
 
     def submit_after_queue(self, req: Request) -> None:
         """An unload_model (no seq_id): runs at the end of the next cycle, and closes the model's
@@ -389,16 +401,18 @@ class ClockCycleScheduler:
         q.next_seq, q.gap_since = lowest, None
         return q.ready(), None
 
-    @staticmethod
-    def _prefix(ready: list[Request]) -> list[Request]:
+    def _prefix(self, ready: list[Request]) -> list[Request]:
         """The longest prefix of the module docstring's form. A part of a request in parts is its
         model's only compute in its cycle: the model's gradients before its first part are then the
-        ones a failed part puts back (worker.py)."""
+        ones a failed part puts back (worker.py). A compute request whose images are not decoded yet
+        ends it (`_images_ready`)."""
         take: list[Request] = []
         stage = _Stage.COMPUTE
-        for r in ready:
+        for i, r in enumerate(ready):
             if r.kind in COMPUTE:
                 if stage > _Stage.COMPUTE or (r.in_parts and take) or (take and take[-1].in_parts):
+                    break
+                if not self._images_ready(ready, i):
                     break
             elif r.kind == RequestKind.OPTIM_STEP:
                 if stage > _Stage.COMPUTE:
@@ -410,6 +424,21 @@ class ClockCycleScheduler:
             if r.more:  # a split request: nothing after it until its last part
                 break
         return take
+
+    def _images_ready(self, ready: list[Request], i: int) -> bool:
+        """Whether compute request `ready[i]`'s images (those of its part to plan) are decoded. If not,
+        their decode is asked for (image_decodes.py, whose end rings `on_work`), and so is that of the
+        model's next compute requests that one cycle's budget holds with it: they decode side by side
+        while other models' cycles run, and nothing queued further back is decoded yet."""
+        if not _waits_for_images(ready[i], ask=True):
+            return True
+        tokens = ready[i].tokens
+        for later in itertools.islice(ready, i + 1, None):
+            tokens += later.tokens
+            if later.kind not in COMPUTE or later.in_parts or tokens > self.max_tokens_per_cycle:
+                break
+            _waits_for_images(later, ask=True)
+        return False
 
     def _add(self, plan: CyclePlan, take: list[Request]) -> None:
         q = self._queues[take[0].model_id]

@@ -34,6 +34,7 @@ from .config import ModelEntry, ServerConfig
 from .data_dir_lock import DataDirLock
 from .device_loop import DeviceLoop
 from .futures import FutureStore
+from .image_decodes import ImageDecodes
 from .model_loading import pick_device, resolve_model_source
 from .rate_card import load_rate_card
 from .runtime.cpu_threads import on_passing_thread
@@ -170,6 +171,8 @@ class Server:
         # Usage, the audit log and request timings; it watches the device loops beside the metrics.
         self.accounting = Accounting(self.store, self.futures)
         self.traces = TraceExports(self.accounting.tables, data_dir / "traces")
+        # Every served model's requests' images are decoded on these threads, within one bound.
+        self.image_decodes = ImageDecodes(config.max_image_decodes, config.max_image_decodes_per_key)
         self.rate_card = load_rate_card(config.rate_card, [entry.name for entry in config.served_models])
         observer = FanOut(observer or _Unobserved(), self.accounting)
         self.models = ModelRegistry([serve_model(entry, config, self.futures, self.store, self.checkpoints, data_dir,
@@ -204,6 +207,7 @@ class Server:
         for model in self.models:
             model.loop.stop()
             model.runtime.close()
+        self.image_decodes.close()
         self.accounting.stop()  # after the loops: their last cycles are counted
         self.traces.close()
         self.store.close()

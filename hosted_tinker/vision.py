@@ -6,7 +6,8 @@ grid / merge_size^2 positions in the sequence, each the model's image token (`<|
 Qwen-VL), which the model's forward replaces with the vision tower's embeddings. A chunk's
 `expected_tokens`, when set, must equal that count: the client sized its targets and weights by it.
 
-An image goes through two steps, so that nothing is decoded for a request that is refused:
+An image goes through three steps, so that nothing is decoded for a request that is refused, and
+a queued request holds its images as sent (image_decodes.py says where each step runs, and why):
 
 1. `ImageEncoder.expand`, while the request is validated, reads each image's header only (PIL's
    `Image.open` is lazy: format and size, no pixels): its bytes, format and pixels against the
@@ -18,9 +19,10 @@ An image goes through two steps, so that nothing is decoded for a request that i
    micro-batch), and two images have text between them (the multimodal rotary positions read
    adjacent images' tokens as one image; the model's chat template wraps each image in its
    vision start and end tokens).
-2. `ImageEncoder.decode`, once the key's image budget holds the request (services/images.py) and
-   before it is queued, decodes and processes the pixels, and checks that they are what the header
-   promised.
+2. `ImageEncoder.check`, once the key's image budget holds the request (services/images.py) and
+   before it is queued, decodes each image and lets its pixels go: a file cut short is refused.
+3. `ImageEncoder.decode`, shortly before the request's pass or prefill (`Pixels.ready`), decodes
+   and processes the pixels, and checks that they are what the header promised.
 
 Bounds: every image is at most `max_image_bytes` encoded and `max_image_pixels` decoded, and a
 request holds at most `max_images_per_request` of them (config.py); a refusal names the setting.
@@ -28,7 +30,8 @@ An API key's waiting and running requests, training and sampling alike, hold at 
 `max_image_pixels_per_key` pixels of images together, each image counted at the larger of its
 size as sent (what decoding it holds) and its size as the processor resizes it (what its request
 holds until answered: Qwen-VL's float32 patches take 24 bytes a pixel), and run at most
-`max_image_decodes_per_key` decodes at once (services/images.py).
+`max_image_decodes_per_key` decodes at once; the server runs at most `max_image_decodes`
+(image_decodes.py).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -82,7 +85,7 @@ class SizedImage:
     """An image chunk checked from its header alone (`ImageEncoder.measure`)."""
 
     where: str  # "datum 0 image 1": what a refusal names
-    data: bytes  # encoded; emptied once decoded (`ImageEncoder.decode`)
+    data: bytes  # as sent: what the request holds until its images are processed for its pass
     format: str
     width: int
     height: int
@@ -99,17 +102,57 @@ class SizedImage:
 @dataclass
 class Pixels:
     """One datum's images (or one prompt's), in the order of their tokens: sized from their headers
-    when the request is validated, decoded (`ImageEncoder.decode`) before it is queued, so every
-    `Pixels` the device loop sees has its `pixel_values` and `grid_thw`."""
+    when the request is validated, held as sent while it waits, decoded (`ImageEncoder.decode`)
+    shortly before its pass or prefill: what plans it asks `ready()` first, and the device loop
+    only ever sees `pixel_values` and `grid_thw` set."""
 
     images: list[SizedImage]
     pixel_values: torch.Tensor | None = None  # [patches, patch_dim] float32, once decoded
     grid_thw: torch.Tensor | None = None  # [images, 3] int64, once decoded
+    error: Exception | None = None  # why they could not be decoded (an `ImageError`: the user's)
+    # Asks for the decode, on image_decodes.py's threads (set when the request is queued).
+    ask_decode: Callable[["Pixels"], None] | None = field(default=None, repr=False)
+    _asked: bool = field(default=False, repr=False)
 
     @property
     def image_pixels(self) -> int:
         """What a key's image bound, `max_image_pixels_per_key`, counts of these images."""
         return sum(image.budget_pixels for image in self.images)
+
+    def ready(self) -> bool:
+        """Whether they are decoded (or failed to be: `error`); if not, their decode is asked for
+        (once), and whoever plans them asks again once it is rung."""
+        if self.pixel_values is not None or self.error is not None:
+            return True
+        if not self._asked:
+            self._asked = True
+            if self.ask_decode is None:
+                raise RuntimeError("images were queued without a way to decode them (ImageDecodes.attach)")
+            self.ask_decode(self)
+        return False
+
+    @property
+    def waiting(self) -> bool:
+        """Their decode is asked for and not done: whoever needs them has nothing to do with them yet."""
+        return self._asked and self.pixel_values is None and self.error is None
+
+    def decoded(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> None:
+        self.grid_thw = grid_thw
+        self.pixel_values = pixel_values  # last: `ready()` reads it
+
+    def failed(self, error: Exception) -> None:
+        self.error = error
+
+    def release(self) -> None:
+        """Let the decoded pixels go once they have run (a later `ready()` decodes them again)."""
+        self.pixel_values = self.grid_thw = None
+        self._asked = False
+
+    def __getstate__(self) -> dict:
+        """Sent to a worker pool's ranks: the decoded pixels, not the images as sent nor the decoder."""
+        state = dict(self.__dict__, ask_decode=None)
+        state["images"] = [replace(image, data=b"") for image in self.images]
+        return state
 
 
 def total_pixels(pixels: Iterable[Pixels | None]) -> int:
@@ -210,6 +253,12 @@ class ImageEncoder:
         except ValueError as e:  # its resize rules refuse the size (Qwen-VL: an aspect ratio of 200 or more)
             raise ImageError(f"{where}: this model's image processor refuses a {width}x{height} image: {e}") from None
 
+    def check(self, pixels: Pixels) -> None:
+        """Decode each image and let the pixels go: an `ImageError` naming one whose data is cut short
+        or corrupt (its header was fine), before its request is queued."""
+        for image in pixels.images:
+            self._open(image).close()
+
     def decode(self, pixels: Pixels) -> None:
         """Decode and process `pixels`' images into its `pixel_values` and `grid_thw`; an `ImageError`
         naming the image if one cannot be decoded (a truncated file) or processed."""
@@ -223,12 +272,10 @@ class ImageEncoder:
                                    f"{image.width}x{image.height} image, and {image.patches} from its size")
             values.append(pixel_values)
             grids.append(grid)
-        pixels.pixel_values, pixels.grid_thw = torch.cat(values), torch.cat(grids)
-        for image in pixels.images:
-            image.data = b""  # the pixels are what the request holds from here (and sends to a pool's ranks)
+        pixels.decoded(torch.cat(values), torch.cat(grids))
 
-    def _process(self, image: SizedImage) -> tuple[torch.Tensor, torch.Tensor]:
-        """The image's pixel patches and its grid."""
+    def _open(self, image: SizedImage):
+        """The image decoded by PIL, or an `ImageError` naming it."""
         from PIL import Image
 
         try:
@@ -237,6 +284,11 @@ class ImageEncoder:
         except Exception as e:  # a truncated or corrupt file: its header was fine
             raise ImageError(f"{image.where}: the {image.format} data cannot be decoded ({type(e).__name__}: "
                              f"{str(e)[:200]})") from None
+        return pil
+
+    def _process(self, image: SizedImage) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image's pixel patches and its grid."""
+        pil = self._open(image)
         try:
             out = self.processor(images=[_rgb(pil)], return_tensors="pt")
         except Exception as e:

@@ -9,7 +9,7 @@ that escapes a cycle is the device loop's to answer (device_loop.py).
 
 A request's failure is its own: a fused pass that raises is rerun in halves until the request
 that made it raise fails alone, the others getting their own results (isolation.py); a request
-that runs in parts applies all of its gradients or none (request_parts.py).
+that fails leaves no gradient, in one part or many (request_parts.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .request_types import (
     OptimStepResult, RequestKind, SamplerWeightsResult, SaveSpec, SaveWeightsResult, TailResult, UnloadModelResult,
 )
 from .isolation import MachineFault, Quarantine, run_isolating
-from .request_parts import PartsLedger
+from .request_parts import LaunchedGradients, PartsLedger
 from .runtime.adamw import PendingSteps
 from .runtime.adapters import GradientSnapshot, SkippedStep
 from .runtime.pass_io import PassStats, PendingPass, ReadyPass
@@ -63,6 +63,7 @@ class TrainingWorker:
         self.checkpoints = checkpoints
         self.sampling = sampling  # told when a model's weights change
         self.parts = PartsLedger()  # requests in parts: their outcomes so far, their gradients before
+        self.launched = LaunchedGradients()  # the cycle's other forward_backwards, until answered
         self.quarantine = Quarantine()  # keys whose request failed a pass alone: their requests run apart
         # metrics
         self.tokens_total = 0
@@ -79,7 +80,7 @@ class TrainingWorker:
         handed out, just before the first of them is (a request that a client posts once it has
         seen its result then always finds the scheduler told: it is never taken for a pipelining
         client's)."""
-        self.parts.settle(self.futures.is_pending)  # requests in parts that failed since the last cycle
+        self._settle()  # requests that failed since the last cycle (a cycle that raised)
         passes: list[tuple[Request, LaunchedOutcome]] = []
         if plan.compute:
             models = {r.model_id for r in plan.compute}
@@ -94,7 +95,7 @@ class TrainingWorker:
         for req in plan.orphaned:
             self.futures.fail(req.request_id, f"{req.kind}: model {req.model_id!r} is not loaded (it was unloaded)",
                               "user")
-        self.parts.settle(self.futures.is_pending)  # e.g. a request in parts orphaned by its model's unload
+        self._settle()  # e.g. a request in parts orphaned by its model's unload
 
     def _tail_step(self, req: Request) -> None:
         if req.kind in NEEDS_ADAPTER and req.model_id not in self.runtime.adapters:
@@ -165,7 +166,8 @@ class TrainingWorker:
         answer. A request that failed its pass is answered here, and a failed request in parts has
         its model's gradients put back as they were before its first part, before the cycle's
         optimizer steps are launched. The others' outcomes are read after the wait (`_answer_compute`)."""
-        live = self._loaded([r for r in reqs if self.futures.is_pending(r.request_id)])
+        live = [r for r in self._loaded([r for r in reqs if self.futures.is_pending(r.request_id)])
+                if not self._images_failed(r)]
         if not live:
             answering()
             return []
@@ -175,6 +177,9 @@ class TrainingWorker:
                 self.parts.begin(r.request_id, before)
         self.last_cycle_tokens = self.last_cycle_models = 0
         results = self._passes(live)
+        for r, out in zip(live, results):  # until answered: a failure from here on takes its gradients back
+            if not (isinstance(out, Failed) or r.in_parts or r.payload.forward_only):
+                self.launched.launched(r.request_id, r.payload, out[0].before)
         faults.check("after_forward_backward")
         faults.check_poisoned("cycle.poisoned_after_passes", (d.tokens for r in live for d in r.payload.data))
         answering()
@@ -184,7 +189,7 @@ class TrainingWorker:
                 self._fail_compute(r, out)
             else:
                 launched.append((r, out))
-        self.parts.settle(self.futures.is_pending)
+        self._settle()
         return launched
 
     def _answer_compute(self, launched: list[tuple[Request, LaunchedOutcome]]) -> None:
@@ -207,7 +212,33 @@ class TrainingWorker:
             (r.model_id, r.seq_id, self.runtime.adapters[r.model_id].step, r.payload.forward_only, out.metrics["loss:sum"])
             for r, out in finished if math.isfinite(out.metrics.get("loss:sum", math.nan))])
         for r, out in finished:
-            self._guarded(r, lambda req: self.futures.resolve(req.request_id, out.to_wire(), is_proto=True))
+            self._guarded(r, lambda req: self._resolve_compute(req, out))
+        self._settle()
+
+    def _resolve_compute(self, req: Request, out: FBOutcome) -> None:
+        faults.check_poisoned("answer.poisoned", (d.tokens for d in req.payload.data))
+        self.futures.resolve(req.request_id, out.to_wire(), is_proto=True)
+
+    def _settle(self) -> None:
+        """Put back the gradients of the requests that failed after their pass (request_parts.py)."""
+        self.parts.settle(self._failed)
+        self.launched.settle(self._failed, self.runtime.adapters.get, self._rerun)
+
+    def _failed(self, request_id: str) -> bool | None:
+        """None while the request is pending; then whether it failed."""
+        if self.futures.is_pending(request_id):
+            return None
+        result = self.futures.lookup(request_id)
+        return result is None or result.failed
+
+    def _rerun(self, works: list[FBWork]) -> None:
+        """A model's requests of a pass run again, their outputs unread: only their gradients count."""
+        try:
+            self.runtime.launch_forward_backward(works)
+            self.runtime.wait()
+        except Exception:  # they ran a moment ago: the device is failing
+            log.exception("model %s: its answered requests could not run again after another of its pass failed; "
+                          "its next optim_step lacks their gradients", works[0].model_id)
 
     def _passes(self, reqs: list[Request]) -> list[LaunchedOutcome | Failed]:
         """Each request's launched outcome, or the error it failed with alone: one fused pass of
@@ -241,6 +272,14 @@ class TrainingWorker:
         self.last_cycle_models += stats.models
         self.fused_passes += stats.models > 1
 
+    def _images_failed(self, req: Request) -> bool:
+        """Whether the request's images could not be processed (image_decodes.py, before its cycle was
+        planned): it fails before the pass, which it would fail."""
+        error = next((p.error for p in req.payload.images if p.error is not None), None)
+        if error is not None:
+            self._fail_compute(req, Failed(error, others_rerun=False))
+        return error is not None
+
     def _fail_compute(self, req: Request, failure: Failed) -> None:
         """A request that failed a pass of its own (or a pass the machine failed): its own failure."""
         error = failure.error
@@ -259,6 +298,7 @@ class TrainingWorker:
         ready = self._loaded(reqs, prefix="optim_step: ")
         if not ready:
             return None
+        self.launched.stepped(r.model_id for r in ready)
         try:
             # A model appears at most once per cycle (its optim_step is its barrier).
             return ready, self.runtime.launch_optim_steps([(r.model_id, r.payload) for r in ready])

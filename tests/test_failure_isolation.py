@@ -40,7 +40,7 @@ ALICE, BOB = "tml-isolate-alice", "tml-isolate-bob"
 # The server's keys file: each key its own owner (a key held apart is its owner's).
 KEYS = {"alice": ALICE, "bob": BOB, "bob-fb": f"{BOB}-False", "bob-fwd": f"{BOB}-True",
         "mallory": "tml-isolate-mallory", "carol": "tml-isolate-carol"}
-FAULTS = "pass.poisoned_datum,cycle.poisoned_after_passes,device_loop.before_plan"
+FAULTS = "pass.poisoned_datum,cycle.poisoned_after_passes,answer.poisoned,device_loop.before_plan"
 ADAM = types.AdamParams(learning_rate=1e-2)
 
 
@@ -228,6 +228,43 @@ def test_a_cycle_that_fails_after_its_passes_rolls_back_the_request_and_its_retr
         assert failed.value.category is RequestErrorCategory.Server
     alice.forward_backward(batch, "cross_entropy").result()
     assert_step_is(alice, want)
+
+
+# -- issue 40, item 7: a request that fails after its pass leaves no gradient, in one part too --
+
+def test_a_request_whose_answer_fails_leaves_no_gradient(srv, clients):
+    """A forward_backward in one part fails as its answer is made (`answer.poisoned`: as a result
+    that cannot be encoded or stored), after its backward added its gradients: the next optim_step
+    applies exactly the gradients acknowledged before it (grad norm and weights). Before: the failed
+    request's gradients too."""
+    sa, _ = clients
+    acked = sft_batch(2, seed=61)
+    want = reference_step(sa, acked)
+    tc = model(sa)
+    tc.forward_backward(acked, "cross_entropy").result()
+    rolled_back = metric(srv, "hosted_tinker_failed_requests_rolled_back_total")
+    with pytest.raises(tinker.RequestFailedError, match="answer.poisoned") as failed:
+        tc.forward_backward([poisoned("answer.poisoned", seed=6)], "cross_entropy").result()
+    assert failed.value.category is RequestErrorCategory.Server
+    assert_step_is(tc, want)
+    assert metric(srv, "hosted_tinker_failed_requests_rolled_back_total") == rolled_back + 1
+
+
+def test_a_request_in_one_part_of_a_cycle_that_fails_after_its_passes_leaves_no_gradient(srv, gate, clients):
+    """Bob's forward_backward and optim_step share a cycle that fails after its passes: both fail,
+    and his next optim_step applies the gradients acknowledged before them only."""
+    _, sb = clients
+    acked = sft_batch(2, seed=71)
+    want = reference_step(sb, acked)
+    bob = model(sb)
+    bob.forward_backward(acked, "cross_entropy").result()
+    fb, step = in_one_cycle(srv, gate, lambda: bob.forward_backward([poisoned("cycle.poisoned_after_passes", seed=7)],
+                                                                     "cross_entropy"),
+                            lambda: bob.optim_step(ADAM))
+    for future in (fb, step):
+        with pytest.raises(tinker.RequestFailedError, match="cycle.poisoned_after_passes"):
+            future.result()
+    assert_step_is(bob, want)
 
 
 def test_unloading_a_model_while_its_request_runs_in_parts(srv, gate, clients):

@@ -7,6 +7,7 @@ import pytest
 
 from hosted_tinker.api.app import http_error_of
 from hosted_tinker.errors import Busy
+from hosted_tinker.image_decodes import ImageDecodes
 from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.services.images import ImagePixelBudget
 from hosted_tinker.services.sampling import SamplingAllowance
@@ -18,7 +19,7 @@ def job(num_samples: int = 2, max_tokens: int = 10) -> SampleJob:
 
 
 def test_limits_name_their_setting_and_other_keys_are_unaffected():
-    allowance = SamplingAllowance(max_requests=2, max_tokens=100, images=ImagePixelBudget(1000, 1))
+    allowance = SamplingAllowance(max_requests=2, max_tokens=100, images=ImagePixelBudget(1000, ImageDecodes(1, 1)))
     allowance.take("alice", [job()])
     allowance.take("alice", [job()])
     with pytest.raises(Busy, match="max_sampling_requests_per_key = 2") as e:
@@ -31,7 +32,7 @@ def test_limits_name_their_setting_and_other_keys_are_unaffected():
 
 
 def test_a_multi_job_request_is_given_back_once_when_its_last_job_ends():
-    allowance = SamplingAllowance(max_requests=1, max_tokens=1000, images=ImagePixelBudget(1000, 1))
+    allowance = SamplingAllowance(max_requests=1, max_tokens=1000, images=ImagePixelBudget(1000, ImageDecodes(1, 1)))
     jobs = [job(), job(), job()]
     seen = []
     for j in jobs:
@@ -55,7 +56,7 @@ def image_job(pixels: int) -> SampleJob:
 
 
 def test_image_pixels_in_flight_are_bounded_per_key():
-    allowance = SamplingAllowance(max_requests=10, max_tokens=1000, images=ImagePixelBudget(1000, 1))
+    allowance = SamplingAllowance(max_requests=10, max_tokens=1000, images=ImagePixelBudget(1000, ImageDecodes(1, 1)))
     lease = allowance.take("alice", [image_job(600)])
     with pytest.raises(Busy, match="600 image pixels in flight and this one has 500 more "
                                             r"\(max_image_pixels_per_key = 1000\)") as e:
@@ -68,7 +69,7 @@ def test_image_pixels_in_flight_are_bounded_per_key():
 
 
 def test_sample_requests_share_the_keys_image_budget_with_its_training_requests():
-    images = ImagePixelBudget(1000, 1)
+    images = ImagePixelBudget(1000, ImageDecodes(1, 1))
     allowance = SamplingAllowance(max_requests=10, max_tokens=1000, images=images)
     images.take("alice", 600)  # a waiting training request's images (services/training.py)
     with pytest.raises(Busy, match="600 image pixels in flight"):

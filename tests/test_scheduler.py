@@ -8,10 +8,13 @@ and none depends on timing. The loop that drives it is tested in test_device_loo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
-from hosted_tinker.request_types import RequestKind
+from hosted_tinker.request_types import DatumWork, FBWork, RequestKind
 from hosted_tinker.scheduler import ClockCycleScheduler, CyclePlan, Request
+from hosted_tinker.vision import Pixels
 
 GAP = 60.0
 WINDOW = 0.05
@@ -415,3 +418,36 @@ def test_a_failed_request_in_parts_drops_its_later_parts(make_sched):
     s.drop_rest(first)  # the worker failed it
     assert [r.request_id for r in run(s).compute] == ["a-2"]
     assert s.queue_depth() == 0
+
+
+# -- images: planned once processed, asked for shortly before (issue 40, item 6) -----------------
+
+def image_fb(model: str, seq: int, tokens: int, asked: list) -> Request:
+    """A forward_backward of one datum with an image, its processing recorded in `asked` when asked."""
+    pixels = Pixels(images=[], ask_decode=asked.append)
+    work = FBWork(model, [DatumWork(np.zeros(tokens, dtype=np.int64), {}, pixels)], "cross_entropy", {}, False)
+    return Request(request_id=f"{model}-{seq}", kind=RequestKind.FORWARD_BACKWARD, model_id=model, seq_id=seq,
+                   payload=work, tokens=tokens)
+
+
+def test_a_request_waits_for_its_images_and_no_one_waits_for_it(make_sched):
+    """A's first request's images are asked for, with those of its next requests that one cycle's
+    budget holds (not those further back); A waits, B's text request runs meanwhile, and the loop is
+    not told there is training work while A's images are processed. Once they are, A runs."""
+    s = make_sched(max_tokens_per_cycle=100)
+    asked: list = []
+    for m in ("a", "b"):
+        s.open_model(m, 1)
+    first, second, third = (image_fb("a", seq, 40, asked) for seq in (1, 2, 3))  # the third is over the budget
+    for r in (first, second, third, req("b", 1)):
+        s.submit(r)
+    assert seqs(run(s).compute) == [("b", 1)]
+    assert asked == [first.payload.data[0].pixels, second.payload.data[0].pixels]
+    assert not s.has_training_work()
+    assert seqs(run(s).compute) == []  # still processing: nothing to plan, nothing asked twice
+    assert len(asked) == 2
+    for r in (first, second):
+        r.payload.data[0].pixels.decoded(torch.zeros(1, 1), torch.ones(1, 3, dtype=torch.long))
+    assert s.has_training_work()
+    assert seqs(run(s).compute) == [("a", 1), ("a", 2)]
+    assert asked[2:] == [third.payload.data[0].pixels]  # next in line now: asked as these run

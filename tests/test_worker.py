@@ -27,6 +27,7 @@ from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import SamplingBackend
 from hosted_tinker.scheduler import CyclePlan, Request
 from hosted_tinker.store import Store
+from hosted_tinker.vision import ImageError, Pixels
 from hosted_tinker.worker import TrainingWorker
 
 
@@ -103,8 +104,8 @@ def create(worker: TrainingWorker, model_id: str, **flags) -> dict:
     return answer(worker, rid)
 
 
-def fb(model_id: str) -> FBWork:
-    rng = np.random.default_rng(0)
+def fb(model_id: str, seed: int = 0) -> FBWork:
+    rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 1000, 12)
     data = [DatumWork(tokens=tokens, inputs={"target_tokens": rng.integers(0, 1000, 12),
                                              "weights": np.ones(12, dtype=np.float32)})]
@@ -210,3 +211,81 @@ def test_a_cycle_waits_for_the_device_once(worker):
     assert dict(audit.reasons) == {"wait_for_device": 1}
     assert not any(answer(worker, r)["failed"] for r in ids)
     assert all(answer(worker, r)["metrics"]["grad_norm"] > 0 for r in ids[2:])
+
+
+def grads(worker: TrainingWorker, model_id: str) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in worker.runtime.adapter(model_id).parameters()]
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["fresh", "after-an-earlier-cycle"])
+def test_a_request_whose_answer_fails_after_its_pass_leaves_no_gradient(worker, monkeypatch, earlier):
+    """Two forward_backwards of one model share a pass; storing the second one's answer fails (as a
+    server bug would) after its backward added its gradients. It fails, and the model's gradients
+    are, bit for bit, those of a model that ran only the first one (with the same earlier cycle, if
+    any). They used to keep the failed request's gradients, for the next optim_step to apply."""
+    for m in ("m", "ref"):
+        assert not create(worker, m)["failed"]
+    for m in ("m", "ref") if earlier else ():
+        c = Cycle(worker)
+        c.add("compute", m, RequestKind.FORWARD_BACKWARD, fb(m, seed=3))
+        c.run()
+    c = Cycle(worker)
+    kept = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m", seed=1))
+    lost = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m", seed=2))
+    resolve = worker.futures.resolve
+
+    def broken_resolve(request_id, *args, **kwargs):
+        if request_id == lost:
+            raise OSError("disk I/O error")
+        resolve(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(worker.futures, "resolve", broken_resolve)
+    c.run()
+    assert not answer(worker, kept)["failed"]
+    got = answer(worker, lost)
+    assert got["failed"] and got["category"] == "server" and "OSError" in got["error"]
+    c = Cycle(worker)
+    c.add("compute", "ref", RequestKind.FORWARD_BACKWARD, fb("ref", seed=1))
+    c.run()
+    for a, b in zip(grads(worker, "m"), grads(worker, "ref"), strict=True):
+        assert a is not None and torch.equal(a, b)
+    assert worker.launched.rolled_back == 1
+
+
+def test_a_requests_only_gradient_goes_with_it(worker, monkeypatch):
+    """The model's only request of its cycle fails as its answer is stored: the model has no
+    gradients left, and its next optim_step has none to apply."""
+    assert not create(worker, "m")["failed"]
+    c = Cycle(worker)
+    lost = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m"))
+    monkeypatch.setattr(worker.futures.store, "complete_future", _fails_for(worker.futures.store.complete_future, lost))
+    c.run()
+    assert answer(worker, lost)["failed"]
+    assert grads(worker, "m") == [None] * len(grads(worker, "m"))
+
+
+def _fails_for(complete, request_id):
+    def maybe_broken(rid, payload, is_proto, failed):
+        if rid == request_id and not failed:
+            raise OSError("disk I/O error")
+        return complete(rid, payload, is_proto, failed)
+    return maybe_broken
+
+
+def test_a_request_whose_images_could_not_be_processed_fails_before_its_pass(worker):
+    """Images are processed on image_decodes.py's threads before a request is planned; one its
+    processor refused fails its request as the user's, before the pass, and the cycle's other
+    request runs (no pass fails, nobody is rerun)."""
+    assert not create(worker, "m")["failed"]
+    bad = fb("m", seed=4)
+    bad.data[0].pixels = Pixels(images=[], error=ImageError("datum 0 image 0: this model's image processor "
+                                                            "cannot use this 64x32 CMYK image"))
+    c = Cycle(worker)
+    failed = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, bad)
+    fine = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m", seed=5))
+    c.run()
+    assert answer(worker, failed) == {"failed": True, "category": "user", "error": (
+        "forward_backward failed: ImageError: datum 0 image 0: this model's image processor cannot use this 64x32 "
+        "CMYK image")}
+    assert not answer(worker, fine)["failed"]
+    assert worker.failed_passes == 0

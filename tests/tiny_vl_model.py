@@ -87,7 +87,8 @@ def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
 CONFIGS = {"qwen3_vl": qwen3_vl_config, "qwen3_5": qwen3_5_config, "qwen3_5_moe": qwen3_5_moe_config}
 
 
-def build_tiny_vl_model(out_dir: Path, seed: int = 0, family: str = "qwen3_vl") -> Path:
+def build_tiny_vl_model(out_dir: Path, seed: int = 0, family: str = "qwen3_vl", max_pixels: int = 128 * 128) -> Path:
+    """`max_pixels`: the processor resizes larger images down to about this many pixels."""
     import torch
     import transformers
     from tokenizers import AddedToken
@@ -121,7 +122,7 @@ def build_tiny_vl_model(out_dir: Path, seed: int = 0, family: str = "qwen3_vl") 
         torch.random.set_rng_state(rng)
     model.save_pretrained(out_dir)
     Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32,
-                             max_pixels=128 * 128, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(out_dir)
+                             max_pixels=max_pixels, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(out_dir)
     return out_dir
 
 

@@ -84,7 +84,7 @@ def _lifespan(config: ServerConfig, server: Server | None):
         app.state.access = Access(srv.store, srv.models.has_training_model, admins=srv.config.admin_users,
                                   on_read=srv.audit_read)
         # one per key, training and sampling
-        images = ImagePixelBudget(srv.config.max_image_pixels_per_key, srv.config.max_image_decodes_per_key)
+        images = ImagePixelBudget(srv.config.max_image_pixels_per_key, srv.image_decodes)
         app.state.training = TrainingRequests(srv, app.state.access, images)
         app.state.sampling = SamplingRequests(srv, app.state.access, images)
         pruner = asyncio.create_task(_prune_forever(srv))

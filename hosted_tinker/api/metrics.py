@@ -185,6 +185,8 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
      lambda m: len(m.worker.parts)),
     (_C, "hosted_tinker_parts_rolled_back", "requests in parts that failed after a part: their earlier parts' "
      "gradients put back", lambda m: m.worker.parts.rolled_back),
+    (_C, "hosted_tinker_failed_requests_rolled_back", "models whose gradients were put back as before a pass, a "
+     "forward_backward of it having failed after the pass", lambda m: m.worker.launched.rolled_back),
     (_G, "hosted_tinker_queue_depth", "training requests waiting", lambda m: m.scheduler.queue_depth()),
     (_G, "hosted_tinker_pipelining_training_runs",
      "training runs whose client pipelines (posts optim_step before its forward_backward result): their "
@@ -195,7 +197,7 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
     (_G, "hosted_tinker_live_adapters", "adapters resident on the device", lambda m: len(m.runtime.live)),
     (_C, "hosted_tinker_adapter_page_outs", "adapters paged out to CPU memory", lambda m: m.runtime.page_outs),
     (_C, "hosted_tinker_images_decoded",
-     "images decoded and processed (a request's, once its key's image budget holds them: a refused request "
+     "images processed for the model (a request's, shortly before its pass or prefill; a refused request "
      "decodes none)", lambda m: 0 if m.images is None else m.images.decoded),
 ]
 
@@ -219,6 +221,11 @@ class _ServerCollector(Collector):
         yield from _backend_families(server.models)
         yield CounterMetricFamily("hosted_tinker_futures_resolved", "futures resolved",
                                   value=server.futures.resolved_total)
+        yield GaugeMetricFamily("hosted_tinker_image_decodes_running", "image decodes running now (checks of arriving "
+                                "requests and processings before a pass or prefill; max_image_decodes)",
+                                value=server.image_decodes.running)
+        yield GaugeMetricFamily("hosted_tinker_image_decodes_waiting", "requests' images waiting to be processed "
+                                "for their pass or prefill", value=server.image_decodes.waiting)
         if torch.cuda.is_available():
             g = GaugeMetricFamily("hosted_tinker_gpu_memory_allocated_bytes", "GPU memory held by tensors",
                                   labels=["device"])

@@ -215,16 +215,21 @@ class GradientPass:
     def __init__(self, adapters: list[LoRAAdapter]):
         self.adapters = adapters
         self._saved: list[SavedRows] = []
+        self._saved_slots: list[list[int]] = []  # each saved entry's slots, in its rows' order
         self._fresh: list[tuple[SlotStack, list[int]]] = []
+        self._placed: dict[int, tuple] = {}  # per adapter: where its first projection sat (it moves as a whole)
         held: dict[int, tuple[SlotStack, list[int], list[int]]] = {}  # stack -> (slots with, without grads)
         for adapter in adapters:
             for w in adapter.weights.values():
                 if w.stack is not None:
                     entry = held.setdefault(id(w.stack), (w.stack, [], []))
                     entry[1 if w.A.grad is not None else 2].append(w.slot)
+            first = next(iter(adapter.weights.values()))
+            self._placed[id(adapter)] = (first.stack, first.slot)
         for stack, with_grad, without in held.values():
             if with_grad:
                 self._saved.append(_save_rows(stack, with_grad))
+                self._saved_slots.append(with_grad)
             if without:
                 self._fresh.append((stack, without))
 
@@ -237,6 +242,30 @@ class GradientPass:
     def rollback(self) -> None:
         _restore_rows(self._saved)
         _fill_slots(self._fresh, 0.0)
+
+    def restore(self, adapter: LoRAAdapter) -> bool:
+        """After the pass was committed: put one of its adapters' gradients back as they were before
+        it (a request of the pass failed after it ran: worker.py puts back its model's gradients and
+        runs that model's other requests of the pass again). False, restoring nothing, if the adapter
+        has left the slots it held in the pass (paged out: a cycle's models all stay live, so this
+        is not expected)."""
+        first = next(iter(adapter.weights.values()))
+        if self._placed.get(id(adapter)) != (first.stack, first.slot) or first.stack is None:
+            return False
+        rows = {(id(saved[0]), slot): (saved, i) for saved, slots in zip(self._saved, self._saved_slots)
+                for i, slot in enumerate(slots)}
+        with torch.no_grad():
+            for w in adapter.weights.values():
+                found = rows.get((id(w.stack), w.slot))
+                if found is None:  # no gradient before the pass
+                    _drop_grads(w)
+                    continue
+                (_, _, grad_A, grad_B), i = found
+                if w.A.grad is None:
+                    w.A.grad, w.B.grad = w.grad_views
+                w.A.grad.copy_(grad_A[i])
+                w.B.grad.copy_(grad_B[i])
+        return True
 
 
 class GradientSnapshot:

@@ -376,7 +376,7 @@ class PoolRuntime(RankRuntime):
     def launch_forward_backward(self, works: list[FBWork]) -> ReadyPass:
         """The pool's pass runs to its end at once (its ranks wait for one another's collectives)."""
         outcomes = self.forward_backward(works)
-        return ReadyPass(outcomes, self.last_pass)
+        return ReadyPass(outcomes, self.last_pass, before=self.last_before)
 
     def forward_backward(self, works: list[FBWork]) -> list[FBOutcome]:
         """One pass over the pool: each rank its share, rank 0 the gradients and the outputs.
@@ -407,7 +407,7 @@ class PoolRuntime(RankRuntime):
             self.ensure_live(model_ids)
             trained = [self.adapters[m] for m in sorted({w.model_id for w in works if not w.forward_only})]
             fresh = [a for a in trained if not a.has_gradients()]
-            before = GradientPass(trained)  # the gradients acknowledged so far
+            before = self.last_before = GradientPass(trained)  # the gradients acknowledged so far
             try:
                 sync, pad = self._send_shares(shares, model_ids)
                 self._send_weights(sync)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..request_types import FBOutcome, FBWork
+from .adapters import GradientPass
 from .host_copies import Launched
 from .losses import LOSSES
 from .packing import MicroBatch
@@ -85,6 +86,9 @@ class PendingPass:
     metric_sums: list[dict[str, float]]
     stats: PassStats
     start: float
+    # The trained adapters' gradients as they were before the pass: a request of it that fails
+    # later in its cycle has its model's put back (worker.py, request_parts.py).
+    before: GradientPass | None = None
 
     def outcomes(self) -> list[FBOutcome]:
         """Hand every datum its outputs (after the wait), and the pass's stats to `on_done`."""
@@ -121,6 +125,7 @@ class ReadyPass:
 
     ready: list[FBOutcome]
     stats: PassStats
+    before: GradientPass | None = None  # as `PendingPass.before`
 
     def outcomes(self) -> list[FBOutcome]:
         return self.ready

@@ -248,7 +248,7 @@ class TrainingRuntime(KernelChoices):
         grad_pass.commit()
         self._launched = True
         return PendingPass(self._pass_done, works, launched, metric_sums, PassStats(models=len({w.model_id for w in works})),
-                           start)
+                           start, before=grad_pass)
 
     def _pass_done(self, stats: PassStats) -> None:
         self.last_pass = stats

@@ -18,6 +18,10 @@ Jobs are served in arrival order, without letting a large job hold back small on
 - a job over its key's share waits for that key's own jobs to end (or pauses that key's younger
   ones), holding back no other key.
 
+A job with images starts once they are decoded (image_decodes.py): the first time it would start,
+their decode is asked for and it waits, holding no room, while the jobs behind it may start; its
+images are decoded no sooner, so a queued job holds them as sent.
+
 Every started job finishes: only younger jobs are paused, so the oldest running job always runs
 on. A job larger than its key's share could never start and is refused before it is queued
 (`SamplingEngine.refusal`).
@@ -89,15 +93,24 @@ class Admission:
         by_age = sorted(self.running, key=lambda j: j.number)  # a job's younger ones: a suffix
         numbers = [j.number for j in by_age]
         for job in self.waiting:
+            paused: list[JobState] = []
             if max(room.shortfall(job, self.tokens_per_key)) > 0:
                 younger = by_age[bisect.bisect_right(numbers, job.number):]
                 paused = self._make_room(job, room, [j for j in reversed(younger) if j not in plan.pause])
                 if paused is None:
                     continue
-                plan.pause += paused
+            if job.request.pixels is not None and not job.request.pixels.ready():
+                for other in paused:  # nobody is paused for a job that cannot start yet
+                    room.take(other)
+                continue
+            plan.pause += paused
             room.take(job)
             plan.start.append(job)
         return plan
+
+    def waits_for_images(self) -> bool:
+        """Whether every waiting job waits for its images (no job to start or run otherwise)."""
+        return all(job.request.pixels is not None and job.request.pixels.waiting for job in self.waiting)
 
     def _make_room(self, job: JobState, room: _Room, younger: list[JobState]) -> list[JobState] | None:
         """Of `younger` (running jobs younger than `job`, youngest first), those whose pausing makes

@@ -142,7 +142,7 @@ class SamplingEngine:
         self._pending.extend(jobs)  # one step under the GIL: admission sees all of them or none
 
     def has_work(self) -> bool:
-        return bool(self._pending or self.admission.waiting or self.admission.running)
+        return bool(self._pending or self.admission.running or not self.admission.waits_for_images())
 
     def _jobs(self) -> list[JobState]:
         return list(self.admission.running) + list(self.admission.waiting)

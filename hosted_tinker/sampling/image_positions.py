@@ -19,7 +19,11 @@ from ..vision import Pixels
 def prefill_inputs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                    pixels: list[Pixels]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The image prefill's extra forward arguments (pixels in row order, grids, position ids) and
-    each row's rope delta [rows]."""
+    each row's rope delta [rows]; a prompt's images that could not be decoded raise their error
+    (the engine's prefill then fails that job alone)."""
+    for p in pixels:
+        if p.error is not None:
+            raise p.error
     mm_token_type_ids = (ids == model.config.image_token_id).long()
     grid = torch.cat([p.grid_thw for p in pixels]).to(ids.device)
     rope, deltas = model.model.get_rope_index(ids, mm_token_type_ids, image_grid_thw=grid, attention_mask=mask)

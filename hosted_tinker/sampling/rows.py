@@ -92,8 +92,11 @@ class Row(SequenceSoFar):
 
 
 def rows_of(state: JobState, seqs: list[Seq]) -> list[Row]:
-    """The job's num_samples rows, each with its own noise stream and its copy of the prompt's cache."""
+    """The job's num_samples rows, each with its own noise stream and its copy of the prompt's cache
+    (its prompt is in the cache now: its decoded images, if any, are let go)."""
     job = state.request
+    if job.pixels is not None:
+        job.pixels.release()
     return [Row(job=state, index=i, adapter_id=state.adapter_id, seq=seq,
                 sampling=RowSampling(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
                                      key=row_seed(job.seed, i), logprobs_k=job.topk_sample_logprobs))

@@ -1,11 +1,11 @@
 """`ImagePixelBudget`: the image pixels each API key's waiting and running requests hold, bounded by
-`max_image_pixels_per_key`, and the image decodes each key runs at once, bounded by
-`max_image_decodes_per_key`.
+`max_image_pixels_per_key`, and where their images are decoded (image_decodes.py).
 
 One budget per key, shared by its training requests (`forward_backward`, `forward`) and its sample
 requests (`asample`, so `compute_logprobs`, and the OpenAI routes), not one budget for each: what it
-bounds is the memory a key's decoded images take on the server while its requests wait and run,
-and a training request's images take that memory as a sample request's do. A request's pixels
+bounds is the work and the memory a key's images cost the server once its requests run (a queued
+request holds its images as sent, and they are decoded only shortly before it runs), and a
+training request's images cost that as a sample request's do. A request's pixels
 (vision.py `SizedImage.budget_pixels`: read from the images' headers) are taken before any of its
 images is decoded. A key with the bound reached gets `Busy` (a 429 with Retry-After, which the SDK
 retries) until some of its requests end; one request over the whole bound alone could never get
@@ -13,31 +13,28 @@ in, so it is a `UserError` (a 400) instead. The pixels are given back when the r
 failed, cancelled or skipped); nothing is persisted, so a restart starts every key at zero (its
 unfinished requests were failed then).
 
-Decoding is the CPU- and memory-heavy step (a 4096 x 4096 image: ~3 CPU-seconds and ~1.1 GB at its
-peak through Qwen3-VL's processor), and it runs on the request's own thread, one of a pool every key
-shares. A key decoding `max_image_decodes_per_key` requests' images already gets `Busy` too, rather
-than a place in a queue: a queued request would hold one of those shared threads while it waits, so
-one key's flood could leave no thread for anyone else's requests.
+Where each image is decoded, and how many decodes run at once (`max_image_decodes_per_key` per
+key, `max_image_decodes` on the whole server), is image_decodes.py's: a request's images are
+checked on its own thread before it is queued, and processed for the model shortly before its
+pass or prefill.
 """
 
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Iterator
+from collections.abc import Callable
 
-from .. import faults
 from ..errors import Busy, UserError
+from ..image_decodes import ImageDecodes
 from ..vision import ImageEncoder, Pixels
 
 
 class ImagePixelBudget:
-    def __init__(self, max_pixels_per_key: int, max_decodes_per_key: int):
+    def __init__(self, max_pixels_per_key: int, decodes: ImageDecodes):
         self.max_pixels_per_key = max_pixels_per_key
-        self.max_decodes_per_key = max_decodes_per_key
+        self.decodes = decodes  # the server's, every served model's requests alike
         self._lock = threading.Lock()
         self.held: dict[str, int] = {}  # one entry per key with images in flight, not per key ever seen
-        self.decoding: dict[str, int] = {}  # one entry per key decoding images now
 
     def check_size(self, pixels: int) -> None:
         """A `UserError` if one request's `pixels` are more than any key may hold at once."""
@@ -66,28 +63,9 @@ class ImagePixelBudget:
             if not self.held[owner]:
                 del self.held[owner]
 
-    def decode(self, owner: str, encoder: ImageEncoder, pixels: list[Pixels]) -> None:
-        """Decode a request's images (its pixels already held) in one of `owner`'s decode slots, or
-        `Busy` if the key has none free. A refusal (`ImageError`, naming the image) decodes no further."""
-        if not pixels:
-            return
-        with self._decode_slot(owner):
-            faults.gate("image.decode")
-            for p in pixels:
-                encoder.decode(p)
-
-    @contextmanager
-    def _decode_slot(self, owner: str) -> Iterator[None]:
-        with self._lock:
-            running = self.decoding.get(owner, 0)
-            if running >= self.max_decodes_per_key:
-                raise Busy(f"this API key has {running} requests decoding images now (max_image_decodes_per_key = "
-                           f"{self.max_decodes_per_key}); wait for them to finish")
-            self.decoding[owner] = running + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.decoding[owner] -= 1
-                if not self.decoding[owner]:
-                    del self.decoding[owner]
+    def prepare(self, owner: str, encoder: ImageEncoder, pixels: list[Pixels], wake: Callable[[], None]) -> None:
+        """Check a request's images (its pixels already held) on this thread, then leave them as sent
+        until its pass or prefill asks for them (`wake`: its device loop's doorbell). A refusal
+        (`ImageError` naming the image, `Busy` naming a bound) checks no further."""
+        self.decodes.check(owner, encoder, pixels)
+        self.decodes.attach(owner, encoder, pixels, wake)

@@ -6,7 +6,8 @@ sampling work in flight (requests, requested tokens, waiting or running, and ima
 with its training requests: images.py) is bounded too: beyond it the key gets `Busy`, a 429 naming the limit, which
 the SDK treats as back-pressure and retries. So one key's flood waits at its own door instead of queueing ahead of everyone else.
 A key's allowance is given back when its job ends: done, failed, or cancelled because its client
-went away. A request's images are decoded only once its allowance is taken (a refused request decoded none).
+went away. A request's images are checked only once its allowance is taken (a refused request decoded none), and
+processed only shortly before its prefill (image_decodes.py).
 """
 
 from __future__ import annotations
@@ -219,11 +220,13 @@ class SamplingRequests:
         served.sampler.submit_jobs(jobs)
 
     def _take(self, owner: str, served: ServedModel, jobs: list[SampleJob]) -> Lease:
-        """A lease on `jobs`' share of `owner`'s allowance, their images decoded once it holds them (a
-        request refused before decoded none); nothing is held if either refuses."""
+        """A lease on `jobs`' share of `owner`'s allowance, their images checked once it holds them (a
+        request refused before decoded none; they are processed before the prefill); nothing is held
+        if either refuses."""
         lease = self.allowance.take(owner, jobs)
         try:
-            self.allowance.images.decode(owner, served.images, [j.pixels for j in jobs if j.pixels is not None])
+            self.allowance.images.prepare(owner, served.images, [j.pixels for j in jobs if j.pixels is not None],
+                                          served.loop.wake.set)
         except BaseException:
             lease.release()
             raise

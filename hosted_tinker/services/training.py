@@ -250,13 +250,13 @@ class TrainingRequests:
         limit = self.config.max_pending_per_key
         if self.futures.pending(owner) >= limit:
             raise Busy(f"this API key has {limit} unfinished requests (max_pending_per_key); wait for some to finish")
-        # A forward_backward's or forward's images are held until the request is answered, and decoded
-        # only once held: a request refused above decoded none.
-        images = [d.pixels for d in payload.data if d.pixels is not None] if isinstance(payload, FBWork) else []
+        # A forward_backward's or forward's images are held until the request is answered, and checked
+        # only once held: a request refused above decoded none. They are processed before its pass.
+        images = payload.images if isinstance(payload, FBWork) else []
         pixels = total_pixels(images)
         self.images.take(owner, pixels)
         try:
-            self.images.decode(owner, served.images, images)
+            self.images.prepare(owner, served.images, images, served.loop.wake.set)
         except Exception as e:
             self.images.give_back(owner, pixels)
             if not isinstance(e, Busy):  # like a refusal above; a Busy seq_id stays open for the SDK's retry
@@ -294,11 +294,12 @@ def in_parts(work: FBWork, max_tokens: int) -> list[tuple[FBWork, int]]:
 
 
 def expand_images(served: ServedModel, data: list[WireDatum]) -> list[Pixels | None]:
-    """Each datum's images sized from their headers by the served model's image processor (decoded
-    later, once the key's budget holds them: `_submit`): their placeholder tokens put into
-    `datum.tokens` (so every later check sees the model's sequence), the images returned. Raises
-    ImageError (a 400) for a text-only model, an image it cannot use, or text it would misread: in a
-    request with images, no datum's text may hold the image placeholder (its datums share micro-batches)."""
+    """Each datum's images sized from their headers by the served model's image processor (checked
+    once the key's budget holds them, `_submit`, and processed before the request's pass): their
+    placeholder tokens put into `datum.tokens` (so every later check sees the model's sequence), the
+    images returned. Raises ImageError (a 400) for a text-only model, an image it cannot use, or text
+    it would misread: in a request with images, no datum's text may hold the image placeholder (its
+    datums share micro-batches)."""
     images = sum(len(d.images) for d in data)
     if not images:
         return [None] * len(data)
