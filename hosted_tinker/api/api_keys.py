@@ -21,7 +21,7 @@ from .deps import credential, get_server
 router = APIRouter()
 
 _NOTES = {DEV_MODE: "dev mode: this server accepts any tml- key; deleting this one refuses it from then on"}
-_OPERATORS = "managed by the server's operator in {}: only they can revoke it"
+_OPERATORS = "managed by the server's operator ({}): only they can revoke it"
 
 
 def _key_json(server: Server, info: KeyInfo) -> dict:
