@@ -25,9 +25,8 @@ import hmac
 import logging
 import os
 import threading
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 from .auth_tokens import InvalidToken, TokenClaims, TokenSigner
 from .errors import Forbidden

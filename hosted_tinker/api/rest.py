@@ -6,9 +6,9 @@ downloaded, loaded) by anyone, and changed (TTL, publish, delete) by its owner o
 checkpoint is gone for every purpose at once, before the sweeper removes its files.
 
 To another key, a run and its published checkpoints show only their public fields (`run_json`,
-`checkpoint_json`): what a published checkpoint is (path, type, base model, LoRA rank, size, time, expiry) and
-who published it. The owner's metadata, the run's other checkpoints and when its owner last used it
-stay the owner's.
+`checkpoint_json`): what a published checkpoint is (path, type, base model, LoRA rank, size, time,
+expiry) and who published it. The owner's metadata, the run's other checkpoints and when its owner
+last used it stay the owner's.
 
 Beyond the SDK, two endpoints move files in and out without it:
 
