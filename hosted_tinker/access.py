@@ -3,7 +3,9 @@
 Every object has an owner (the owner id of the API key that made it). To any other key it does
 not exist: a `NotFound` (a 404), worded like the one for an object that never existed, so
 existence does not leak. The one exception is a published checkpoint, which any key may read
-(list, describe, download, load, sample) and only its owner may change (publish, TTL, delete).
+(list, describe, download, load, sample) and only its owner may change (publish, TTL, delete); to
+other keys it and its run and session show their public fields only, never the owner's metadata,
+names, project or status.
 An expired checkpoint is gone for every purpose at once, before the sweeper removes its files.
 
 Nothing is remembered between uses. A sampling session opened on someone's published checkpoint
@@ -84,14 +86,14 @@ class Access:
         self._on_read(owner, row, purpose)
         return row
 
-    def run(self, owner: str, run_id: str, *, accessible: bool) -> tuple[ModelRecord, bool]:
-        """(the run's record, whether this key owns it). Others see a run only through its published
-        checkpoints, and only when they ask for what is accessible."""
+    def run(self, owner: str, run_id: str) -> tuple[ModelRecord, bool]:
+        """(the run's record, whether this key owns it). Others see a run only while it holds a live
+        published checkpoint, and then only its public fields (api/rest.py shapes them)."""
         row = self.store.get_model(run_id)
         if row is not None:
             if row.owner == owner:
                 return row, True
-            if accessible and self.store.run_has_public_checkpoint(run_id):
+            if self.store.run_has_public_checkpoint(run_id):
                 return row, False
         raise NotFound(f"training run {run_id!r} not found")
 

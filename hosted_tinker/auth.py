@@ -12,6 +12,10 @@ accepted, each distinct key being its own owner. The server says so loudly at st
 The keys file is read again whenever it changes: a key removed from it is refused from the next
 request on. `Authenticator` takes either credential the SDK sends as `X-API-Key`: an API key, or
 a JWT this server issued for one (auth_tokens.py), refused once its key is gone.
+
+A key's holder may ask what the key is (`tinker auth login` does) and delete it (`tinker auth logout`
+of a key the CLI made). A key of the keys file or the environment is the operator's: deleting it is
+refused, naming where it lives. In dev mode a deleted key is refused from then on (revoked_keys.py).
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ import hmac
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from .auth_tokens import InvalidToken, TokenClaims, TokenSigner
+from .errors import Forbidden
+from .revoked_keys import RevokedKeys
 
 log = logging.getLogger(__name__)
 ENV_VAR = "HOSTED_TINKER_API_KEYS"
@@ -127,6 +134,13 @@ class KeyRing:
                 found = owner
         return found
 
+    def source(self, key: str) -> str:
+        """Where an accepted key comes from: DEV_MODE, KEYS_FILE or ENV_KEYS."""
+        if self.dev_mode:
+            return DEV_MODE
+        presented = _digest(key)
+        return ENV_KEYS if any(hmac.compare_digest(d, presented) for d, _ in self._env_entries) else KEYS_FILE
+
     def owners(self) -> set[str]:
         """Every owner named by a key (none in dev mode, where each key is its own anonymous owner)."""
         self._refresh()
@@ -158,6 +172,18 @@ def _stamp(path: Path | None) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+DEV_MODE, KEYS_FILE, ENV_KEYS = "dev mode", "keys file", f"${ENV_VAR}"
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What the holder of an API key may learn about it (`GET /api/v1/auth/apikey/me`)."""
+
+    key_id: int  # from the key's digest: stable, and tells nothing of the key
+    owner: str
+    source: str  # DEV_MODE, KEYS_FILE or ENV_KEYS
+
+
 class InvalidCredential(Exception):
     """A credential that is refused; the message says why. `token`: it was a JWT (the answer says
     `invalid_token`, and the SDK exchanges its API key for a new one once)."""
@@ -170,9 +196,10 @@ class InvalidCredential(Exception):
 class Authenticator:
     """Who a credential acts for: an API key (`tml-...`) or a JWT this server issued for one (`eyJ...`)."""
 
-    def __init__(self, keyring: KeyRing, tokens: TokenSigner):
+    def __init__(self, keyring: KeyRing, tokens: TokenSigner, revoked: RevokedKeys):
         self.keyring = keyring
         self.tokens = tokens
+        self.revoked = revoked  # consulted in dev mode only: otherwise the operator's keys say
 
     def owner(self, credential: str | None) -> str:
         """The owner `credential` acts for; `InvalidCredential` saying why it is refused."""
@@ -188,6 +215,28 @@ class Authenticator:
         owner = self._key_owner(credential)
         return self.tokens.issue(owner, self.tokens.key_marks([_digest(credential)])[0])
 
+    def key_info(self, credential: str | None) -> KeyInfo:
+        """What the API key `credential` is; `InvalidCredential` if it is refused (or is a token)."""
+        if credential and credential.startswith("eyJ"):
+            raise InvalidCredential("this call takes the API key itself (tml-...), not a token issued for it")
+        owner = self._key_owner(credential)
+        return KeyInfo(int.from_bytes(_digest(credential)[:6], "big"), owner, self.keyring.source(credential))
+
+    def delete_key(self, credential: str | None) -> KeyInfo:
+        """Refuse the API key `credential` from now on, asked by its holder. `Forbidden` for a key the
+        operator manages: only they can remove it."""
+        info = self.key_info(credential)
+        if info.source == KEYS_FILE:
+            raise Forbidden("this API key is managed by the server's operator in its keys file; it cannot be "
+                            "deleted through the API: ask the operator to remove it there (it stops working at once)")
+        if info.source == ENV_KEYS:
+            raise Forbidden(f"this API key is managed by the server's operator in ${ENV_VAR}; it cannot be deleted "
+                            "through the API: ask the operator to remove it there (and restart the server)")
+        self.revoked.add(_digest(credential))
+        log.info("dev mode: an API key of owner %s (key id %d) was deleted by its holder; it is refused from now on",
+                 info.owner, info.key_id)
+        return info
+
     def _key_owner(self, key: str | None) -> str:
         if not key:
             raise InvalidCredential("missing API key: send it in the X-API-Key header")
@@ -196,6 +245,8 @@ class Authenticator:
         owner = self.keyring.owner(key)
         if owner is None:
             raise InvalidCredential("invalid API key")
+        if self.keyring.dev_mode and _digest(key) in self.revoked:
+            raise InvalidCredential("invalid API key: it was deleted (tinker auth logout)")
         return owner
 
     def _token_claims(self, token: str) -> TokenClaims:
@@ -203,8 +254,12 @@ class Authenticator:
             claims = self.tokens.verify(token)
         except InvalidToken as e:
             raise InvalidCredential(str(e), token=True) from None
-        if not self.keyring.dev_mode and not any(hmac.compare_digest(mark, claims.key_mark) for mark in
-                                                 self.tokens.key_marks(self.keyring.digests(claims.owner))):
+        if self.keyring.dev_mode:
+            accepted = claims.key_mark not in self.tokens.key_marks(sorted(self.revoked.digests()))
+        else:
+            accepted = any(hmac.compare_digest(mark, claims.key_mark) for mark in
+                           self.tokens.key_marks(self.keyring.digests(claims.owner)))
+        if not accepted:
             raise InvalidCredential("invalid token: the API key it was issued for is no longer accepted", token=True)
         return claims
 

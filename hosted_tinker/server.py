@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 from .auth import ENV_VAR, Authenticator, KeyRing
 from .accounting import Accounting
 from .auth_tokens import TokenSigner
+from .revoked_keys import REVOKED_KEYS_FILE, RevokedKeys
 from .checkpoints.catalog import CheckpointCatalog, ExpirySweeper
 from .checkpoints.paths import TinkerPath
 from .checkpoints.recovery import recover
@@ -152,7 +153,8 @@ class Server:
             log.warning("=" * 78)
         else:
             log.info("%d API key(s) configured", len(self.keyring))
-        self.auth = Authenticator(self.keyring, TokenSigner(data_dir, config.jwt_lifetime_s))
+        self.auth = Authenticator(self.keyring, TokenSigner(data_dir, config.jwt_lifetime_s),
+                                  RevokedKeys(data_dir / REVOKED_KEYS_FILE))
         self.store = Store(db_path(data_dir))
         interrupted = self.store.fail_interrupted_futures(
             "the server restarted while this request was running; resubmit it")

@@ -2,8 +2,10 @@
 
 A session is visible to its owner, and to other keys only while one of its runs holds a live published
 checkpoint (as `list_training_runs(access_scope="accessible")` shows runs): a private session of another
-owner never appears, whatever the filters. Pages are newest first, with a keyset cursor (created_at,
-session_id), so a page is as cheap at the millionth session as at the first.
+owner never appears, whatever the filters. A filter on a private field (display name, metadata, project,
+status) matches the caller's own sessions only, so that no guess about another owner's is confirmed;
+the public ones (session id, owner) match any visible session. Pages are newest first, with a keyset
+cursor (created_at, session_id), so a page is as cheap at the millionth session as at the first.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class FoundSession:
 
 _LIVE_PUBLIC = ("EXISTS (SELECT 1 FROM models m JOIN checkpoints c ON c.model_id = m.model_id WHERE m.session_id ="
                 " s.session_id AND c.public = 1 AND (c.expires_at IS NULL OR c.expires_at > :now))")
-_VISIBLE = f"(s.owner = :caller OR {_LIVE_PUBLIC})"
+_OWN = "s.owner = :caller"
+_VISIBLE = f"({_OWN} OR {_LIVE_PUBLIC})"
 # Pages are ordered by whole microseconds, what a cursor's timestamp carries (Python truncates the same way).
 _MICROS = "CAST(s.created_at * 1000000 AS INTEGER)"
 
@@ -69,10 +72,12 @@ class SessionSearch:
         if f.name_words:
             for i, word in enumerate(f.name_words):
                 args[f"word{i}"] = _like(word)
-            matches.append("(" + " AND ".join(f"LOWER(COALESCE(s.display_name, '')) LIKE :word{i} ESCAPE '\\'"
-                                              for i in range(len(f.name_words))) + ")")
+            matches.append(f"({_OWN} AND " + " AND ".join(f"LOWER(COALESCE(s.display_name, '')) LIKE :word{i}"
+                                                          " ESCAPE '\\'" for i in range(len(f.name_words))) + ")")
         if matches:
             where.append("(" + " OR ".join(matches) + ")")  # the SDK: a session matching either one matches
+        if f.metadata or f.projects is not None or f.statuses is not None:
+            where.append(_OWN)  # private fields: only the caller's own match
         for i, (key, value) in enumerate(sorted(f.metadata.items())):
             args[f"mkey{i}"], args[f"mvalue{i}"] = key, value
             where.append(f"EXISTS (SELECT 1 FROM json_each(s.user_metadata) WHERE key = :mkey{i} AND value = :mvalue{i}"
@@ -101,9 +106,9 @@ class SessionSearch:
         return FoundSession(record, row[0], row[1])
 
     def listable_projects(self, caller: str, projects: frozenset[str]) -> set[str]:
-        """Those of `projects` that hold a session the caller may see."""
-        args = {"caller": caller, "now": time.time()}
+        """Those of `projects` that hold a session of the caller's (a project is its owner's private label)."""
+        args = {"caller": caller}
         names = self._names(args, "project", projects)
         rows = self.db.all(f"SELECT DISTINCT COALESCE(s.project_id, '{DEFAULT_PROJECT}') FROM sessions s WHERE"
-                           f" {_VISIBLE} AND COALESCE(s.project_id, '{DEFAULT_PROJECT}') IN ({names})", args)
+                           f" {_OWN} AND COALESCE(s.project_id, '{DEFAULT_PROJECT}') IN ({names})", args)
         return {r[0] for r in rows}

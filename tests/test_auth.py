@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -12,7 +13,10 @@ import pytest
 from tinker import types
 
 from helpers import BASE_MODEL, database, sft_batch
-from hosted_tinker.auth import KeyConfigError, KeyRing, anonymous_owner, redact
+from hosted_tinker.auth import Authenticator, InvalidCredential, KeyConfigError, KeyRing, anonymous_owner, redact
+from hosted_tinker.auth_tokens import TokenSigner
+from hosted_tinker.errors import Forbidden
+from hosted_tinker.revoked_keys import RevokedKeys
 from server_process import ServerProcess
 
 
@@ -61,6 +65,37 @@ def test_keys_file_rejects_non_tinker_keys(tmp_path):
     f.write_text("carol: sk-not-a-tinker-key\n")
     with pytest.raises(ValueError, match="must start with 'tml-'"):
         KeyRing.load(f, env={})
+
+
+def authenticator(tmp_path, ring: KeyRing) -> Authenticator:
+    return Authenticator(ring, TokenSigner(tmp_path, 3600), RevokedKeys(tmp_path / "revoked_api_keys"))
+
+
+def test_an_operators_key_cannot_be_deleted_by_its_holder(tmp_path):
+    """Issue 40: `DELETE /api/v1/auth/apikey/me` (tinker auth logout) of a key of the keys file or of the
+    environment is refused, naming where the key lives; the key keeps working. (The keys file over HTTP:
+    test_cli_commands.py.)"""
+    keys = tmp_path / "keys"
+    keys.write_text("alice: tml-file-alice\n")
+    auth = authenticator(tmp_path, KeyRing.load(keys, env={"HOSTED_TINKER_API_KEYS": "carol: tml-env-carol"}))
+    for key, where in (("tml-file-alice", "in its keys file"), ("tml-env-carol", "in $HOSTED_TINKER_API_KEYS")):
+        with pytest.raises(Forbidden, match=re.escape(f"managed by the server's operator {where}")):
+            auth.delete_key(key)
+        assert auth.key_info(key).source in ("keys file", "$HOSTED_TINKER_API_KEYS") and auth.owner(key)
+    with pytest.raises(InvalidCredential, match="not a token"):
+        auth.key_info(auth.issue_token("tml-file-alice"))
+
+
+def test_a_key_deleted_in_dev_mode_stays_refused_after_a_restart(tmp_path):
+    auth = authenticator(tmp_path, KeyRing.load(None, env={}))
+    token = auth.issue_token("tml-dev-gone")
+    assert auth.delete_key("tml-dev-gone").owner == anonymous_owner("tml-dev-gone")
+    restarted = authenticator(tmp_path, KeyRing.load(None, env={}))  # what the data dir holds
+    for credential in ("tml-dev-gone", token):
+        with pytest.raises(InvalidCredential):
+            restarted.owner(credential)
+    assert restarted.owner("tml-dev-kept") == anonymous_owner("tml-dev-kept")
+    assert "tml-dev-gone" not in (tmp_path / "revoked_api_keys").read_text()  # its digest only
 
 
 def test_dev_mode_accepts_any_tinker_key():

@@ -5,9 +5,6 @@ the checkpoints, and `checkpoint download` of a training state yields a PEFT ada
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,18 +14,14 @@ import torch
 from tinker import types
 
 from helpers import BASE_MODEL, logprobs_of, model_dir, sft_batch
+from tinker_cli import cli
 
 pytestmark = pytest.mark.e2e
 KEY = "tml-cli-user"
-TINKER = str(Path(sys.executable).with_name("tinker"))
 
 
-def run_cli(server, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0",
-           "HOME": str(tmp_path), "COLUMNS": "250"}  # no ~/.tinker credentials; no cut table cells
-    out = subprocess.run([TINKER, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, f"tinker {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
-    return out
+def run_cli(server, tmp_path: Path, *args: str):
+    return cli(server.base_url, tmp_path, *args, key=KEY)  # HOME is tmp_path: no ~/.tinker credentials
 
 
 @pytest.fixture(scope="module")

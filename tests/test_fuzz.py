@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tinker
 import zstandard
-from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from tinker import types
@@ -28,6 +28,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from helpers import BASE_MODEL, TEAM, sft_batch
+from hosted_tinker.auth import anonymous_owner
+from hosted_tinker.auth_tokens import user_urn
 from server_process import ServerProcess
 
 # The SDK's own encoder warns when a hostile float does not fit in float32; that is the point.
@@ -342,10 +344,118 @@ def test_the_audit_pages_and_filters_are_answers_or_4xx(team_server):
     assert tally.statuses[200] and sum(n for status, n in tally.statuses.items() if 400 <= status < 500)
 
 
+# -- session search filters (issue 40) --------------------------------------------------------------
+
+SEARCH_EXAMPLES = 300
+PUBLIC_ONLY = {"project_id": "", "status": None, "display_name": None, "user_metadata": None}
+
+
+@pytest.fixture(scope="module")
+def search_world(srv, fuzz_world):
+    """A published session of the bystander's, its private fields known to the test: the fuzzer guesses them."""
+    secret = {"key": "wandb_api_key", "value": f"secret-{random.randrange(2**32)}", "name": "Bystander private sweep",
+              "project": f"bystander-{random.randrange(2**32)}"}
+    with srv.client(OTHER_KEY, user_metadata={secret["key"]: secret["value"]}, project_id=secret["project"],
+                    display_name=secret["name"]) as sc:
+        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=2).result()
+        path = tc.save_state("published").result().path
+        tinker.RestClient(base_url=srv.base_url, api_key=OTHER_KEY).publish_checkpoint_from_tinker_path(path).result()
+        yield {**secret, "session": tc.model_id.split(":")[0], "own_session": fuzz_world["session_id"]}
+
+
+@st.composite
+def search_bodies(draw, world: dict) -> dict:
+    """SessionSearchRequest bodies, in range and out of it, their values often the bystander's real secrets."""
+    words = st.sampled_from([world["value"], world["key"], world["project"], world["name"], "Bystander", "sweep",
+                             "default", "", "%", "_", "\\", "x" * 1025, world["session"], world["own_session"]])
+    text = st.one_of(words, st.text(max_size=20))
+    body: dict = {}
+    sometimes = st.integers(0, 2).map(lambda n: n == 0)  # each filter in a third of the bodies
+    if draw(sometimes):
+        body["user_metadata"] = draw(st.dictionaries(text, text, max_size=3) | st.just({world["key"]: world["value"]}))
+    if draw(sometimes):
+        body["display_name"] = draw(text)
+    if draw(sometimes):
+        body["session_id"] = draw(st.sampled_from([world["session"], world["own_session"]]) | text)
+    if draw(sometimes):
+        body["project_ids"] = draw(st.lists(text, max_size=3))
+    if draw(sometimes):
+        kinds = st.sampled_from(["active", "cancelled", "failed", "client_finished", "nope"])
+        body["statuses"] = draw(st.lists(st.fixed_dictionaries({"type": kinds}), max_size=3))
+    if draw(st.booleans()):
+        urns = st.lists(st.sampled_from([urn_of(OTHER_KEY), "tml:user:x", "alice", ""]), max_size=2)
+        kinds = st.sampled_from(["accessible"] * 4 + ["own", "user", "x"])  # others' sessions: "accessible"
+        body["owner"] = draw(st.fixed_dictionaries({"type": kinds}, optional={"owner_urns": urns}))
+    if draw(sometimes):
+        body["limit"] = draw(st.integers(-5, 300) | st.sampled_from([2**63, 2**64]))
+    if draw(sometimes):
+        body["cursor"] = {"last_created_at": draw(st.sampled_from(["2000-01-01T00:00:00Z", "2000-01-01T00:00:00",
+                                                                   "not a time", "9999-12-31T23:59:59+00:00"])),
+                          "last_session_id": draw(text)}
+    return body
+
+
+def urn_of(key: str) -> str:
+    """The user URN of a dev-mode key's owner."""
+    return user_urn(anonymous_owner(key))
+
+
+def test_search_filters_fuzzed_never_show_or_confirm_anothers_private_fields(srv, search_world):
+    """Issue 40: whatever the filters, a search answers 2xx or a 4xx with a detail; another owner's session
+    comes back with its public fields only, never for a filter on a private field (metadata, project,
+    status, or a display name without a session id), and none of its private values is in any answer."""
+    world, tally = search_world, Tally("search filters")
+    secrets = (world["value"], world["project"], world["name"])
+
+    with httpx.Client(base_url=srv.base_url, timeout=REQUEST_TIMEOUT, headers={"X-API-Key": FUZZ_KEY}) as http:
+        @settings(max_examples=SEARCH_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @seed(SEED)
+        @given(body=search_bodies(world))
+        def search(body):
+            r = http.post(SEARCH_ROUTE, json=body)
+            what = f"search {json.dumps(body)[:300]}"
+            tally.check(what, r.status_code, r.content, r.headers.get("content-type", ""))
+            if r.status_code != 200:
+                named = [v for v in secrets if v in r.text and v not in json.dumps(body)]
+                tally.failures += [f"{v!r} in the refusal of {what}" for v in named]
+                return
+            private_filter = bool(body.get("user_metadata")) or "project_ids" in body or "statuses" in body or (
+                "display_name" in body and "session_id" not in body)
+            for found in r.json()["sessions"]:
+                if found["owner"] == urn_of(FUZZ_KEY):
+                    continue
+                if private_filter or {k: found[k] for k in PUBLIC_ONLY} != PUBLIC_ONLY:
+                    tally.failures.append(f"another owner's session {found} for {what}")
+            for value in secrets:  # a refusal may name what the request named; an answer names none
+                if value in r.text:
+                    tally.failures.append(f"{value!r} in the answer to {what}")
+
+        # The guesses that matched on f62a3dc (issue 40), each tried first, then the generated ones.
+        accessible = {"type": "accessible"}
+        for body in ({"owner": accessible}, {"owner": accessible, "user_metadata": {world["key"]: world["value"]}},
+                     {"owner": accessible, "display_name": world["name"]}, {"owner": accessible, "statuses": [
+                         {"type": "active"}]}, {"owner": {"type": "user", "owner_urns": [urn_of(OTHER_KEY)]},
+                                                "project_ids": [world["project"]]}):
+            search = example(body=body)(search)
+        search()
+    assert tally.statuses[200] > SEARCH_EXAMPLES // 10, tally.report()  # the filters were reached, not only refusals
+    assert not tally.failures, "\n".join(tally.failures[:15])
+    mine = http_search(srv, OTHER_KEY, {"user_metadata": {world["key"]: world["value"]}})
+    assert [s["session_id"] for s in mine] == [world["session"]]  # the same guess, by the owner: it matches
+
+
+def http_search(srv, key: str, body: dict) -> list[dict]:
+    r = httpx.post(f"{srv.base_url}{SEARCH_ROUTE}", json=body, headers={"X-API-Key": key}, timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 200, r.text
+    return r.json()["sessions"]
+
+
 # -- schemathesis ------------------------------------------------------------------------------------
 
 # Long-polls or streams by design; sent with arguments that make them answer at once (see below).
 LONG_POLL = "/api/v1/retrieve_future"
+OWN_KEY_ROUTE = "/api/v1/auth/apikey/me"  # tinker auth login / logout
+SEARCH_ROUTE = "/api/v1/sessions/search"
 # Routes whose body the schema leaves open (they parse the request themselves): given a loose
 # JSON body here so that schemathesis sends something at all.
 LOOSE_BODIES = {
@@ -404,11 +514,15 @@ def run_schemathesis(srv, world: dict) -> Tally:
     schema = schemathesis.openapi.from_dict(_patched_schema(srv))
     operations = [r.ok() for r in schema.get_all_operations()]
     assert len(operations) >= 30
+    fuzzed = {(op.method.upper(), op.path) for op in operations}
+    assert {("GET", OWN_KEY_ROUTE), ("DELETE", OWN_KEY_ROUTE), ("POST", SEARCH_ROUTE)} <= fuzzed
     session = requests.Session()
     keys = st.sampled_from([FUZZ_KEY] * 8 + [None, "tml-", "not-a-tinker-key"])
 
     def send(case, key, aim):
         _aim(case, world, aim)
+        if case.path == OWN_KEY_ROUTE and case.method.upper() == "DELETE" and key == FUZZ_KEY:
+            key = f"tml-fuzz-deleted-{random.randrange(2**32)}"  # dev mode deletes a key: not the fuzzer's own
         headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "x-api-key"}
         if key is not None:
             headers["X-API-Key"] = key

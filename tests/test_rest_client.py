@@ -163,8 +163,7 @@ def test_others_see_nothing_until_published(server, world):
             seen = bob.get_training_run(tc.model_id, access_scope="accessible").result()
             assert seen.last_checkpoint.tinker_path == s1 and seen.last_sampler_checkpoint is None
             assert seen.user_metadata is None  # a run's metadata stays its owner's
-            with pytest.raises(tinker.NotFoundError):
-                bob.get_training_run(tc.model_id).result()  # access_scope="owned"
+            assert bob.get_training_run(tc.model_id).result() == seen  # named by its id: the default scope too
             assert [r.training_run_id for r in bob.list_training_runs(access_scope="accessible").result().training_runs] \
                 == [tc.model_id]
             assert bob.list_training_runs().result().training_runs == []

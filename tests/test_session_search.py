@@ -85,9 +85,11 @@ def test_another_owners_private_sessions_never_appear(team_server, sessions):
         public).result()
     rest = tinker.RestClient(base_url=team_server.base_url, api_key=TEAM["bob"])
     page = rest.search_sessions(types.SessionSearchRequest(
-        owner=types.AccessibleSearchOwner(), user_metadata={"tag": tag})).result()
+        owner=types.AccessibleSearchOwner(), session_id=tc.model_id.split(":")[0])).result()
     (shared,) = page.sessions
     assert shared.owner == "tml:user:alice" and shared.checkpoints_count == 1
+    # ... by its id and owner; its metadata is Alice's: a filter on it matches Bob's own sessions only (issue 40)
+    assert search(team_server, "bob", user_metadata={"tag": tag}, owner=types.AccessibleSearchOwner()) == []
     assert search(team_server, "bob", user_metadata={"tag": tag}) == []  # "own" is bob's own
 
 

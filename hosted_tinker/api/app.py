@@ -21,7 +21,7 @@ from ..services.images import ImagePixelBudget
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
 from ..startup import base_url, summary_lines
-from . import admin, dashboard, hub, openai_compat, ops, rest, sampling, service, sessions, training
+from . import admin, api_keys, dashboard, hub, openai_compat, ops, rest, sampling, service, sessions, training
 from .access_log import AccessLog
 from .limits import BodyLimit
 from .metrics import Metrics
@@ -68,7 +68,7 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
 
 # In the order they match: sessions' routes before service's /api/v1/sessions/{session_id}, and the
 # hub's last (its routes match any "<org>/<name>/resolve/..." path).
-ROUTES = (sessions, service, training, sampling, openai_compat, rest, admin, ops, dashboard, hub)
+ROUTES = (sessions, service, api_keys, training, sampling, openai_compat, rest, admin, ops, dashboard, hub)
 
 
 def _lifespan(config: ServerConfig, server: Server | None):

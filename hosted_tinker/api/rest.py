@@ -5,6 +5,11 @@ did not exist, unless it is published: a published checkpoint can be read (liste
 downloaded, loaded) by anyone, and changed (TTL, publish, delete) by its owner only. An expired
 checkpoint is gone for every purpose at once, before the sweeper removes its files.
 
+To another key, a run and its published checkpoints show only their public fields (`run_json`,
+`checkpoint_json`): what a published checkpoint is (path, type, base model, LoRA rank, size, time,
+expiry) and who published it. The owner's metadata, the run's other checkpoints and when its owner
+last used it stay the owner's.
+
 Beyond the SDK, two endpoints move files in and out without it:
 
 - `GET  .../checkpoints/{kind}/{name}/archive`: the checkpoint directory as a tar (authenticated);
@@ -65,7 +70,7 @@ def iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).isoformat()
 
 
-def checkpoint_json(row) -> dict:
+def checkpoint_json(row, is_owner: bool) -> dict:
     return {
         "checkpoint_id": row.checkpoint_id,
         "checkpoint_type": row.kind,
@@ -74,16 +79,17 @@ def checkpoint_json(row) -> dict:
         "training_run_id": row.model_id,
         "size_bytes": row.size_bytes,
         "public": row.public,
-        "user_metadata": str_dict(row.user_metadata),
+        "user_metadata": str_dict(row.user_metadata) if is_owner else None,
         "expires_at": iso(row.expires_at),
     }
 
 
 def run_json(server: Server, row, is_owner: bool) -> dict:
     lora = json.loads(row.lora_config)
-    latest: dict[str, object] = {}
-    for c in server.store.live_checkpoints(row.model_id, public_only=not is_owner):  # oldest first
-        latest[c.kind] = c
+    shown = server.store.live_checkpoints(row.model_id, public_only=not is_owner)  # oldest first
+    latest = {c.kind: c for c in shown}
+    # To another key, the run was last active when its newest published checkpoint was made.
+    last_active = row.last_request_at if is_owner or not shown else shown[-1].created_at
     return {
         "training_run_id": row.model_id,
         "base_model": row.base_model,
@@ -91,9 +97,9 @@ def run_json(server: Server, row, is_owner: bool) -> dict:
         "is_lora": True,
         "corrupted": False,
         "lora_rank": lora.get("rank"),
-        "last_request_time": iso(row.last_request_at),
-        "last_checkpoint": checkpoint_json(latest["training"]) if "training" in latest else None,
-        "last_sampler_checkpoint": checkpoint_json(latest["sampler"]) if "sampler" in latest else None,
+        "last_request_time": iso(last_active),
+        "last_checkpoint": checkpoint_json(latest["training"], is_owner) if "training" in latest else None,
+        "last_sampler_checkpoint": checkpoint_json(latest["sampler"], is_owner) if "sampler" in latest else None,
         "user_metadata": str_dict(row.user_metadata) if is_owner else None,
     }
 
@@ -113,23 +119,25 @@ def list_training_runs(limit: int = Query(20, ge=0, le=10000), offset: int = Que
 @router.get("/api/v1/training_runs/{run_id}")
 def get_training_run(run_id: str, accessible: bool = Depends(accessible_scope), owner: str = Depends(require_owner),
                      server: Server = Depends(get_server), access: Access = Depends(get_access)):
-    row, is_owner = access.run(owner, check_run_id(run_id), accessible=accessible)
+    """A run named by its id, whatever `access_scope` (it chooses what a listing holds): another key's run
+    while it holds a published checkpoint, with its public fields (the CLI's `checkpoint info` asks so)."""
+    row, is_owner = access.run(owner, check_run_id(run_id))
     return run_json(server, row, is_owner)
 
 
 @router.get("/api/v1/training_runs/{run_id}/checkpoints")
 def list_run_checkpoints(run_id: str, owner: str = Depends(require_owner), server: Server = Depends(get_server),
                          access: Access = Depends(get_access)):
-    row, is_owner = access.run(owner, check_run_id(run_id), accessible=True)
+    row, is_owner = access.run(owner, check_run_id(run_id))
     rows = server.store.live_checkpoints(run_id, public_only=not is_owner)
-    return {"checkpoints": [checkpoint_json(r) for r in rows]}
+    return {"checkpoints": [checkpoint_json(r, is_owner) for r in rows]}
 
 
 @router.get("/api/v1/checkpoints")
 def list_user_checkpoints(limit: int = Query(100, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
                           owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     rows, total = server.store.owner_checkpoints(owner, limit, offset)
-    return {"checkpoints": [checkpoint_json(r) for r in rows],
+    return {"checkpoints": [checkpoint_json(r, True) for r in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
 
@@ -271,7 +279,7 @@ class WeightsInfoBody(BaseModel):
 def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), server: Server = Depends(get_server),
                  access: Access = Depends(get_access)):
     path = TinkerPath.parse(body.tinker_path)
-    _checkpoint(access, owner, path)
+    row = _checkpoint(access, owner, path)
     with server.checkpoints.lock:  # not in the middle of an overwrite's two renames
         try:
             manifest = read_manifest(server.checkpoints.folder(path))
@@ -279,6 +287,7 @@ def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), ser
             raise HTTPException(400, f"checkpoint {path} cannot be read: {e}") from None
     lora = manifest.lora_config
     model = server.store.get_model(path.run)
+    optimizer = json.loads(model.optimizer_config) if model is not None else {"type": "adamw"}
     return {
         "base_model": manifest.base_model,
         "is_lora": True,
@@ -286,7 +295,8 @@ def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), ser
         "train_unembed": lora.train_unembed,
         "train_mlp": lora.train_mlp,
         "train_attn": lora.train_attn,
-        "optimizer_config": json.loads(model.optimizer_config) if model is not None else {"type": "adamw"},
+        # Its family is what loading the optimizer state needs; whatever else its owner wrote there stays theirs.
+        "optimizer_config": optimizer if row.owner == owner else {"type": optimizer.get("type", "adamw")},
     }
 
 

@@ -71,18 +71,22 @@ def _status(stored: str) -> dict | None:
     return None  # a finish reason the SDK has no name for
 
 
-def _summary(found: FoundSession) -> dict:
+def _summary(found: FoundSession, caller: str) -> dict:
     s = found.record
-    return {"session_id": s.session_id, "created_at": datetime.fromtimestamp(s.created_at, tz=timezone.utc).isoformat(),
-            "owner": user_urn(s.owner), "project_id": s.project_id or DEFAULT_PROJECT, "status": _status(s.status),
-            "checkpoints_count": found.checkpoints, "display_name": s.display_name,
-            "user_metadata": str_dict(s.user_metadata) or None, "checkpoint_storage_bytes": found.checkpoint_bytes}
+    public = {"session_id": s.session_id, "created_at": datetime.fromtimestamp(s.created_at, tz=timezone.utc).isoformat(),
+              "owner": user_urn(s.owner), "checkpoints_count": found.checkpoints,
+              "checkpoint_storage_bytes": found.checkpoint_bytes}  # of what the caller may see
+    if s.owner != caller:  # another owner's, shown for its published checkpoints: nothing of its own
+        return {**public, "project_id": "", "status": None, "display_name": None, "user_metadata": None}
+    return {**public, "project_id": s.project_id or DEFAULT_PROJECT, "status": _status(s.status),
+            "display_name": s.display_name, "user_metadata": str_dict(s.user_metadata) or None}
 
 
 @router.post("/api/v1/sessions/search")
 def search(body: SessionSearchBody, owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     """Newest first; pass `next_cursor` back as `cursor` for the next page. Another owner's session appears
-    only while it holds a published checkpoint."""
+    only while it holds a published checkpoint, with its public fields only (an empty `project_id`, no
+    status, name or metadata), and only for the public filters (session id, owner)."""
     try:
         query = body.query()
     except ValueError as e:
@@ -91,7 +95,7 @@ def search(body: SessionSearchBody, owner: str = Depends(require_owner), server:
     cursor = None if page.next_cursor is None else {
         "last_created_at": (EPOCH + timedelta(microseconds=page.next_cursor[0])).isoformat(),
         "last_session_id": page.next_cursor[1]}
-    return {"sessions": [_summary(f) for f in page.sessions], "next_cursor": cursor}
+    return {"sessions": [_summary(f, owner) for f in page.sessions], "next_cursor": cursor}
 
 
 TRACE_WAIT_S = 2.0  # a poll waits this long for a build before it answers "pending" (the SDK polls every 5 s)
