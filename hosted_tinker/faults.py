@@ -78,6 +78,9 @@ POINTS = {
     "trace.build_fails": "check(): a session trace's build fails",
     # services/images.py
     "image.decode": "gate(): a request's images about to be decoded, one of its key's decode slots taken",
+    # sqlite_db.py
+    "db.user_query": "gate(): a query a user shaped (a search, a listing's page) at a check of its time budget: its "
+                     "statement running, its read open on its thread's connection",
 }
 
 

@@ -40,6 +40,10 @@ class SearchCursorIn(Body):
     last_session_id: ShortText
 
 
+# Words of a display_name search: each is a LIKE over every candidate session's name.
+MAX_NAME_WORDS = 16
+
+
 class SessionSearchBody(Body):
     session_id: ShortText | None = None
     project_ids: list[ShortText] | None = Field(None, min_length=1, max_length=100)
@@ -53,6 +57,9 @@ class SessionSearchBody(Body):
     def query(self) -> SessionQuery:
         if self.owner.type == "user" and not self.owner.owner_urns:
             raise ValueError("owner.owner_urns: a user search names 1 to 10 owner URNs")
+        if self.display_name is not None and len(self.display_name.split()) > MAX_NAME_WORDS:
+            raise ValueError(f"display_name: at most {MAX_NAME_WORDS} words (each must appear in the name), got "
+                             f"{len(self.display_name.split())}")
         return SessionQuery(
             session_id=self.session_id, project_ids=None if self.project_ids is None else tuple(self.project_ids),
             user_metadata=self.user_metadata, display_name=self.display_name, owner_type=self.owner.type,
