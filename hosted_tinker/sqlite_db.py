@@ -12,11 +12,12 @@ on its first read). One key's search or listing thus holds up no other key's, no
 and the accounting's writes. A write returns once it is committed, so any read that starts after it,
 on any thread, sees it.
 
-Writes go through the one writer connection, batched: a writer queues its write and takes the
-connection; whoever takes it commits every write queued by then in one transaction (each in a
-savepoint of its own, so that one that fails is undone alone), and the writers whose writes went in
-that commit find them done (group commit). `transaction()` is a block of statements on the writer
-connection, committed on its own.
+Writes go through the one writer connection, batched (group commit): a writer queues its write; if
+no other writer is committing, it commits every write queued by then in one transaction (each in a
+savepoint of its own, so that one that fails is undone alone) and wakes their writers; else it waits
+until a batch holds its write, or until it may commit the next one itself. A thread thus commits at
+most one batch besides its own write's wait: the device loops never become everyone's writer.
+`transaction()` is a block of statements on the writer connection, committed on its own.
 
 A query a user shapes (a search, a listing's page) is read with `budgeted=True`: SQLite checks its
 time every `BUDGET_CHECK_STEPS` steps (a progress handler) and stops it past `query_budget_s`
@@ -85,7 +86,9 @@ class SQLiteDB:
         self.path = path
         self.query_budget_s = query_budget_s
         self.lock = threading.Lock()  # the writer connection's
+        self._state = threading.Condition()  # over the queue and who commits it: a batch's writers wake when it is done
         self._queued: deque[_Write] = deque()
+        self._leading = False  # a writer is committing a batch
         self._local = threading.local()  # this thread's reading connection
         self._readers: dict[threading.Thread, sqlite3.Connection] = {}
         self._readers_lock = threading.Lock()
@@ -177,10 +180,23 @@ class SQLiteDB:
         other threads' writes) before this returns its result. If it raises, what it did is undone and
         its exception raised here; the others' writes stand. `run` may be called on another thread."""
         write = _Write(run)
-        self._queued.append(write)
-        with self.lock:
-            if not write.done:  # else a writer that took the connection first committed it
-                self._commit(self._take_queued())
+        with self._state:
+            self._queued.append(write)
+        while not write.done:
+            with self._state:
+                while self._leading and not write.done:  # another writer is committing a batch
+                    self._state.wait()
+                if write.done:  # it was in that batch
+                    break
+                self._leading = True  # this thread commits the next batch, its own write in it
+                batch = self._take_queued()
+            try:
+                with self.lock:
+                    self._commit(batch)
+            finally:
+                with self._state:
+                    self._leading = False
+                    self._state.notify_all()
         if write.error is not None:
             raise write.error
         return write.result
@@ -208,7 +224,8 @@ class SQLiteDB:
 
     def pending_writes(self) -> int:
         """Writes queued for the writer connection, not yet taken into a transaction."""
-        return len(self._queued)
+        with self._state:
+            return len(self._queued)
 
     def _take_queued(self) -> list[_Write]:
         batch = []

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .request_types import Failure
 from .sqlite_db import DEFAULT_QUERY_BUDGET_S, SQLiteDB
-from .store_search import create_metadata_index, metadata_rows
+from .store_search import create_search_indexes, metadata_rows
 from .store_records import (CheckpointRecord, FutureRecord, LossPoint, ModelRecord, Record, SamplingSessionRecord,
                             SessionRecord, StoredBytes, StoredSample, from_row)
 
@@ -161,7 +161,7 @@ class Store:
         self.db = SQLiteDB(path, query_budget_s)
         self.path = path
         self.db.create(SCHEMA + SAMPLING_SCHEMA + SAMPLE_RECORDS_SCHEMA + LOSS_SCHEMA + REST_INDEXES)
-        create_metadata_index(self.db)
+        create_search_indexes(self.db)
 
     def close(self) -> None:
         self.db.close()

@@ -91,17 +91,21 @@ def test_writes_queued_behind_the_writer_commit_together_and_fail_alone(db):
         except ValueError as e:
             outcomes[n] = e
 
+    started, release = threading.Event(), threading.Event()
+    busy = threading.Thread(target=write, args=(0, lambda c: started.set() or release.wait(WAIT)))
+    busy.start()
+    assert started.wait(WAIT)
     commits = db.commits
-    with db.lock:  # the writer is busy: the three writes queue behind it
-        threads = [threading.Thread(target=write, args=(1, lambda c: c.execute("INSERT INTO t VALUES (1, 'a')").rowcount)),
-                   threading.Thread(target=write, args=(2, lambda c: c.execute("INSERT INTO t VALUES (2, 'b')").rowcount)),
-                   threading.Thread(target=write, args=(3, failing))]
-        for t in threads:
-            t.start()
-        wait_until(lambda: db.pending_writes() == 3, "three writes queued")
-    for t in threads:
+    threads = [threading.Thread(target=write, args=(1, lambda c: c.execute("INSERT INTO t VALUES (1, 'a')").rowcount)),
+               threading.Thread(target=write, args=(2, lambda c: c.execute("INSERT INTO t VALUES (2, 'b')").rowcount)),
+               threading.Thread(target=write, args=(3, failing))]
+    for t in threads:  # the writer is busy with write 0: these queue behind it
+        t.start()
+    wait_until(lambda: db.pending_writes() == 3, "three writes queued")
+    release.set()
+    for t in [busy, *threads]:
         t.join(WAIT)
-    assert db.commits == commits + 1  # one transaction for the three
+    assert db.commits == commits + 2  # write 0's transaction, then one for the three
     assert outcomes[1] == 1 and outcomes[2] == 1 and isinstance(outcomes[3], ValueError)
     assert [tuple(r) for r in db.all("SELECT id, v FROM t ORDER BY id")] == [(1, "a"), (2, "b")]
 
