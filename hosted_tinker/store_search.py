@@ -63,7 +63,7 @@ def create_search_indexes(db: SQLiteDB) -> None:
                 c.executemany("INSERT INTO session_metadata(session_id, key, value) VALUES (?,?,?)",
                               metadata_rows(session_id, pairs))
 
-    db.write(create)
+    db.migrate(create)
 
 
 @dataclass(frozen=True)
