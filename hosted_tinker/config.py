@@ -28,6 +28,7 @@ from pydantic_settings import (
 from typing_extensions import TypeAliasType
 
 from .embedded_model import EMBEDDED_MODEL_NAME
+from .sqlite_db import DEFAULT_QUERY_BUDGET_S
 
 ENV_PREFIX = "HOSTED_TINKER_"
 # vLLM's dtype names and aliases (half = float16, float = float32), plus "auto".
@@ -237,6 +238,10 @@ class ServerConfig(BaseSettings):
     """largest forward_backward or checkpoint import body accepted (after decompression)"""
     max_json_request_bytes: int = Field(16 << 20, ge=1)
     """largest body of every other request (JSON)"""
+    max_query_s: float = Field(DEFAULT_QUERY_BUDGET_S, gt=0)
+    """seconds one database query a request shapes may run (search_sessions; a page of runs, checkpoints or
+    sessions); past it SQLite stops it and the request is refused with a 400 naming this setting. Other keys'
+    requests never wait for such a query either way: each thread reads on a connection of its own"""
     api_keys_file: Path | None = None
     """file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also read:
     $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode accepts any tml- key"""

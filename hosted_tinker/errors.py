@@ -7,7 +7,8 @@ request is the server's fault (category "server"), whatever its class: a `KeyErr
 `ValueError` from a bug must not be blamed on the user.
 
 The service layer (`services/`, `access.py`) raises these and never speaks HTTP: `api/app.py`
-alone maps each class to a status code (`UserError` 400, `Forbidden` 403, `NotFound` 404, `Busy` 429).
+alone maps each class to a status code (`UserError` 400, `Forbidden` 403, `NotFound` 404, `Busy` 429,
+`QueryTooSlow` 400).
 """
 
 from __future__ import annotations
@@ -32,3 +33,8 @@ class Busy(UserError):
     def __init__(self, message: str, retry_after_s: int = 1):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class QueryTooSlow(UserError):
+    """A query this key shaped (a search, a listing's page) ran past the server's time budget for one
+    query and was stopped; asking again the same way would too, so it is no back-pressure to retry."""

@@ -85,6 +85,9 @@ POINTS = {
     "image.decode": "gate(): a request's images about to be checked, one of its key's decode slots taken",
     "image.before_processing": "hold(): a request's images about to be processed for its pass or prefill, a "
                                "decode slot taken",
+    # sqlite_db.py
+    "db.user_query": "gate(): a query a user shaped (a search, a listing's page) at a check of its time budget: its "
+                     "statement running, its read open on its thread's connection",
 }
 
 

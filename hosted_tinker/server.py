@@ -155,7 +155,7 @@ class Server:
             log.info("%d API key(s) configured", len(self.keyring))
         self.auth = Authenticator(self.keyring, TokenSigner(data_dir, config.jwt_lifetime_s),
                                   RevokedKeys(data_dir / REVOKED_KEYS_FILE))
-        self.store = Store(db_path(data_dir))
+        self.store = Store(db_path(data_dir), config.max_query_s)
         interrupted = self.store.fail_interrupted_futures(
             "the server restarted while this request was running; resubmit it")
         if interrupted:

@@ -1,7 +1,8 @@
 """Durable state in one embedded SQLite file: sessions, models, futures, checkpoints, sample records.
 
-The connection, its WAL journaling and its one lock are `SQLiteDB`'s (sqlite_db.py), shared with the
-tables other modules keep (`store_accounting.py`: usage, audit log, request timings).
+The connections (one writer, a reader per thread), WAL journaling and the time budget of the queries
+a user shapes are `SQLiteDB`'s (sqlite_db.py), shared with the tables other modules keep
+(`store_accounting.py`: usage, audit log, request timings).
 
 Futures are keyed by request id and, for training requests, unique per (model_id, seq_id): a
 resubmitted chunk finds its original request id here, which is what makes retries idempotent.
@@ -15,7 +16,8 @@ import time
 from pathlib import Path
 
 from .request_types import Failure
-from .sqlite_db import SQLiteDB
+from .sqlite_db import DEFAULT_QUERY_BUDGET_S, SQLiteDB
+from .store_search import create_search_indexes, metadata_rows
 from .store_records import (CheckpointRecord, FutureRecord, LossPoint, ModelRecord, Record, SamplingSessionRecord,
                             SessionRecord, StoredBytes, StoredSample, from_row)
 
@@ -147,17 +149,19 @@ REST_INDEXES = """
 CREATE INDEX IF NOT EXISTS checkpoints_expiry ON checkpoints(expires_at) WHERE expires_at IS NOT NULL;
 CREATE INDEX IF NOT EXISTS checkpoints_owner ON checkpoints(owner, created_at);
 CREATE INDEX IF NOT EXISTS models_owner ON models(owner, created_at);
+-- A session's runs: whether one holds a public checkpoint is asked of every session a search reads.
+CREATE INDEX IF NOT EXISTS models_session ON models(session_id);
 CREATE INDEX IF NOT EXISTS sessions_owner ON sessions(owner, created_at);
 """
 
 
 class Store:
-    def __init__(self, path: Path):
-        # One connection under one lock, shared with the tables of other modules (`Store.db`).
-        self.db = SQLiteDB(path)
+    def __init__(self, path: Path, query_budget_s: float = DEFAULT_QUERY_BUDGET_S):
+        # Shared with the tables of other modules (`Store.db`).
+        self.db = SQLiteDB(path, query_budget_s)
         self.path = path
-        self._lock, self._db = self.db.lock, self.db.connection
         self.db.create(SCHEMA + SAMPLING_SCHEMA + SAMPLE_RECORDS_SCHEMA + LOSS_SCHEMA + REST_INDEXES)
+        create_search_indexes(self.db)
 
     def close(self) -> None:
         self.db.close()
@@ -165,18 +169,18 @@ class Store:
     def _exec(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         return self.db.execute(sql, args)
 
-    def _one(self, sql: str, args: tuple = ()) -> sqlite3.Row | None:
-        return self.db.one(sql, args)
+    def _one(self, sql: str, args: tuple = (), *, budgeted: bool = False) -> sqlite3.Row | None:
+        return self.db.one(sql, args, budgeted=budgeted)
 
-    def _all(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        return self.db.all(sql, args)
+    def _all(self, sql: str, args: tuple = (), *, budgeted: bool = False) -> list[sqlite3.Row]:
+        return self.db.all(sql, args, budgeted=budgeted)
 
     def _record(self, cls: type[Record], sql: str, args: tuple = ()) -> Record | None:
         row = self._one(sql, args)
         return None if row is None else from_row(cls, row)
 
-    def _records(self, cls: type[Record], sql: str, args: tuple = ()) -> list[Record]:
-        return [from_row(cls, row) for row in self._all(sql, args)]
+    def _records(self, cls: type[Record], sql: str, args: tuple = (), *, budgeted: bool = False) -> list[Record]:
+        return [from_row(cls, row) for row in self._all(sql, args, budgeted=budgeted)]
 
     # -- start-up -------------------------------------------------------------------------------
     def fail_interrupted_futures(self, message: str) -> int:
@@ -194,28 +198,25 @@ class Store:
         created under it instead: the check and the insert are one transaction, so concurrent
         retries of one create all get the same session."""
         now = time.time()
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                row = None if idempotency_key is None else self._db.execute(
-                    "SELECT session_id FROM session_idempotency_keys WHERE owner=? AND key=?",
-                    (owner, idempotency_key)).fetchone()
-                if row is not None:
-                    session_id = row[0]
-                else:
-                    self._db.execute(
-                        "INSERT INTO sessions(session_id, owner, created_at, last_heartbeat, tags, user_metadata,"
-                        " display_name, project_id) VALUES (?,?,?,?,?,?,?,?)",
-                        (session_id, owner, now, now, json.dumps(tags), json.dumps(user_metadata), display_name,
-                         project_id))
-                    if idempotency_key is not None:
-                        self._db.execute("INSERT INTO session_idempotency_keys(owner, key, session_id)"
-                                         " VALUES (?,?,?)", (owner, idempotency_key, session_id))
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-        return session_id
+
+        def create(c: sqlite3.Connection) -> str:
+            row = None if idempotency_key is None else c.execute(
+                "SELECT session_id FROM session_idempotency_keys WHERE owner=? AND key=?",
+                (owner, idempotency_key)).fetchone()
+            if row is not None:
+                return row[0]
+            c.execute("INSERT INTO sessions(session_id, owner, created_at, last_heartbeat, tags, user_metadata,"
+                      " display_name, project_id) VALUES (?,?,?,?,?,?,?,?)",
+                      (session_id, owner, now, now, json.dumps(tags), json.dumps(user_metadata), display_name,
+                       project_id))
+            c.executemany("INSERT INTO session_metadata(session_id, key, value) VALUES (?,?,?)",
+                          metadata_rows(session_id, user_metadata))
+            if idempotency_key is not None:
+                c.execute("INSERT INTO session_idempotency_keys(owner, key, session_id) VALUES (?,?,?)",
+                          (owner, idempotency_key, session_id))
+            return session_id
+
+        return self.db.write(create)
 
     def get_session(self, session_id: str) -> SessionRecord | None:
         return self._record(SessionRecord, "SELECT * FROM sessions WHERE session_id=?", (session_id,))
@@ -262,16 +263,17 @@ class Store:
     def insert_future(self, request_id: str, owner: str, kind: str, model_id: str | None,
                       seq_id: int | None) -> str:
         """Insert a pending future; for a (model_id, seq_id) seen before, return its request id."""
-        with self._lock:
+        def insert(c: sqlite3.Connection) -> str:
             if seq_id is not None:
-                row = self._db.execute("SELECT request_id FROM futures WHERE model_id=? AND seq_id=?",
-                                       (model_id, seq_id)).fetchone()
+                row = c.execute("SELECT request_id FROM futures WHERE model_id=? AND seq_id=?",
+                                (model_id, seq_id)).fetchone()
                 if row is not None:
                     return row[0]
-            self._db.execute(
-                "INSERT INTO futures(request_id, owner, kind, model_id, seq_id, status, created_at)"
-                " VALUES (?,?,?,?,?, 'pending', ?)", (request_id, owner, kind, model_id, seq_id, time.time()))
+            c.execute("INSERT INTO futures(request_id, owner, kind, model_id, seq_id, status, created_at)"
+                      " VALUES (?,?,?,?,?, 'pending', ?)", (request_id, owner, kind, model_id, seq_id, time.time()))
             return request_id
+
+        return self.db.write(insert)
 
     def get_future_id(self, model_id: str, seq_id: int) -> str | None:
         row = self._one("SELECT request_id FROM futures WHERE model_id=? AND seq_id=?", (model_id, seq_id))
@@ -305,21 +307,16 @@ class Store:
     # -- sample records -------------------------------------------------------------------------
     def insert_sample_records(self, request: dict, sequences: list[tuple[str, int, bytes, bytes]], now: float) -> None:
         """One recorded request and its (sequence_id, index, tokens, logprobs), in one transaction."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.execute(
-                    "INSERT INTO sample_requests(request_id, owner, session_id, sampling_session_id, seq_id, weights,"
-                    " weights_version, prompt, temperature, top_k, top_p, created_at) VALUES (:request_id, :owner,"
-                    " :session_id, :sampling_session_id, :seq_id, :weights, :weights_version, :prompt, :temperature,"
-                    " :top_k, :top_p, :created_at)", request)
-                self._db.executemany(
-                    "INSERT INTO sample_records(sequence_id, request_id, sample_index, tokens, logprobs, last_used_at)"
-                    " VALUES (?,?,?,?,?,?)", [(sid, request["request_id"], i, t, lp, now) for sid, i, t, lp in sequences])
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        def insert(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO sample_requests(request_id, owner, session_id, sampling_session_id, seq_id, weights,"
+                      " weights_version, prompt, temperature, top_k, top_p, created_at) VALUES (:request_id, :owner,"
+                      " :session_id, :sampling_session_id, :seq_id, :weights, :weights_version, :prompt, :temperature,"
+                      " :top_k, :top_p, :created_at)", request)
+            c.executemany("INSERT INTO sample_records(sequence_id, request_id, sample_index, tokens, logprobs,"
+                          " last_used_at) VALUES (?,?,?,?,?,?)",
+                          [(sid, request["request_id"], i, t, lp, now) for sid, i, t, lp in sequences])
+
+        self.db.write(insert)
 
     def sample_request_exists(self, sampling_session_id: str, seq_id: int) -> bool:
         return self._one("SELECT 1 FROM sample_requests WHERE sampling_session_id=? AND seq_id=?",
@@ -338,17 +335,18 @@ class Store:
         return rows
 
     def touch_sample_records(self, sequence_ids: list[str], now: float) -> None:
-        with self._lock:
-            self._db.executemany("UPDATE sample_records SET last_used_at=? WHERE sequence_id=?",
-                                 [(now, sid) for sid in sequence_ids])
+        self.db.executemany("UPDATE sample_records SET last_used_at=? WHERE sequence_id=?",
+                            [(now, sid) for sid in sequence_ids])
 
     def delete_sample_records_unused_since(self, before: float) -> int:
         """Delete sequences last used at or before `before`, and requests left without any."""
-        with self._lock:
-            n = self._db.execute("DELETE FROM sample_records WHERE last_used_at <= ?", (before,)).rowcount
-            self._db.execute("DELETE FROM sample_requests WHERE NOT EXISTS"
-                             " (SELECT 1 FROM sample_records r WHERE r.request_id = sample_requests.request_id)")
+        def delete(c: sqlite3.Connection) -> int:
+            n = c.execute("DELETE FROM sample_records WHERE last_used_at <= ?", (before,)).rowcount
+            c.execute("DELETE FROM sample_requests WHERE NOT EXISTS"
+                      " (SELECT 1 FROM sample_records r WHERE r.request_id = sample_requests.request_id)")
             return n
+
+        return self.db.write(delete)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def upsert_checkpoint(self, model_id: str, checkpoint_id: str, kind: str, owner: str, dir: str,
@@ -377,9 +375,10 @@ class Store:
                  " AND (? IS NULL OR m.session_id IN (SELECT session_id FROM sessions WHERE project_id = ?"
                  " AND owner = ?))")
         args = (owner, int(accessible), time.time(), project_id, project_id, owner)
-        total = self._one(f"SELECT COUNT(*) FROM models m WHERE {where}", args)[0]
+        total = self._one(f"SELECT COUNT(*) FROM models m WHERE {where}", args, budgeted=True)[0]
         rows = self._records(ModelRecord, f"SELECT m.* FROM models m WHERE {where}"
-                             " ORDER BY m.created_at DESC, m.model_id LIMIT ? OFFSET ?", args + (limit, offset))
+                             " ORDER BY m.created_at DESC, m.model_id LIMIT ? OFFSET ?", args + (limit, offset),
+                             budgeted=True)
         return rows, total
 
     def run_has_public_checkpoint(self, model_id: str) -> bool:
@@ -395,10 +394,11 @@ class Store:
     def owner_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[CheckpointRecord], int]:
         """Every unexpired checkpoint of `owner`, newest first."""
         now = time.time()
-        total = self._one(f"SELECT COUNT(*) FROM checkpoints c WHERE c.owner = ? AND {self._LIVE}", (owner, now))[0]
+        total = self._one(f"SELECT COUNT(*) FROM checkpoints c WHERE c.owner = ? AND {self._LIVE}", (owner, now),
+                          budgeted=True)[0]
         rows = self._records(CheckpointRecord, f"SELECT * FROM checkpoints c WHERE c.owner = ? AND {self._LIVE}"
                              " ORDER BY c.created_at DESC, c.model_id, c.checkpoint_id LIMIT ? OFFSET ?",
-                             (owner, now, limit, offset))
+                             (owner, now, limit, offset), budgeted=True)
         return rows, total
 
     def set_checkpoint_public(self, model_id: str, checkpoint_id: str, public: bool) -> None:
@@ -437,9 +437,9 @@ class Store:
             f" m ON m.model_id = c.model_id WHERE {self._LIVE} GROUP BY 1, 2, 3", (time.time(),))
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> tuple[list[str], int]:
-        total = self._one("SELECT COUNT(*) FROM sessions WHERE owner=?", (owner,))[0]
+        total = self._one("SELECT COUNT(*) FROM sessions WHERE owner=?", (owner,), budgeted=True)[0]
         rows = self._all("SELECT session_id FROM sessions WHERE owner=? ORDER BY created_at DESC, session_id"
-                         " LIMIT ? OFFSET ?", (owner, limit, offset))
+                         " LIMIT ? OFFSET ?", (owner, limit, offset), budgeted=True)
         return [r[0] for r in rows], total
 
     def set_session_project(self, session_id: str, project_id: str | None) -> None:
@@ -453,10 +453,9 @@ class Store:
     def record_losses(self, rows: list[tuple[str, int, int, bool, float]]) -> None:
         """(model_id, seq_id, step, forward_only, loss_sum) per finished request; a retry replaces its row."""
         now = time.time()
-        with self._lock:
-            self._db.executemany(
-                "INSERT OR REPLACE INTO request_losses(model_id, seq_id, step, forward_only, loss_sum, created_at)"
-                " VALUES (?,?,?,?,?,?)", [(m, q, s, int(f), loss, now) for m, q, s, f, loss in rows])
+        self.db.executemany(
+            "INSERT OR REPLACE INTO request_losses(model_id, seq_id, step, forward_only, loss_sum, created_at)"
+            " VALUES (?,?,?,?,?,?)", [(m, q, s, int(f), loss, now) for m, q, s, f, loss in rows])
 
     def loss_curve(self, model_id: str) -> list[LossPoint]:
         """Per optimizer step: the summed `loss:sum` of its training requests (and of its forward-only ones)."""

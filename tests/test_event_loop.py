@@ -1,7 +1,8 @@
 """SQLite stays off the event loop (issue 12): a slow disk must not stall every other request.
 
 The server runs in this process (uvicorn in a thread) so that every use of the store can be
-watched: the store's lock records whether it was taken on a thread running an asyncio event loop.
+watched: the writer's lock and the opening of a thread's reading connection (every read asks for
+it) record whether they were used on a thread running an asyncio event loop.
 After start-up, driven through the real tinker and openai SDKs (training, futures, sampling,
 telemetry, REST, OpenAI), no request may touch SQLite from the loop.
 """
@@ -28,14 +29,15 @@ KEY = "tml-loop-watcher"
 
 
 class WatchedLock:
-    """The store's lock, noting every acquisition made on an event-loop thread once armed."""
+    """The store's writer lock, noting every acquisition made on an event-loop thread once armed; `reads`
+    wraps the function that hands a thread its reading connection, noting the same of every read."""
 
     def __init__(self, lock):
         self._lock = lock
         self.armed = False
         self.on_loop: list[str] = []
 
-    def __enter__(self):
+    def _note(self) -> None:
         if self.armed:
             try:
                 task = asyncio.current_task()
@@ -43,6 +45,15 @@ class WatchedLock:
                 task = None
             if task is not None:
                 self.on_loop.append(task.get_name())
+
+    def reads(self, reader):
+        def watched_reader():
+            self._note()
+            return reader()
+        return watched_reader
+
+    def __enter__(self):
+        self._note()
         return self._lock.__enter__()
 
     def __exit__(self, *exc):
@@ -54,7 +65,9 @@ def watched_server(tmp_path):
     port = free_port()
     config = ServerConfig(data_dir=tmp_path, port=port)
     srv = Server(config)
-    srv.store.db.lock = srv.store._lock = watched = WatchedLock(srv.store.db.lock)  # every table module's lock
+    db = srv.store.db  # every table module's
+    db.lock = watched = WatchedLock(db.lock)
+    db._reader = watched.reads(db._reader)
     uv = uvicorn.Server(uvicorn.Config(create_app(config, server=srv), port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()

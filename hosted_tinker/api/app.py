@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..access import Access
 from ..checkpoints.paths import InvalidPath
 from ..config import ServerConfig
-from ..errors import Busy, Forbidden, NotFound, UserError
+from ..errors import Busy, Forbidden, NotFound, QueryTooSlow, UserError
 from ..server import Server
 from ..services.images import ImagePixelBudget
 from ..services.sampling import SamplingRequests
@@ -30,7 +30,7 @@ from .openai_compat import OpenAIErrorRoute, openai_error
 log = logging.getLogger(__name__)
 
 # The status code of each domain error (errors.py): the services raise them, only this module speaks HTTP.
-STATUS_CODES: dict[type[UserError], int] = {NotFound: 404, Forbidden: 403, Busy: 429, UserError: 400}
+STATUS_CODES: dict[type[UserError], int] = {NotFound: 404, Forbidden: 403, Busy: 429, QueryTooSlow: 400, UserError: 400}
 
 
 def http_error_of(exc: UserError) -> StarletteHTTPException:

@@ -49,7 +49,7 @@ from ..served_models import ServedModel
 from ..services import copies
 from ..services.copies import check_copy_request
 from .deps import accessible_scope, get_access, get_server, require_owner
-from .schemas import INT64_MAX, ShortText, str_dict
+from .schemas import INT64_MAX, PAGE_MAX_ROWS, ShortText, str_dict
 
 router = APIRouter()
 
@@ -107,7 +107,7 @@ def run_json(server: Server, row, is_owner: bool) -> dict:
 # -- training runs ---------------------------------------------------------------------------------------
 
 @router.get("/api/v1/training_runs")
-def list_training_runs(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
+def list_training_runs(limit: int = Query(20, ge=0, le=PAGE_MAX_ROWS), offset: int = Query(0, ge=0, le=INT64_MAX),
                        accessible: bool = Depends(accessible_scope), project_id: str | None = None,
                        owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     rows, total = server.store.list_runs(owner, accessible=accessible, project_id=project_id,
@@ -134,7 +134,7 @@ def list_run_checkpoints(run_id: str, owner: str = Depends(require_owner), serve
 
 
 @router.get("/api/v1/checkpoints")
-def list_user_checkpoints(limit: int = Query(100, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
+def list_user_checkpoints(limit: int = Query(100, ge=0, le=PAGE_MAX_ROWS), offset: int = Query(0, ge=0, le=INT64_MAX),
                           owner: str = Depends(require_owner), server: Server = Depends(get_server)):
     rows, total = server.store.owner_checkpoints(owner, limit, offset)
     return {"checkpoints": [checkpoint_json(r, True) for r in rows],

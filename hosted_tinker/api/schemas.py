@@ -32,6 +32,9 @@ OptimizerConfig = Annotated[dict[str, Any], _stored("optimizer_config")]
 # Names and short labels (project, display name, a session's finish reason), in characters.
 SHORT_TEXT_MAX_CHARS = 1024
 ShortText = Annotated[str, Field(max_length=SHORT_TEXT_MAX_CHARS)]
+# Rows in one page of a listing (runs, checkpoints, sessions): each costs a query or more. The SDK's CLI
+# pages checkpoints by 1000 and runs by 100.
+PAGE_MAX_ROWS = 1000
 
 
 def fits_int64(value: Any) -> Any:

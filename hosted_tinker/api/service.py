@@ -15,8 +15,8 @@ from ..server import Server
 from .deps import accessible_scope, credential, get_access, get_server, require_owner
 from .limits import check_stored_json
 from .schemas import (
-    INT64_MAX, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest, ShortText,
-    str_dict,
+    INT64_MAX, PAGE_MAX_ROWS, ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionHeartbeatRequest,
+    ShortText, str_dict,
 )
 
 router = APIRouter()
@@ -101,7 +101,7 @@ def finish_session(session_id: str, body: FinishSessionRequest, owner: str = Dep
 # -- REST: sessions (RestClient.list_sessions / get_session) -----------------------------------------
 
 @router.get("/api/v1/sessions")
-def list_sessions(limit: int = Query(20, ge=0, le=10000), offset: int = Query(0, ge=0, le=INT64_MAX),
+def list_sessions(limit: int = Query(20, ge=0, le=PAGE_MAX_ROWS), offset: int = Query(0, ge=0, le=INT64_MAX),
                   accessible: bool = Depends(accessible_scope), owner: str = Depends(require_owner),
                   server: Server = Depends(get_server)):
     """The caller's sessions, newest first (sessions are never shared, whatever the scope)."""
