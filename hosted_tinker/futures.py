@@ -4,6 +4,10 @@ A result is written to SQLite first (so an acknowledged result survives a crash)
 memory for fast delivery, then every waiter on that id is woken through its asyncio event. No
 waiter ever sleeps and re-checks: `retrieve_future` answers the moment the scheduler resolves
 the future, or after the long-poll window with `try_again`.
+
+A cycle answers its requests together (`answering`): their results, and the `last_request_at` of
+the training runs they touched, are written in one transaction, then all are published, so a
+cycle's writes cost one commit however many tenants it ran.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .request_types import Failure
@@ -42,6 +47,7 @@ class FutureStore:
         self._pending_owner: dict[str, str] = {}
         self.pending_by_owner: dict[str, int] = {}
         self._on_finish: dict[str, Callable[[], None]] = {}  # what an unfinished request gives back when it ends
+        self._batch = threading.local()  # answers held by `answering` on this thread, written together
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -87,8 +93,34 @@ class FutureStore:
             self.fail(rid, message, "server")
         return pending
 
+    @contextmanager
+    def answering(self, touched_models: Iterable[str] = ()) -> Iterator[None]:
+        """The answers given on this thread inside the block are written to SQLite in one transaction
+        at its end, with `touched_models`' last_request_at, then published and their waiters woken.
+        If the block raises, what it answered is still written and published; if the write raises,
+        nothing is published (the requests stay pending, for the caller to fail)."""
+        if getattr(self._batch, "rows", None) is not None:  # nested: the outer block writes
+            yield
+            return
+        self._batch.rows = rows = []
+        try:
+            yield
+        finally:
+            self._batch.rows = None
+            self.store.complete_futures(rows, touched_models=list(touched_models))
+            for rid, payload, is_proto, failed in rows:
+                self._publish(rid, payload, is_proto=is_proto, failed=failed)
+
     def _finish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
+        rows = getattr(self._batch, "rows", None)
+        if rows is not None:
+            rows.append((request_id, payload, is_proto, failed))
+            return
         self.store.complete_future(request_id, payload, is_proto, failed)
+        self._publish(request_id, payload, is_proto=is_proto, failed=failed)
+
+    def _publish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
+        """A written result, in memory for its waiters, who are woken; its request's on_finish runs."""
         with self._lock:
             self._results[request_id] = FutureResult(payload, is_proto, failed, self.clock())
             self.resolved_total += 1

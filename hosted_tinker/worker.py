@@ -93,9 +93,10 @@ class TrainingWorker:
             passes = self._launch_compute(plan.compute, answering=answering)
         steps = self._launch_optim_steps(plan.optim) if plan.optim else None
         self.runtime.wait()
-        self._answer_compute(passes)
-        if steps is not None:
-            self._answer_optim_steps(*steps)
+        with self.futures.answering(touched_models=plan.models):  # one SQLite transaction for them all
+            self._answer_compute(passes)
+            if steps is not None:
+                self._answer_optim_steps(*steps)
         for req in plan.tail:
             self._guarded(req, self._tail_step)
         for req in plan.orphaned:
@@ -293,7 +294,6 @@ class TrainingWorker:
     def _answer_optim_step(self, req: Request, result: dict[str, float] | SkippedStep) -> None:
         if isinstance(result, SkippedStep):
             raise UserError(result.reason)
-        self.store.touch_model(req.model_id)
         self.futures.resolve(req.request_id, OptimStepResult(result).to_wire())
 
     # -- lifecycle and checkpoints ---------------------------------------------------------------
