@@ -98,7 +98,14 @@ class RawClient:
 
     async def post(self, route: str, body: dict | None = None, *, content: bytes | None = None) -> dict:
         headers = self.headers if content is None else {**self.headers, **PROTO}
-        r = await self.http.post(f"/api/v1/{route}", json=body, content=content, headers=headers)
+        for attempt in range(5):  # as the SDK does: a kept-alive connection the server just closed
+            try:
+                r = await self.http.post(f"/api/v1/{route}", json=body, content=content, headers=headers)
+                break
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ConnectError):
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.1 * (attempt + 1))
         r.raise_for_status()
         return r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
 

@@ -31,6 +31,14 @@ class FutureResult:
     is_proto: bool
     failed: bool
     resolved_at: float
+    owner: str | None = None  # whose request it was, where this process created it
+
+
+@dataclass(frozen=True)
+class KnownFuture:
+    """A request this process holds in memory: its owner, and its result (None while pending)."""
+    owner: str
+    result: FutureResult | None
 
 
 class FutureStore:
@@ -122,9 +130,9 @@ class FutureStore:
     def _publish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
         """A written result, in memory for its waiters, who are woken; its request's on_finish runs."""
         with self._lock:
-            self._results[request_id] = FutureResult(payload, is_proto, failed, self.clock())
-            self.resolved_total += 1
             owner = self._pending_owner.pop(request_id, None)
+            self._results[request_id] = FutureResult(payload, is_proto, failed, self.clock(), owner)
+            self.resolved_total += 1
             if owner is not None:
                 self.pending_by_owner[owner] -= 1
                 if not self.pending_by_owner[owner]:  # one entry per key with work, not per key ever seen
@@ -141,6 +149,17 @@ class FutureStore:
             event.set()
 
     # -- retrieval (event-loop thread) ---------------------------------------------------------
+    def known(self, request_id: str) -> KnownFuture | None:
+        """The request if this process holds it in memory (pending, or resolved and not yet pruned),
+        with its owner: a long-poll on it needs no SQLite read and no trip to a thread. None: ask
+        the store (a request of an earlier process, or one pruned from memory)."""
+        with self._lock:
+            hit = self._results.get(request_id)
+            if hit is not None and hit.owner is not None:
+                return KnownFuture(hit.owner, hit)
+            owner = self._pending_owner.get(request_id)
+        return None if owner is None else KnownFuture(owner, None)
+
     def lookup(self, request_id: str) -> FutureResult | None:
         with self._lock:
             hit = self._results.get(request_id)
