@@ -332,35 +332,49 @@ async def measure_idle(args, tmp: Path) -> dict:
         srv.stop()
 
 
+HEAD = (f"{'N':>8}{'cycles':>8}{'plan p50':>10}{'plan p99':>10}{'visits/plan':>12}{'dev SQL/cyc':>12}"
+        f"{'dev txn/cyc':>12}{'dev KB/cyc':>11}{'all SQL/cyc':>12}{'SDK p50':>9}{'SDK p99':>9}{'raw p50':>9}"
+        f"{'raw p99':>9}")
+ROUTES = ("session_heartbeat", "retrieve_future (done)", "forward_backward", "optim_step")
+
+
+def row(label: str, r: dict) -> str:
+    return (f"{label:>8}{r['cycles']:>8}{r['plan_p50']:>10.3f}{r['plan_p99']:>10.3f}{r['visits']:>12.1f}"
+            f"{r['device_statements']:>12.1f}{r['device_transactions']:>12.1f}{r['device_bytes'] / 1024:>11.1f}"
+            f"{r['other_statements'] + r['device_statements']:>12.1f}{r['sdk_p50']:>9.1f}{r['sdk_p99']:>9.1f}"
+            f"{r.get('raw_p50', float('nan')):>9.1f}{r.get('raw_p99', float('nan')):>9.1f}")
+
+
+def route_row(label: str, r: dict) -> str:
+    return f"{label:>8}" + "".join(f"{r['routes'][k][0]:>18.2f} ({r['routes'][k][1]:>5.1f})" for k in ROUTES)
+
+
 def report(args, per_n: dict[int, dict], idle: dict | None, busy: float | None) -> None:
+    """Every table again, together (each row was printed as it was measured)."""
     print()
     print(f"per N training runs (N keys), all stepping pipelined, {args.rounds} rounds, {TOKENS}-token steps, "
           f"rank 1, embedded model; server {args.checkout}")
-    head = (f"{'N':>6}{'cycles':>8}{'plan p50':>10}{'plan p99':>10}{'visits/plan':>12}{'dev SQL/cyc':>12}"
-            f"{'dev txn/cyc':>12}{'dev KB/cyc':>11}{'all SQL/cyc':>12}{'SDK p50':>9}{'SDK p99':>9}{'raw p50':>9}"
-            f"{'raw p99':>9}")
-    print(head)
-    rows = list(per_n.items())
-    if idle is not None:
-        rows += [("10", idle["without"]), (f"10+{args.idle}i", idle["with"])]
-    for n, r in rows:
-        print(f"{n!s:>6}{r['cycles']:>8}{r['plan_p50']:>10.3f}{r['plan_p99']:>10.3f}{r['visits']:>12.1f}"
-              f"{r['device_statements']:>12.1f}{r['device_transactions']:>12.1f}{r['device_bytes'] / 1024:>11.1f}"
-              f"{r['other_statements'] + r['device_statements']:>12.1f}{r['sdk_p50']:>9.1f}{r['sdk_p99']:>9.1f}"
-              f"{r.get('raw_p50', float('nan')):>9.1f}{r.get('raw_p99', float('nan')):>9.1f}")
-    print("  plan: ms per cycle's plan; dev: the device loop thread's SQLite per cycle (statements, transactions,"
-          " KB of statement text with values); all: every thread's statements per cycle; SDK/raw: step ms")
-    print(f"  {args.idle}i: the same 10 runs beside {args.idle} idle clients (their runs blocked on a missing seq_id)")
-    print()
-    routes = list(next(iter(per_n.values()))["routes"])
-    print(f"server CPU ms per request (median latency ms), by route, {args.route_requests} requests each, 8 at once")
-    print(f"{'N':>6}" + "".join(f"{r:>26}" for r in routes))
+    print(HEAD)
     for n, r in per_n.items():
-        print(f"{n:>6}" + "".join(f"{r['routes'][k][0]:>18.2f} ({r['routes'][k][1]:>4.1f})" for k in routes))
-    first = next(iter(per_n.values()))["routes"]
-    last_n, last = list(per_n.items())[-1]
-    print(f"  CPU per request at N={last_n} / N={next(iter(per_n))}: "
-          + ", ".join(f"{k} {last['routes'][k][0] / first[k][0]:.2f}x" for k in routes) + "  (goal <= 1.5x)")
+        print(row(str(n), r))
+    if idle is not None:
+        print(row("10", idle["without"]))
+        print(row(f"10+{args.idle}i", idle["with"]))
+    print("  plan: ms per cycle's plan; visits: models a plan looked at; dev: the device loop thread's SQLite per"
+          " cycle (statements, transactions, KB of statement text with values); all: every thread's statements"
+          " per cycle; SDK/raw: pipelined step ms")
+    print(f"  10+{args.idle}i: 10 runs (2 of them SDK) beside {args.idle} idle clients (each run blocked on a"
+          " missing seq_id, long-polled)")
+    print()
+    print(f"server CPU ms per request (median latency ms), by route, {args.route_requests} requests each, 8 at once")
+    print(f"{'N':>8}" + "".join(f"{r:>26}" for r in ROUTES))
+    for n, r in per_n.items():
+        print(route_row(str(n), r))
+    if len(per_n) > 1:
+        (n0, first), (n1, last) = next(iter(per_n.items())), list(per_n.items())[-1]
+        print(f"  CPU per request at N={n1} / N={n0}: "
+              + ", ".join(f"{k} {last['routes'][k][0] / first['routes'][k][0]:.2f}x" for k in ROUTES)
+              + "  (goal <= 1.5x)")
     if idle is not None:
         m = idle["memory"]
         print()
@@ -368,20 +382,23 @@ def report(args, per_n: dict[int, dict], idle: dict | None, busy: float | None) 
               f" its training run {m['runs'] / 1024:.1f} KB, its long-poll + heartbeats {m['polls'] / 1024:.1f} KB;"
               f" server threads {m['threads'][0]} -> {m['threads'][1]}")
     if busy is not None:
-        print(f"CPU pressure during the run: {100 * busy:.0f}% of the time some task waited for a CPU")
+        print(f"CPU pressure during the run: {100 * busy:.0f}% of the time some task waited for a CPU "
+              "(timings are not reliable above ~25%; counts are)")
 
 
-async def run_all(args, tmp: Path) -> None:
-    per_n = {}
+async def run_all(args, tmp: Path) -> tuple[dict, dict | None]:
+    """N in order, the idle clients before the largest N (the longest part): each printed when measured."""
+    per_n: dict[int, dict] = {}
+    idle = None
+    print(HEAD, flush=True)
     for n in args.runs:
+        if n == max(args.runs) and args.idle and idle is None:
+            idle = await measure_idle(args, tmp)
+            print(row("10", idle["without"]) + "\n" + row(f"10+{args.idle}i", idle["with"]), flush=True)
         t = time.perf_counter()
         per_n[n] = await measure_n(args, tmp, n)
-        print(f"N={n}: done in {time.perf_counter() - t:.0f}s", flush=True)
-    idle = None
-    if args.idle:
-        t = time.perf_counter()
-        idle = await measure_idle(args, tmp)
-        print(f"idle clients: done in {time.perf_counter() - t:.0f}s", flush=True)
+        print(row(str(n), per_n[n]) + f"   ({time.perf_counter() - t:.0f}s)\n" + route_row(str(n), per_n[n]),
+              flush=True)
     return per_n, idle
 
 
