@@ -36,6 +36,7 @@ import asyncio
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import sys
@@ -241,9 +242,11 @@ async def route_costs(srv: Server, clients: list[RawClient], count: int) -> dict
             await call(c, i)
             lat.append(time.perf_counter() - t)
 
-        cpu = srv.cpu()
+        cpu, hook = srv.cpu(), srv.hook()
         await gather_limited([timed(clients[i % len(clients)], i) for i in range(count)], limit=8)
-        out[route] = (1000 * (srv.cpu() - cpu) / count, 1000 * statistics.median(lat))
+        cpu, sql = srv.cpu() - cpu, srv.hook(hook["plan_count"])["sql"]
+        writes = sum(sql[side]["transactions"] - hook["sql"][side]["transactions"] for side in sql)
+        out[route] = (1000 * cpu / count, 1000 * statistics.median(lat), writes / count)
     return out
 
 
@@ -346,7 +349,8 @@ def row(label: str, r: dict) -> str:
 
 
 def route_row(label: str, r: dict) -> str:
-    return f"{label:>8}" + "".join(f"{r['routes'][k][0]:>18.2f} ({r['routes'][k][1]:>5.1f})" for k in ROUTES)
+    return f"{label:>8}" + "".join(f"{r['routes'][k][0]:>12.2f} ({r['routes'][k][1]:>5.1f}) {r['routes'][k][2]:>4.1f}"
+                                   for k in ROUTES)
 
 
 def report(args, per_n: dict[int, dict], idle: dict | None, busy: float | None) -> None:
@@ -366,8 +370,9 @@ def report(args, per_n: dict[int, dict], idle: dict | None, busy: float | None) 
     print(f"  10+{args.idle}i: 10 runs (2 of them SDK) beside {args.idle} idle clients (each run blocked on a"
           " missing seq_id, long-polled)")
     print()
-    print(f"server CPU ms per request (median latency ms), by route, {args.route_requests} requests each, 8 at once")
-    print(f"{'N':>8}" + "".join(f"{r:>26}" for r in ROUTES))
+    print(f"server CPU ms per request (median latency ms) SQLite write transactions per request, by route, "
+          f"{args.route_requests} requests each, 8 at once")
+    print(f"{'N':>8}" + "".join(f"{r:>25}" for r in ROUTES))
     for n, r in per_n.items():
         print(route_row(str(n), r))
     if len(per_n) > 1:
@@ -413,6 +418,7 @@ def main() -> int:
     ap.add_argument("--server-arg", action="append", default=[], help="extra `serve` argument, repeatable")
     args = ap.parse_args()
     args.runs = [int(x) for x in args.runs.split(",")]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the servers too (finally blocks)
     tmp = Path(tempfile.mkdtemp(prefix="ht-control-plane-"))
     stall0, wall0 = cpu_stall_us(), time.monotonic()
     try:

@@ -17,6 +17,7 @@ import json
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,7 +49,9 @@ class FutureStore:
         self.clock = clock  # when a result is kept from, for prune(); injectable so that tests step it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
-        self._results: dict[str, FutureResult] = {}
+        # In the order they were resolved, so that prune() pops the old ones off the front: the event loop
+        # never walks every result held (a busy server holds keep_in_memory_s of them).
+        self._results: OrderedDict[str, FutureResult] = OrderedDict()
         self._events: dict[str, asyncio.Event] = {}
         self.resolved_total = 0
         # Unfinished requests per owner, for per-key back-pressure.
@@ -202,5 +205,8 @@ class FutureStore:
         """Drop in-memory results older than the keep window (they stay in SQLite)."""
         cutoff = self.clock() - self.keep_in_memory_s
         with self._lock:
-            for rid in [r for r, v in self._results.items() if v.resolved_at < cutoff]:
+            while self._results:
+                rid, oldest = next(iter(self._results.items()))
+                if oldest.resolved_at >= cutoff:
+                    break
                 del self._results[rid]
