@@ -38,10 +38,10 @@ async def close_refused_seq_id(request: Request, body: Any) -> None:
     if not isinstance(model_id, str) or type(seq_id) is not int:
         return
     try:
-        owner = require_owner(request, request.headers.get("x-api-key"))
+        owner = await require_owner(request, request.headers.get("x-api-key"))
     except HTTPException:
         return
-    await run_in_threadpool(get_training(request).refused, owner, model_id, seq_id)
+    await run_in_threadpool(request.app.state.training.refused, owner, model_id, seq_id)
 
 
 # -- models -----------------------------------------------------------------------------------------
