@@ -34,7 +34,9 @@ reaches a closed queue comes back in the next plan as `orphaned`, to be answered
 
 Fair share: a cycle packs compute up to `max_tokens_per_cycle` tokens and `max_models_per_cycle`
 models, taking models in round-robin order; a model left out (or cut short) for lack of room
-goes first in the next cycle, so a tenant with a huge queue cannot starve small ones.
+goes first in the next cycle, and the models that ran go last, so a tenant with a huge queue
+cannot starve small ones. A plan stops looking once the budget is full: with a thousand busy
+runs it still visits about `max_models_per_cycle` of them.
 
 A compute request larger than a cycle's budget arrives in parts (`Request.more`, made by
 `services/training.py`): each cycle plans its next part alone (`final=False` until the last), the
@@ -155,6 +157,11 @@ class _CycleBudget:
     max_models: int
     tokens: int = 0
     models: set[str] = field(default_factory=set)
+
+    @property
+    def full(self) -> bool:
+        """No other model's compute fits: the plan need look at no more models."""
+        return self.tokens >= self.max_tokens or len(self.models) >= self.max_models
 
     def admit(self, mid: str, take: list[Request]) -> int:
         """How many of `take`'s leading compute requests fit, counted in."""
@@ -354,8 +361,13 @@ class ClockCycleScheduler:
         self._wake_timed_out_gaps(now)
         plan = CyclePlan()
         deferred: list[str] = []  # models cut short by the budget: first in line next cycle
+        ran: list[str] = []  # models with work in this plan: last in line next cycle
+        order, unvisited = list(self._rr), []
         budget = _CycleBudget(self.max_tokens_per_cycle, self.max_models_per_cycle)
-        for mid in list(self._rr):
+        for i, mid in enumerate(order):
+            if budget.full:  # the rest keep their place, ahead of the models that ran
+                unvisited = order[i:]
+                break
             take = self._ready_prefix(mid, now)
             admitted = budget.admit(mid, take)
             if admitted < sum(r.kind in COMPUTE for r in take):
@@ -363,14 +375,14 @@ class ClockCycleScheduler:
                 deferred.append(mid)
             if take:
                 self._add(plan, take)
+                if mid not in deferred:
+                    ran.append(mid)
         unloads = [r.model_id for r in self._after if r.kind == RequestKind.UNLOAD_MODEL]
         plan.tail.extend(self._after)
         self._after = []
-        if plan:
-            rest = [m for m in self._rr if m not in deferred]
-            if rest:
-                rest.append(rest.pop(0))
-            self._rr = dict.fromkeys(deferred + rest)
+        if plan:  # a model whose queue the plan emptied leaves the order now, not at its next visit
+            self._rr = dict.fromkeys(m for m in deferred + unvisited + ran
+                                     if m in self._rr and self._queues[m].pending)
         for mid in unloads:
             self._close(mid)
         plan.orphaned, self._orphaned = self._orphaned, []

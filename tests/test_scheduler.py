@@ -475,8 +475,27 @@ def test_a_plan_visits_no_idle_training_run(monkeypatch, clock, make_sched):
         s.submit(req("a", seq + 1, RequestKind.OPTIM_STEP))
         plan = run(s)
         assert seqs(plan.compute + plan.optim) == [("a", seq), ("a", seq + 1)]
-    assert len(visits) <= 2 * 10  # one visit per plan of the active model (and one when it empties)
+    assert len(visits) == 10  # one visit per plan: the active model's
     s.submit(req("idle-7", 1))  # a request wakes a parked run at once
     assert seqs(run(s).compute) == [("idle-7", 1), ("idle-7", 2)]
-    clock.advance(GAP)  # the others' gaps time out: each is visited again, and runs
-    assert len(run(s).compute) == 999
+    clock.advance(GAP)  # the others' gaps time out: each is visited again, and runs (64 per cycle)
+    assert sum(len(run(s).compute) for _ in range(16)) == 999
+
+
+def test_a_plan_stops_at_a_full_budget_and_every_busy_run_gets_its_turn(monkeypatch, make_sched):
+    """1,000 runs with work and room for 64 per cycle: a plan visits about 64 of them, not 1,000, and
+    the round robin runs every one within ceil(1000 / 64) cycles (the ones that ran go last)."""
+    visits = []
+    ready = scheduler_module._ModelQueue.ready
+    monkeypatch.setattr(scheduler_module._ModelQueue, "ready", lambda q: visits.append(q) or ready(q))
+    s = make_sched(max_models_per_cycle=64)
+    for i in range(1000):
+        s.open_model(f"m{i}")
+        s.submit(req(f"m{i}", 0))
+    ran: list[str] = []
+    for _ in range(16):
+        visits.clear()
+        plan = run(s)
+        assert len(plan.compute) == (64 if len(ran) < 960 else 40) and len(visits) <= 65
+        ran += [r.model_id for r in plan.compute]
+    assert sorted(ran) == sorted(f"m{i}" for i in range(1000))
