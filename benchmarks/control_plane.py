@@ -353,6 +353,12 @@ def route_row(label: str, r: dict) -> str:
                                    for k in ROUTES)
 
 
+def memory_line(args, m: dict) -> str:
+    return (f"idle clients ({args.idle}, raw httpx): server RSS per idle client: session {m['sessions'] / 1024:.1f} KB,"
+            f" its training run {m['runs'] / 1024:.1f} KB, its long-poll + heartbeats {m['polls'] / 1024:.1f} KB;"
+            f" server threads {m['threads'][0]} -> {m['threads'][1]}")
+
+
 def report(args, per_n: dict[int, dict], idle: dict | None, busy: float | None) -> None:
     """Every table again, together (each row was printed as it was measured)."""
     print()
@@ -381,11 +387,8 @@ def report(args, per_n: dict[int, dict], idle: dict | None, busy: float | None) 
               + ", ".join(f"{k} {last['routes'][k][0] / first['routes'][k][0]:.2f}x" for k in ROUTES)
               + "  (goal <= 1.5x)")
     if idle is not None:
-        m = idle["memory"]
         print()
-        print(f"idle clients ({args.idle}, raw httpx): server RSS per idle client: session {m['sessions'] / 1024:.1f} KB,"
-              f" its training run {m['runs'] / 1024:.1f} KB, its long-poll + heartbeats {m['polls'] / 1024:.1f} KB;"
-              f" server threads {m['threads'][0]} -> {m['threads'][1]}")
+        print(memory_line(args, idle["memory"]))
     if busy is not None:
         print(f"CPU pressure during the run: {100 * busy:.0f}% of the time some task waited for a CPU "
               "(timings are not reliable above ~25%; counts are)")
@@ -399,7 +402,8 @@ async def run_all(args, tmp: Path) -> tuple[dict, dict | None]:
     for n in args.runs:
         if n == max(args.runs) and args.idle and idle is None:
             idle = await measure_idle(args, tmp)
-            print(row("10", idle["without"]) + "\n" + row(f"10+{args.idle}i", idle["with"]), flush=True)
+            print(row("10", idle["without"]) + "\n" + row(f"10+{args.idle}i", idle["with"]) + "\n"
+                  + memory_line(args, idle["memory"]), flush=True)
         t = time.perf_counter()
         per_n[n] = await measure_n(args, tmp, n)
         print(row(str(n), per_n[n]) + f"   ({time.perf_counter() - t:.0f}s)\n" + route_row(str(n), per_n[n]),
