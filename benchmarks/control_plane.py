@@ -167,8 +167,12 @@ class Server:
         self.hook_port = free_port()
         env = {"CONTROL_PLANE_HOOK_PORT": str(self.hook_port),
                "PYTHONPATH": os.pathsep.join([str(HOOK_DIR), os.environ.get("PYTHONPATH", "")])}
-        self.proc = ServerProcess(tmp / name, env=env, checkout=checkout,
-                                  args=("--gap-timeout-s", "3600", *extra)).start()
+        self.proc = ServerProcess(tmp / name, env=env, checkout=checkout, args=("--gap-timeout-s", "3600", *extra))
+        try:
+            self.proc.start()
+        except BaseException:  # a kill while it starts: the process is ended all the same
+            self.proc.stop()
+            raise
         self.ps = psutil.Process(self.proc.proc.pid)
 
     def hook(self, since: int = 0) -> dict:
