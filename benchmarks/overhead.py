@@ -12,8 +12,9 @@ of each, and never run concurrently: the server is idle while (a) runs, and (a)'
 idle while (b) runs. Prints median / p90 step time of each, the median overhead (b - a) in ms
 (difference of medians, and median of the paired per-round differences, which is steadier
 on a busy machine), the ratio median(b) / median(a), and a server-side breakdown from
-/metrics (cycles per step, time in cycles, time outside cycles). Target (issue): overhead
-<= 10 ms per step at the median, ratio <= 1.10.
+/metrics (cycles per step, time in cycles, time outside cycles). Targets (issue 42, on an idle
+2-core CPU): the pipelined step at most 5 ms over the in-process one (paired median), each POST
+answered in <= 0.5 ms of server time, a cycle <= 1 ms over the same work in process.
 
     .venv/bin/python benchmarks/overhead.py [--steps 40] [--hidden 256] [--layers 4] \
         [--batch 4] [--seq-len 96]
@@ -245,10 +246,9 @@ def report(args, times: dict[str, list[float]], server_steps, busy: bool) -> Non
         paired = "" if m == "a" else f"{statistics.median(b - a for a, b in zip(ms['a'], ms[m])):+.1f}"
         ratio = "" if m == "a" else f"{med / med_a:.3f}"
         print(f"{label:<22}{len(ms[m]):>6}{med:>11.1f}{p90:>9.1f}{over:>13}{paired:>11}{ratio:>8}")
-    med_b = statistics.median(ms["pipelined"])
-    ok = med_b - med_a <= 10.0 and med_b / med_a <= 1.10
-    verdict = "not judged (busy machine)" if busy else ("MET" if ok else "NOT MET")
-    print(f"target (pipelined): overhead <= 10 ms and ratio <= 1.10 -> {verdict}")
+    paired_b = statistics.median(b - a for a, b in zip(ms["a"], ms["pipelined"]))
+    verdict = "not judged (busy machine)" if busy else ("MET" if paired_b <= 5.0 else "NOT MET")
+    print(f"target (pipelined): paired overhead <= 5 ms -> {verdict}")
     print("  overhead = median(b) - median(a); paired = median over rounds of (b_i - a_i)")
 
     print()
@@ -271,7 +271,8 @@ def report(args, times: dict[str, list[float]], server_steps, busy: bool) -> Non
           " '- (a)': minus (a)'s median")
     print("  outside: client step time minus in-cycle time (HTTP, SDK, (de)serialisation, waits"
           " before a cycle starts, long-poll wake-up)")
-    print("  fb/optim http: server time answering those POSTs (decode, validate, enqueue)")
+    print("  fb/optim http: server time answering those POSTs (decode, validate, enqueue); targets: <= 0.5 ms each,"
+          " '- (a)' <= 1 ms")
 
 
 if __name__ == "__main__":

@@ -200,10 +200,12 @@ class ServerConfig(BaseSettings):
     """how long a model's later seq_ids wait for a missing earlier one before it is skipped"""
     # The SDK posts optim_step once its forward_backward POST has returned: 8.4 ms later (median of 27
     # steps; p90 9.6, max 11.7; SDK 0.38 on loopback, a loaded 2-core CPU). 50 ms covers a slower client
-    # five times over and stays below one cycle of a GPU step; only clients seen pipelining wait at all.
+    # five times over; the wait overlaps the pass already launched (scheduler.join_optim), so on a CPU,
+    # where the pass outlasts the gap, there is nothing left to wait for when it ends.
     gather_window_s: float = Field(0.05, ge=0)
-    """how long a pipelining client's forward_backward waits for its optim_step, to share a cycle (only clients
-    seen posting optim_step before their forward_backward finished wait)"""
+    """how long after a pipelining client's forward_backward arrived its running cycle waits for its optim_step
+    to join it, while the pass runs (only clients seen posting optim_step before their forward_backward finished
+    are waited for; the forward_backward itself never waits)"""
     max_datums_per_request: int = Field(1024, ge=1)
     """datums per forward_backward request (the SDK chunks to this)"""
     max_targets_per_position: int = Field(100, ge=1)

@@ -3,7 +3,8 @@
 It alternates a training cycle and a sampling round:
 
     plan = scheduler.next_plan()              what runs together (scheduler.py)
-    worker.run_cycle(plan)                    fused pass, optimizer steps, saves/loads (worker.py)
+    worker.run_cycle(plan)                    fused pass, optimizer steps, saves/loads (worker.py);
+                                              optim_steps that arrive during the pass join it
     every request of the plan still pending   fails with category "server": nothing hangs
     sampling.run_round(...)                   if the sampling backend shares the device
 
@@ -88,7 +89,8 @@ class DeviceLoop:
         start = time.perf_counter()
         message = UNANSWERED
         try:
-            self.worker.run_cycle(plan, on_compute_answered=self.scheduler.compute_done)
+            self.worker.run_cycle(plan, on_compute_answered=self.scheduler.compute_done,
+                                  join_optim=lambda: self._join_optim(plan))
         except Exception as e:
             log.exception("a training cycle failed")
             message = f"the server failed while running this request ({type(e).__name__}: {e}); resubmit it"
@@ -109,6 +111,18 @@ class DeviceLoop:
             self.on_cycle(plan, seconds)
         except Exception:  # an observer must not stop the loop
             log.exception("a cycle observer failed")
+
+    def _join_optim(self, plan: CyclePlan) -> None:
+        """Between the cycle's pass and its optimizer steps: the optim_steps that arrived meanwhile
+        join the plan, and while a pipelining model's is still expected (scheduler.join_optim) the
+        loop waits for it, the device busy with the pass launched before (a producer's ring ends
+        the wait early; the loop plans again after every cycle, so no other ring is lost)."""
+        while True:
+            self.wake.clear()
+            wait_until = self.scheduler.join_optim(plan)
+            if wait_until is None or self._stopping:
+                return
+            self.wake.wait(max(0.0, wait_until - self.scheduler.clock()))
 
     def _sampling_round(self) -> None:
         share = min(self.scheduler.last_cycle_seconds, self.round_seconds)

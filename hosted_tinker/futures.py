@@ -4,6 +4,10 @@ A result is written to SQLite first (so an acknowledged result survives a crash)
 memory for fast delivery, then every waiter on that id is woken through its asyncio event. No
 waiter ever sleeps and re-checks: `retrieve_future` answers the moment the scheduler resolves
 the future, or after the long-poll window with `try_again`.
+
+A cycle answers its requests together (`answering`): their results, and the `last_request_at` of
+the training runs they touched, are written in one transaction, then all are published, so a
+cycle's writes cost one commit however many tenants it ran.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .request_types import Failure
@@ -26,6 +32,14 @@ class FutureResult:
     is_proto: bool
     failed: bool
     resolved_at: float
+    owner: str | None = None  # whose request it was, where this process created it
+
+
+@dataclass(frozen=True)
+class KnownFuture:
+    """A request this process holds in memory: its owner, and its result (None while pending)."""
+    owner: str
+    result: FutureResult | None
 
 
 class FutureStore:
@@ -35,13 +49,16 @@ class FutureStore:
         self.clock = clock  # when a result is kept from, for prune(); injectable so that tests step it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
-        self._results: dict[str, FutureResult] = {}
+        # In the order they were resolved, so that prune() pops the old ones off the front: the event loop
+        # never walks every result held (a busy server holds keep_in_memory_s of them).
+        self._results: OrderedDict[str, FutureResult] = OrderedDict()
         self._events: dict[str, asyncio.Event] = {}
         self.resolved_total = 0
         # Unfinished requests per owner, for per-key back-pressure.
         self._pending_owner: dict[str, str] = {}
         self.pending_by_owner: dict[str, int] = {}
         self._on_finish: dict[str, Callable[[], None]] = {}  # what an unfinished request gives back when it ends
+        self._batch = threading.local()  # answers held by `answering` on this thread, written together
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -87,12 +104,38 @@ class FutureStore:
             self.fail(rid, message, "server")
         return pending
 
+    @contextmanager
+    def answering(self, touched_models: Iterable[str] = ()) -> Iterator[None]:
+        """The answers given on this thread inside the block are written to SQLite in one transaction
+        at its end, with `touched_models`' last_request_at, then published and their waiters woken.
+        If the block raises, what it answered is still written and published; if the write raises,
+        nothing is published (the requests stay pending, for the caller to fail)."""
+        if getattr(self._batch, "rows", None) is not None:  # nested: the outer block writes
+            yield
+            return
+        self._batch.rows = rows = []
+        try:
+            yield
+        finally:
+            self._batch.rows = None
+            self.store.complete_futures(rows, touched_models=list(touched_models))
+            for rid, payload, is_proto, failed in rows:
+                self._publish(rid, payload, is_proto=is_proto, failed=failed)
+
     def _finish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
+        rows = getattr(self._batch, "rows", None)
+        if rows is not None:
+            rows.append((request_id, payload, is_proto, failed))
+            return
         self.store.complete_future(request_id, payload, is_proto, failed)
+        self._publish(request_id, payload, is_proto=is_proto, failed=failed)
+
+    def _publish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
+        """A written result, in memory for its waiters, who are woken; its request's on_finish runs."""
         with self._lock:
-            self._results[request_id] = FutureResult(payload, is_proto, failed, self.clock())
-            self.resolved_total += 1
             owner = self._pending_owner.pop(request_id, None)
+            self._results[request_id] = FutureResult(payload, is_proto, failed, self.clock(), owner)
+            self.resolved_total += 1
             if owner is not None:
                 self.pending_by_owner[owner] -= 1
                 if not self.pending_by_owner[owner]:  # one entry per key with work, not per key ever seen
@@ -109,6 +152,17 @@ class FutureStore:
             event.set()
 
     # -- retrieval (event-loop thread) ---------------------------------------------------------
+    def known(self, request_id: str) -> KnownFuture | None:
+        """The request if this process holds it in memory (pending, or resolved and not yet pruned),
+        with its owner: a long-poll on it needs no SQLite read and no trip to a thread. None: ask
+        the store (a request of an earlier process, or one pruned from memory)."""
+        with self._lock:
+            hit = self._results.get(request_id)
+            if hit is not None and hit.owner is not None:
+                return KnownFuture(hit.owner, hit)
+            owner = self._pending_owner.get(request_id)
+        return None if owner is None else KnownFuture(owner, None)
+
     def lookup(self, request_id: str) -> FutureResult | None:
         with self._lock:
             hit = self._results.get(request_id)
@@ -151,5 +205,8 @@ class FutureStore:
         """Drop in-memory results older than the keep window (they stay in SQLite)."""
         cutoff = self.clock() - self.keep_in_memory_s
         with self._lock:
-            for rid in [r for r, v in self._results.items() if v.resolved_at < cutoff]:
+            while self._results:
+                rid, oldest = next(iter(self._results.items()))
+                if oldest.resolved_at >= cutoff:
+                    break
                 del self._results[rid]

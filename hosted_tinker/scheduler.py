@@ -13,18 +13,30 @@ that follows a save/load waits for the next cycle.
 
 The scheduler owns no thread: the `DeviceLoop` (device_loop.py) asks it for the next plan and
 sleeps until work arrives (`on_work`) or the plan's deadline passes; nothing sleeps and
-re-checks. The only deadlines: a `seq_id` gap that has been open for `gap_timeout_s` is skipped
-(the SDK advances its counter even when a submission failed for good), and a model that
-pipelines (posts optim_step before its forward_backward finished) gets a short
-`gather_window_s` for that optim_step to arrive, so fb + optim land in the same cycle. Time comes
-from an injectable `clock`.
+re-checks. The only deadline between cycles: a `seq_id` gap that has been open for
+`gap_timeout_s` is skipped (the SDK advances its counter even when a submission failed for good).
+Time comes from an injectable `clock`.
+
+A plan visits only the models that may have work: those a request, a skip or a dropped part
+woke since they were last planned, and those whose gap just timed out. A model whose queue is
+empty, or blocked on a missing `seq_id`, leaves the round-robin order until one of those wakes it,
+so a plan costs the same however many idle training runs are open.
+
+A pipelining client (the SDK posts optim_step as soon as its forward_backward POST returns) gets
+its forward_backward run at once, and its optim_step joins the running cycle if it arrives
+before the cycle launches its optimizer steps (`join_optim`): on a CPU the pass is longer than
+the SDK's gap between the two POSTs. A model seen pipelining gets up to `gather_window_s` after
+its forward_backward arrived for its optim_step to come, waited out while the device runs the
+pass (device_loop.py), never before it.
 
 An unload closes the model's queue, so nothing per model outlives it; a request that still
 reaches a closed queue comes back in the next plan as `orphaned`, to be answered there.
 
 Fair share: a cycle packs compute up to `max_tokens_per_cycle` tokens and `max_models_per_cycle`
 models, taking models in round-robin order; a model left out (or cut short) for lack of room
-goes first in the next cycle, so a tenant with a huge queue cannot starve small ones.
+goes first in the next cycle, and the models that ran go last, so a tenant with a huge queue
+cannot starve small ones. A plan stops looking once the budget is full: with a thousand busy
+runs it still visits about `max_models_per_cycle` of them.
 
 A compute request larger than a cycle's budget arrives in parts (`Request.more`, made by
 `services/training.py`): each cycle plans its next part alone (`final=False` until the last), the
@@ -39,6 +51,7 @@ the gradients from before the request (worker.py); a failed request's later part
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -146,6 +159,11 @@ class _CycleBudget:
     tokens: int = 0
     models: set[str] = field(default_factory=set)
 
+    @property
+    def full(self) -> bool:
+        """No other model's compute fits: the plan need look at no more models."""
+        return self.tokens >= self.max_tokens or len(self.models) >= self.max_models
+
     def admit(self, mid: str, take: list[Request]) -> int:
         """How many of `take`'s leading compute requests fit, counted in."""
         admitted = 0
@@ -191,11 +209,17 @@ class ClockCycleScheduler:
         self.gather_window_s = gather_window_s
         self._lock = threading.Lock()
         self._queues: dict[str, _ModelQueue] = {}
-        self._rr: list[str] = []  # round-robin order of models, rotated every cycle
+        # The models a plan visits, in round-robin order (rotated every cycle): those that may have
+        # ready work. Idle models are not in it, so a plan never costs more for them.
+        self._rr: dict[str, None] = {}
+        self._gaps: list[tuple[float, str]] = []  # heap of (when its gap times out, model) of parked models
+        self._queued = 0  # requests in all the queues (the queue_depth gauge, read every cycle)
         self._after: list[Request] = []
         self._orphaned: list[Request] = []  # requests of models with no queue (unloaded): answered next cycle
         # metrics
         self.cycles = 0
+        self.plan_visits = 0  # models looked at by plans (a plan visits only models that may have work)
+        self.joined_optim_steps = 0  # optim_steps that joined the cycle running their model's compute
         self.last_cycle_models = 0
         self.last_cycle_requests = 0
         self.last_cycle_seconds = 0.0
@@ -206,7 +230,6 @@ class ClockCycleScheduler:
         with self._lock:
             if model_id not in self._queues:
                 self._queues[model_id] = _ModelQueue(first_seq)
-                self._rr.append(model_id)
 
     def has_model(self, model_id: str) -> bool:
         with self._lock:
@@ -232,6 +255,8 @@ class ClockCycleScheduler:
                 if req.kind == RequestKind.OPTIM_STEP and q.in_flight_compute:
                     q.pipelined = True
                 q.pending[req.seq_id] = req
+                self._queued += 1
+                self._rr.setdefault(req.model_id)
         self._on_work()
 
     def compute_done(self, model_ids) -> None:
@@ -248,7 +273,7 @@ class ClockCycleScheduler:
     def has_training_work(self) -> bool:
         """Whether a cycle could run now (a model whose next request waits for its images could not)."""
         with self._lock:
-            heads = (q.ready()[:1] for q in self._queues.values())
+            heads = (self._queues[m].ready()[:1] for m in self._rr)
             return any(head and not _waits_for_images(head[0]) for head in heads) or bool(self._after or self._orphaned)
 
     def submit_after_queue(self, req: Request) -> None:
@@ -267,6 +292,7 @@ class ClockCycleScheduler:
                 return
             q.skipped.add(seq_id)
             q.advance_past_skipped()
+            self._rr.setdefault(model_id)
         self._on_work()
 
     def drop_rest(self, req: Request) -> None:
@@ -277,30 +303,57 @@ class ClockCycleScheduler:
             rest = q.pending.get(req.seq_id) if q is not None else None
             if rest is None or rest.request_id != req.request_id:
                 return
-            del q.pending[req.seq_id]
-            q.next_seq = req.seq_id + 1
-            q.advance_past_skipped()
+            self._take(q, rest)
+            self._rr.setdefault(req.model_id)
         self._on_work()
 
     def queue_depth(self) -> int:
         with self._lock:
-            return sum(len(q.pending) for q in self._queues.values())
+            return self._queued
 
     def pipelining_models(self) -> int:
-        """Models whose client is known to pipeline: their forward_backward waits for its optim_step."""
+        """Models whose client is known to pipeline: their cycle waits for its optim_step while the pass runs."""
         with self._lock:
             return sum(q.pipelined for q in self._queues.values())
 
     # -- the device loop's side -------------------------------------------------------------------
     def next_plan(self) -> tuple[CyclePlan, float | None]:
         """The next cycle's plan (possibly empty), and when to ask again if nothing arrives
-        before then (a seq_id gap's timeout or a pipelined model's gather window; None: never)."""
+        before then (a seq_id gap's timeout; None: never)."""
         with self._lock:
             plan, deadline = self._plan()
             if plan:
                 # Counted as it starts: the count never lags an answer the cycle gives.
                 self.cycles += 1
             return plan, deadline
+
+    def join_optim(self, plan: CyclePlan) -> float | None:
+        """Add to the running `plan` the optim_steps that arrived since it was planned, each right
+        after its model's compute in the plan (the model's next request, and the model has nothing
+        else in the plan); return until when the cycle may wait for more (a model seen pipelining,
+        up to `gather_window_s` after its forward_backward arrived), or None."""
+        with self._lock:
+            now = self.clock()
+            last = {r.model_id: r for r in plan.compute}  # each model's last compute request in the plan
+            for r in plan.optim + plan.tail:
+                last.pop(r.model_id, None)
+            wait_until: float | None = None
+            for mid, compute in last.items():
+                q = self._queues.get(mid)
+                if q is None or not compute.final:  # unloaded, or a request in parts with more to come
+                    continue
+                following = q.pending.get(q.next_seq)
+                if following is not None and following.kind == RequestKind.OPTIM_STEP:
+                    self._take(q, following)
+                    plan.optim.append(following)
+                    self.joined_optim_steps += 1
+                elif following is None and q.pipelined:
+                    until = compute.arrived_at + self.gather_window_s
+                    if now < until:
+                        wait_until = _earliest(wait_until, until)
+                    else:
+                        q.pipelined = False  # the window passed with no optim_step: stop waiting for one
+            return wait_until
 
     def cycle_done(self, plan: CyclePlan, seconds: float) -> None:
         """The plan has run (every request answered): account for the cycle."""
@@ -317,89 +370,83 @@ class ClockCycleScheduler:
     def _plan(self) -> tuple[CyclePlan, float | None]:
         """Build the next cycle (called with the lock held). Also returns the next deadline."""
         now = self.clock()
+        self._wake_timed_out_gaps(now)
         plan = CyclePlan()
-        deadline: float | None = None
-        held: list[list[Request]] = []  # pipelining models' compute waiting for their optim_step
         deferred: list[str] = []  # models cut short by the budget: first in line next cycle
+        ran: list[str] = []  # models with work in this plan: last in line next cycle
+        order, unvisited = list(self._rr), []
         budget = _CycleBudget(self.max_tokens_per_cycle, self.max_models_per_cycle)
-        for mid in list(self._rr):
-            take, wait_until = self._ready_prefix(mid, now)
-            deadline = _earliest(deadline, wait_until)
+        for i, mid in enumerate(order):
+            if budget.full:  # the rest keep their place, ahead of the models that ran
+                unvisited = order[i:]
+                break
+            take = self._ready_prefix(mid, now)
             admitted = budget.admit(mid, take)
             if admitted < sum(r.kind in COMPUTE for r in take):
                 take = take[:admitted]
                 deferred.append(mid)
-            if not take:
-                continue
-            wait_until = self._gather_window(mid, take, now, cut_short=mid in deferred)
-            if wait_until is not None:
-                held.append(take)
-                deadline = _earliest(deadline, wait_until)
-                continue
-            self._add(plan, take)
+            if take:
+                self._add(plan, take)
+                if mid not in deferred:
+                    ran.append(mid)
         unloads = [r.model_id for r in self._after if r.kind == RequestKind.UNLOAD_MODEL]
         plan.tail.extend(self._after)
         self._after = []
-        if plan:
-            # Held models ride along with the others rather than delaying the cycle.
-            for take in held:
-                self._add(plan, take)
-            rest = [m for m in self._rr if m not in deferred]
-            if rest:
-                rest.append(rest.pop(0))
-            self._rr = deferred + rest
+        if plan:  # a model whose queue the plan emptied leaves the order now, not at its next visit
+            self._rr = dict.fromkeys(m for m in deferred + unvisited + ran
+                                     if m in self._rr and self._queues[m].pending)
         for mid in unloads:
             self._close(mid)
         plan.orphaned, self._orphaned = self._orphaned, []
-        return plan, (None if plan else deadline)
+        return plan, (None if plan or not self._gaps else self._gaps[0][0])
 
-    def _ready_prefix(self, mid: str, now: float) -> tuple[list[Request], float | None]:
-        """What the model may add to this cycle (`_prefix` of its ready requests), or, while its next
-        seq_id is missing, nothing and when the gap times out."""
+    def _ready_prefix(self, mid: str, now: float) -> list[Request]:
+        """What the model may add to this cycle (`_prefix` of its ready requests). A model with
+        nothing ready leaves the round-robin order: for good while its queue is empty, parked
+        until its gap times out while its next seq_id is missing (any request wakes it sooner)."""
+        self.plan_visits += 1
         q = self._queues[mid]
         ready = q.ready()
         if not ready:
-            ready, gap_deadline = self._handle_gap(mid, q, now)
+            ready = self._handle_gap(mid, q, now)
             if not ready:
-                return [], gap_deadline
+                del self._rr[mid]
+                return []
         q.gap_since = None
-        return self._prefix(ready), None
+        return self._prefix(ready)
 
-    def _gather_window(self, mid: str, take: list[Request], now: float, *, cut_short: bool) -> float | None:
-        """Until when a pipelining model's forward_backward waits for its optim_step to arrive, so that
-        both run in this cycle instead of costing two; None: it goes now."""
-        q = self._queues[mid]
-        # Only forward_backward waits for an optim_step (a forward never has one).
-        only_fb = all(r.kind == RequestKind.FORWARD_BACKWARD for r in take)
-        if not (only_fb and q.pipelined and not cut_short and not take[-1].more):
-            return None
-        until = max(r.arrived_at for r in take) + self.gather_window_s
-        if now < until:
-            return until
-        q.pipelined = False  # the window passed with no optim_step: stop waiting for one
-        return None
+    def _wake_timed_out_gaps(self, now: float) -> None:
+        """Models parked on a gap whose timeout has come go back into the round-robin order."""
+        while self._gaps and self._gaps[0][0] <= now:
+            _, mid = heapq.heappop(self._gaps)
+            if mid in self._queues:  # else unloaded since it was parked
+                self._rr.setdefault(mid)
 
     def _close(self, model_id: str) -> None:
-        """Forget a model that is being unloaded: nothing per model outlives it."""
+        """Forget a model that is being unloaded: nothing per model outlives it (a parked model's
+        entry in the gap heap is skipped when it comes due)."""
         q = self._queues.pop(model_id, None)
         if q is None:
             return
         self._orphaned.extend(q.pending[s] for s in sorted(q.pending))
-        self._rr = [m for m in self._rr if m != model_id]
+        self._queued -= len(q.pending)
+        self._rr.pop(model_id, None)
 
-    def _handle_gap(self, mid: str, q: _ModelQueue, now: float) -> tuple[list[Request], float | None]:
-        """A model whose next seq_id is missing: wait for it, up to gap_timeout_s, then skip it."""
+    def _handle_gap(self, mid: str, q: _ModelQueue, now: float) -> list[Request]:
+        """A model whose next seq_id is missing: parked until gap_timeout_s has passed, then the gap
+        is skipped."""
         if not q.pending:
-            return [], None
+            return []
         if q.gap_since is None:
             q.gap_since = now
         if now - q.gap_since < self.gap_timeout_s:
-            return [], q.gap_since + self.gap_timeout_s
+            heapq.heappush(self._gaps, (q.gap_since + self.gap_timeout_s, mid))
+            return []
         lowest = min(q.pending)
         log.warning("model %s: seq_id %d..%d never arrived after %.0fs; skipping the gap",
                     mid, q.next_seq, lowest - 1, self.gap_timeout_s)
         q.next_seq, q.gap_since = lowest, None
-        return q.ready(), None
+        return q.ready()
 
     def _prefix(self, ready: list[Request]) -> list[Request]:
         """The longest prefix of the module docstring's form. A part of a request in parts is its
@@ -440,6 +487,13 @@ class ClockCycleScheduler:
             _waits_for_images(later, ask=True)
         return False
 
+    def _take(self, q: _ModelQueue, r: Request) -> None:
+        """`r`, the next request of its queue, leaves it: the queue moves on to the next seq_id."""
+        del q.pending[r.seq_id]
+        self._queued -= 1
+        q.next_seq = r.seq_id + 1
+        q.advance_past_skipped()
+
     def _add(self, plan: CyclePlan, take: list[Request]) -> None:
         q = self._queues[take[0].model_id]
         for r in take:
@@ -449,9 +503,7 @@ class ClockCycleScheduler:
                 q.in_flight_compute = True
                 plan.compute.append(replace(r, more=[], final=False))
                 return
-            del q.pending[r.seq_id]
-            q.next_seq = r.seq_id + 1
-            q.advance_past_skipped()
+            self._take(q, r)
             if r.kind in COMPUTE:
                 q.in_flight_compute = True  # until compute_done / cycle_done
                 plan.compute.append(r)

@@ -246,9 +246,6 @@ class Store:
     def set_model_status(self, model_id: str, status: str) -> None:
         self._exec("UPDATE models SET status=? WHERE model_id=?", (status, model_id))
 
-    def touch_model(self, model_id: str) -> None:
-        self._exec("UPDATE models SET last_request_at=? WHERE model_id=?", (time.time(), model_id))
-
     def count_active_models(self, owner: str) -> int:
         return self._one("SELECT COUNT(*) FROM models WHERE owner=? AND status='active'", (owner,))[0]
 
@@ -283,6 +280,20 @@ class Store:
         self._exec(
             "UPDATE futures SET status=?, result=?, result_is_proto=?, completed_at=? WHERE request_id=?",
             ("failed" if failed else "done", result, int(is_proto), time.time(), request_id))
+
+    def complete_futures(self, results: list[tuple[str, bytes, bool, bool]], touched_models: list[str]) -> None:
+        """A cycle's answers, (request_id, result, is_proto, failed) each, and the last_request_at of
+        the training runs it ran, in one transaction: one commit per cycle, not one per request."""
+        if not results and not touched_models:
+            return
+        now = time.time()
+        with self.db.transaction() as connection:
+            connection.executemany(
+                "UPDATE futures SET status=?, result=?, result_is_proto=?, completed_at=? WHERE request_id=?",
+                [("failed" if failed else "done", result, int(is_proto), now, request_id)
+                 for request_id, result, is_proto, failed in results])
+            connection.executemany("UPDATE models SET last_request_at=? WHERE model_id=?",
+                                   [(now, model_id) for model_id in touched_models])
 
     def get_future(self, request_id: str) -> FutureRecord | None:
         return self._record(FutureRecord, "SELECT * FROM futures WHERE request_id=?", (request_id,))
@@ -453,7 +464,9 @@ class Store:
     def record_losses(self, rows: list[tuple[str, int, int, bool, float]]) -> None:
         """(model_id, seq_id, step, forward_only, loss_sum) per finished request; a retry replaces its row."""
         now = time.time()
-        self.db.executemany(
+        if not rows:
+            return
+        self.db.executemany(  # one write on the writer (one commit), however many tenants the cycle ran
             "INSERT OR REPLACE INTO request_losses(model_id, seq_id, step, forward_only, loss_sum, created_at)"
             " VALUES (?,?,?,?,?,?)", [(m, q, s, int(f), loss, now) for m, q, s, f, loss in rows])
 

@@ -73,23 +73,31 @@ class TrainingWorker:
         self.failed_passes = 0  # passes that raised (each rerun in halves: isolation.py)
         self.isolation_reruns = 0  # the passes run to find which request failed a pass
 
-    def run_cycle(self, plan: CyclePlan, on_compute_answered: Callable[[set[str]], None]) -> None:
+    def run_cycle(self, plan: CyclePlan, on_compute_answered: Callable[[set[str]], None],
+                  join_optim: Callable[[], None] = lambda: None) -> None:
         """Run the plan, answering each request as it completes. The passes and the optimizer
         steps are launched, then the cycle waits for the device once and reads them all (on a GPU
-        the cycle's one host sync). `on_compute_answered` hears which models' compute results are
-        handed out, just before the first of them is (a request that a client posts once it has
-        seen its result then always finds the scheduler told: it is never taken for a pipelining
-        client's)."""
+        the cycle's one host sync). `join_optim` runs once the passes are launched: it may add
+        optim_steps that arrived meanwhile to `plan.optim`. `on_compute_answered` hears which
+        models' compute results are handed out, just before the first of them is (a request that
+        a client posts once it has seen its result then always finds the scheduler told: it is
+        never taken for a pipelining client's)."""
         self._settle()  # requests that failed since the last cycle (a cycle that raised)
         passes: list[tuple[Request, LaunchedOutcome]] = []
         if plan.compute:
             models = {r.model_id for r in plan.compute}
-            passes = self._launch_compute(plan.compute, answering=lambda: on_compute_answered(models))
+
+            def answering() -> None:
+                join_optim()
+                on_compute_answered(models)
+
+            passes = self._launch_compute(plan.compute, answering=answering)
         steps = self._launch_optim_steps(plan.optim) if plan.optim else None
         self.runtime.wait()
-        self._answer_compute(passes)
-        if steps is not None:
-            self._answer_optim_steps(*steps)
+        with self.futures.answering(touched_models=plan.models):  # one SQLite transaction for them all
+            self._answer_compute(passes)
+            if steps is not None:
+                self._answer_optim_steps(*steps)
         for req in plan.tail:
             self._guarded(req, self._tail_step)
         for req in plan.orphaned:
@@ -326,7 +334,6 @@ class TrainingWorker:
     def _answer_optim_step(self, req: Request, result: dict[str, float] | SkippedStep) -> None:
         if isinstance(result, SkippedStep):
             raise UserError(result.reason)
-        self.store.touch_model(req.model_id)
         self.futures.resolve(req.request_id, OptimStepResult(result).to_wire())
 
     # -- lifecycle and checkpoints ---------------------------------------------------------------

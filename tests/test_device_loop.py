@@ -55,7 +55,7 @@ class ScriptedWorker:
         for r in plan.requests:
             self.futures.resolve(r.request_id, {"ok": r.request_id})
 
-    def run_cycle(self, plan: CyclePlan, on_compute_answered) -> None:
+    def run_cycle(self, plan: CyclePlan, on_compute_answered, join_optim=lambda: None) -> None:
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(WAIT), "test never released the gate"

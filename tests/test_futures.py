@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hosted_tinker.futures import FutureStore
+from hosted_tinker.futures import FutureStore, KnownFuture
 from hosted_tinker.store import Store
 
 
@@ -228,3 +228,53 @@ def test_on_finish_runs_once_when_a_new_request_ends(store):
     futures.fail(failed, "bad input")
     futures.fail_unanswered([done, failed], "the cycle ended")  # both answered already: nothing more
     assert ended == ["done", "failed"]
+
+
+def test_a_request_of_this_process_is_known_with_its_owner_until_pruned(store):
+    """known(): a pending or resolved request this process created, with its owner (what
+    retrieve_future checks the caller against, with no SQLite read); None for one it does not hold
+    in memory (another process's, or pruned), which the route reads from SQLite as before."""
+    now = [1000.0]
+    futures = FutureStore(store, keep_in_memory_s=60.0, clock=lambda: now[0])
+    rid, _ = futures.create("alice", "forward", "m1", 0)
+    assert futures.known(rid) == KnownFuture("alice", None)
+    futures.resolve(rid, {"v": 1})
+    known = futures.known(rid)
+    assert known.owner == "alice" and json.loads(known.result.payload) == {"v": 1}
+    assert futures.known("req-unknown") is None
+    now[0] += 61.0
+    futures.prune()
+    assert futures.known(rid) is None
+    assert FutureStore(store).known(rid) is None  # a later process reads it from SQLite
+
+
+def test_answers_given_in_a_batch_are_written_and_visible_together_at_its_end(store):
+    """answering(): the results given inside the block are neither in SQLite nor visible to a waiter
+    until the block ends; then all are, with the touched runs' last_request_at, in one go."""
+    store.create_model("m1", "s", "alice", "base", {}, {}, {})
+    futures = FutureStore(store)
+    ids = [futures.create("alice", "forward", "m1", seq)[0] for seq in (1, 2)]
+    touched_before = store.get_model("m1").last_request_at
+    with futures.answering(touched_models=["m1"]):
+        futures.resolve(ids[0], {"v": 1})
+        futures.fail(ids[1], "no", "user")
+        assert futures.lookup(ids[0]) is None and futures.is_pending(ids[1])
+        assert store.get_future(ids[0]).status == "pending"
+    assert json.loads(futures.lookup(ids[0]).payload) == {"v": 1} and futures.lookup(ids[1]).failed
+    assert [store.get_future(i).status for i in ids] == ["done", "failed"]
+    assert store.get_model("m1").last_request_at > touched_before
+
+
+def test_a_batch_whose_write_fails_publishes_nothing(store, monkeypatch):
+    """If the batch's one transaction fails, no answer of it is visible: they stay pending, for the
+    device loop to fail (fail_unanswered), never answered in memory but lost on disk."""
+    futures = FutureStore(store)
+    rid, _ = futures.create("alice", "forward", "m1", 1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store, "complete_futures", disk_full)
+    with pytest.raises(OSError), futures.answering():
+        futures.resolve(rid, {"v": 1})
+    assert futures.is_pending(rid) and futures.lookup(rid) is None

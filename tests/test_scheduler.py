@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hosted_tinker import scheduler as scheduler_module
 from hosted_tinker.request_types import DatumWork, FBWork, RequestKind
 from hosted_tinker.scheduler import ClockCycleScheduler, CyclePlan, Request
 from hosted_tinker.vision import Pixels
@@ -246,7 +247,8 @@ def test_every_producer_rings_the_loop(clock):
 
 
 def _pipelined(s: ClockCycleScheduler) -> None:
-    """Model a posts optim_step while its forward_backward is in flight: it pipelines."""
+    """Model a posts optim_step while its forward_backward is in flight: it pipelines (its optim
+    came after the pass had started its optimizer steps, so it runs in the next cycle)."""
     s.open_model("a")
     s.submit(req("a", 0))
     plan, _ = s.next_plan()  # fb0 is in flight
@@ -256,45 +258,79 @@ def _pipelined(s: ClockCycleScheduler) -> None:
     assert seqs(run(s).optim) == [("a", 1)]
 
 
-def test_pipelined_model_gathers_fb_with_its_optim(clock, make_sched):
-    """A pipelined model's next fb waits (up to gather_window_s) for its optim so both run in
-    one cycle; the optim's arrival ends the wait."""
+def test_a_pipelined_fb_starts_at_once_and_its_optim_joins_the_running_cycle(clock, make_sched):
+    """A pipelining model's fb is planned at once (no wait before the pass); its optim_step, arriving
+    while the pass runs, joins that cycle (join_optim): one cycle per step, and nothing left queued."""
     s = make_sched(gather_window_s=5.0)
     _pipelined(s)
     s.submit(req("a", 2))
     plan, deadline = s.next_plan()
-    assert not plan and deadline == pytest.approx(clock.now + 5.0)  # fb2 held for its optim
-    clock.advance(1.0)
-    s.submit(req("a", 3, RequestKind.OPTIM_STEP))
-    plan = run(s)
-    assert seqs(plan.compute) == [("a", 2)] and seqs(plan.optim) == [("a", 3)]
+    assert seqs(plan.compute) == [("a", 2)] and plan.optim == [] and deadline is None
+    clock.advance(0.01)
+    s.submit(req("a", 3, RequestKind.OPTIM_STEP))  # during the pass
+    assert s.join_optim(plan) is None  # joined: nothing more to wait for
+    s.cycle_done(plan, 0.0)
+    assert seqs(plan.optim) == [("a", 3)] and s.joined_optim_steps == 1
+    assert not run(s) and s.queue_depth() == 0 and s.expected_seq("a") == 4
 
 
-def test_pipelined_hold_expires_after_gather_window(clock, make_sched):
-    """A held fb whose optim never comes runs alone once gather_window_s has passed."""
+def test_the_running_cycle_waits_for_a_pipelining_models_optim_within_the_window(clock, make_sched):
+    """A model seen pipelining whose optim has not come yet: join_optim says until when to wait for
+    it (the gather window from the fb's arrival); once the window has passed it stops waiting, and
+    stops expecting the model to pipeline."""
     s = make_sched(gather_window_s=0.2)
     _pipelined(s)
     s.submit(req("a", 2))
-    assert not run(s)
+    plan, _ = s.next_plan()
+    assert s.join_optim(plan) == pytest.approx(clock.now + 0.2)
     clock.advance(0.2)
-    plan = run(s)
-    assert seqs(plan.compute) == [("a", 2)] and plan.optim == []
+    assert s.join_optim(plan) is None and plan.optim == [] and s.pipelining_models() == 0
+    s.cycle_done(plan, 0.0)
+    s.submit(req("a", 3, RequestKind.OPTIM_STEP))
+    assert seqs(run(s).optim) == [("a", 3)]
 
 
-def test_held_pipelined_model_rides_along_with_another_models_cycle(make_sched):
-    """A pipelined model's held fb joins a cycle that another model's work triggers."""
+def test_a_model_that_never_pipelined_is_not_waited_for_but_its_arrived_optim_joins(make_sched):
+    """join_optim waits only for models seen pipelining; an optim that is already there joins anyway."""
     s = make_sched(gather_window_s=5.0)
+    s.open_model("a")
     s.open_model("b")
-    _pipelined(s)
-    s.submit(req("a", 2))
-    assert not run(s)
+    s.submit(req("a", 0))
     s.submit(req("b", 0))
-    assert sorted(seqs(run(s).compute)) == [("a", 2), ("b", 0)]
+    plan, _ = s.next_plan()
+    s.submit(req("b", 1, RequestKind.OPTIM_STEP))
+    assert s.join_optim(plan) is None
+    assert seqs(plan.optim) == [("b", 1)]
 
 
-def test_optim_posted_after_compute_answered_is_not_pipelining(make_sched):
+def test_only_the_models_next_request_joins_and_only_an_optim_step(make_sched):
+    """join_optim never reorders a model: an optim behind a missing seq_id, another compute, or a
+    model whose plan already has its optim_step or a tail request, or whose compute is a part with
+    more to come, waits for a cycle of its own."""
+    s = make_sched(max_tokens_per_cycle=100)
+    for m in "abcde":
+        s.open_model(m)
+    s.submit(req("a", 0))
+    s.submit(req("b", 0))
+    s.submit(req("c", 0))
+    s.submit(req("c", 1, RequestKind.OPTIM_STEP))
+    s.submit(req("d", 0))
+    s.submit(Request("d-1", RequestKind.SAVE_WEIGHTS, "d", 1))
+    s.submit(Request("e-0", RequestKind.FORWARD_BACKWARD, "e", 0, tokens=60, more=[(None, 60)]))
+    plan, _ = s.next_plan()
+    s.submit(req("a", 2, RequestKind.OPTIM_STEP))  # seq 1 missing
+    s.submit(req("b", 1))  # compute: cannot join a pass that ran
+    s.submit(req("b", 2, RequestKind.OPTIM_STEP))
+    s.submit(req("c", 2, RequestKind.OPTIM_STEP))
+    s.submit(req("d", 2, RequestKind.OPTIM_STEP))
+    s.submit(req("e", 1, RequestKind.OPTIM_STEP))
+    s.join_optim(plan)
+    assert seqs(plan.optim) == [("c", 1)]
+
+
+def test_optim_posted_after_compute_answered_is_not_pipelining(clock, make_sched):
     """compute_done (the worker answered the fb mid-cycle): an optim posted from then on,
-    even before the cycle ends, does not make the model wait for optims later."""
+    even before the cycle ends, does not make the cycle wait for the model's optims later."""
     s = make_sched(gather_window_s=5.0)
     s.open_model("a")
     s.submit(req("a", 0))
@@ -304,7 +340,8 @@ def test_optim_posted_after_compute_answered_is_not_pipelining(make_sched):
     s.cycle_done(plan, 0.0)
     run(s)
     s.submit(req("a", 2))
-    assert seqs(run(s).compute) == [("a", 2)]
+    plan, _ = s.next_plan()
+    assert seqs(plan.compute) == [("a", 2)] and s.join_optim(plan) is None
 
 
 def test_unpipelined_model_does_not_wait(make_sched):
@@ -343,16 +380,16 @@ def test_a_cycle_counts_as_its_plan_is_handed_out(make_sched):
 
 def test_pipelining_models_are_counted_until_their_window_passes_unused(clock, make_sched):
     """The /metrics gauge of pipelining clients: a model counts once it pipelined, and stops
-    counting when a held fb's window passes with no optim_step."""
+    counting when a cycle's wait for its optim_step passes with none."""
     s = make_sched(gather_window_s=0.2)
     s.open_model("b")
     assert s.pipelining_models() == 0
     _pipelined(s)
     assert s.pipelining_models() == 1
     s.submit(req("a", 2))
-    assert not run(s)
+    plan, _ = s.next_plan()
     clock.advance(0.2)
-    run(s)
+    s.join_optim(plan)
     assert s.pipelining_models() == 0
 
 
@@ -451,3 +488,50 @@ def test_a_request_waits_for_its_images_and_no_one_waits_for_it(make_sched):
     assert s.has_training_work()
     assert seqs(run(s).compute) == [("a", 1), ("a", 2)]
     assert asked[2:] == [third.payload.data[0].pixels]  # next in line now: asked as these run
+
+
+def test_a_plan_visits_no_idle_training_run(monkeypatch, clock, make_sched):
+    """A plan looks only at models that may have work: 1,000 open runs with nothing queued, and 1,000
+    whose next seq_id is missing (a client long-polling a request queued behind a gap), add no
+    visit to any plan of an active model's cycles (visits counted, not time). A parked run comes
+    back when its gap times out, and at once when a request wakes it."""
+    visits = []
+    ready = scheduler_module._ModelQueue.ready
+    monkeypatch.setattr(scheduler_module._ModelQueue, "ready", lambda q: visits.append(q) or ready(q))
+    s = make_sched()
+    for i in range(2000):
+        s.open_model(f"idle-{i}", first_seq=1)
+    for i in range(1000):
+        s.submit(req(f"idle-{i}", 2))  # seq_id 1 never comes
+    run(s)  # parks them
+    s.open_model("a")
+    visits.clear()
+    for seq in range(0, 20, 2):
+        s.submit(req("a", seq))
+        s.submit(req("a", seq + 1, RequestKind.OPTIM_STEP))
+        plan = run(s)
+        assert seqs(plan.compute + plan.optim) == [("a", seq), ("a", seq + 1)]
+    assert len(visits) == 10  # one visit per plan: the active model's
+    s.submit(req("idle-7", 1))  # a request wakes a parked run at once
+    assert seqs(run(s).compute) == [("idle-7", 1), ("idle-7", 2)]
+    clock.advance(GAP)  # the others' gaps time out: each is visited again, and runs (64 per cycle)
+    assert sum(len(run(s).compute) for _ in range(16)) == 999
+
+
+def test_a_plan_stops_at_a_full_budget_and_every_busy_run_gets_its_turn(monkeypatch, make_sched):
+    """1,000 runs with work and room for 64 per cycle: a plan visits about 64 of them, not 1,000, and
+    the round robin runs every one within ceil(1000 / 64) cycles (the ones that ran go last)."""
+    visits = []
+    ready = scheduler_module._ModelQueue.ready
+    monkeypatch.setattr(scheduler_module._ModelQueue, "ready", lambda q: visits.append(q) or ready(q))
+    s = make_sched(max_models_per_cycle=64)
+    for i in range(1000):
+        s.open_model(f"m{i}")
+        s.submit(req(f"m{i}", 0))
+    ran: list[str] = []
+    for _ in range(16):
+        visits.clear()
+        plan = run(s)
+        assert len(plan.compute) == (64 if len(ran) < 960 else 40) and len(visits) <= 65
+        ran += [r.model_id for r in plan.compute]
+    assert sorted(ran) == sorted(f"m{i}" for i in range(1000))

@@ -9,6 +9,8 @@ store write raise, as a server bug would, since a real one cannot be made to fai
 from __future__ import annotations
 
 import json
+import sqlite3
+import threading
 
 import numpy as np
 import pytest
@@ -289,3 +291,69 @@ def test_a_request_whose_images_could_not_be_processed_fails_before_its_pass(wor
         "CMYK image")}
     assert not answer(worker, fine)["failed"]
     assert worker.failed_passes == 0
+
+
+def test_a_cycles_answers_are_written_in_one_transaction_whatever_the_tenants(runtime, tmp_path, monkeypatch):
+    """Four models' forward_backward + optim_step in one cycle: their eight results, their loss-curve
+    rows and the runs' last_request_at are written in two SQLite transactions (the loss rows; the
+    answers with the runs), not one or more per request (transactions counted on every connection
+    the store opens, by a trace callback)."""
+    transactions, open_on = [], set()
+    connect = sqlite3.connect
+
+    def traced(*args, **kwargs):
+        connection = connect(*args, **kwargs)
+
+        def statement(sql: str) -> None:
+            head, thread = sql.lstrip()[:6].upper(), threading.get_ident()
+            if head.startswith("BEGIN"):
+                open_on.add(thread)
+            elif head.startswith(("COMMIT", "ROLLBA")):
+                open_on.discard(thread)
+                transactions.append(sql)
+            elif head.startswith(("INSERT", "UPDATE", "DELETE", "REPLAC")) and thread not in open_on:
+                transactions.append(sql)  # autocommit: a transaction of its own
+
+        connection.set_trace_callback(statement)
+        return connection
+
+    monkeypatch.setattr(sqlite3, "connect", traced)
+    for mid in list(runtime.adapters):
+        runtime.remove_adapter(mid)
+    store = Store(tmp_path / "db.sqlite3")
+    store.create_session("s", "alice", [], {}, None, None)
+    worker = TrainingWorker(runtime, FutureStore(store), store, CheckpointCatalog(store, tmp_path / "ckpt"),
+                            NewWeightsRecorder())
+    try:
+        models = ["a", "b", "c", "d"]
+        for m in models:
+            assert not create(worker, m)["failed"]
+        c = Cycle(worker)
+        ids = [c.add("compute", m, RequestKind.FORWARD_BACKWARD, fb(m)) for m in models]
+        ids += [c.add("optim", m, RequestKind.OPTIM_STEP, AdamParams(learning_rate=1e-3)) for m in models]
+        transactions.clear()
+        c.run()
+        assert len(transactions) == 2, transactions
+        assert not any(answer(worker, r)["failed"] for r in ids)
+        assert [p.requests for p in store.loss_curve("a")] == [1]
+        assert store.get_future(ids[-1]).status == "done"
+    finally:
+        store.close()
+
+
+def test_an_optim_step_that_joins_the_running_cycle_is_stepped_and_answered_in_it(worker):
+    """The device loop's join_optim runs once the pass is launched and before the optimizer steps:
+    an optim_step it adds to the plan then (a pipelining client's, arrived during the pass) is
+    launched with the cycle's steps and answered by it, the cycle still waiting for the device once."""
+    assert not create(worker, "m")["failed"]
+    for _ in range(2):  # the first cycle makes the layout's plans and slot tensors
+        c = Cycle(worker)
+        fb_id = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m"))
+        joined = Cycle(worker)
+        opt_id = joined.add("optim", "m", RequestKind.OPTIM_STEP, AdamParams(learning_rate=1e-3))
+        with SyncAudit() as audit:
+            worker.run_cycle(c.plan, on_compute_answered=lambda models: None,
+                             join_optim=lambda: c.plan.optim.extend(joined.plan.optim))
+    assert dict(audit.reasons) == {"wait_for_device": 1}
+    assert not answer(worker, fb_id)["failed"]
+    assert answer(worker, opt_id)["metrics"]["grad_norm"] > 0

@@ -32,7 +32,7 @@ from ..server import Server
 from ..services.reports import (
     AUDIT_EVENT_TYPES, DASHBOARD_DAYS, MAX_AUDIT_ENTRIES, audit_query, audit_report, usage_by_owner,
 )
-from .deps import credential, get_access, get_server
+from .deps import credential, server_of
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
 
@@ -89,7 +89,7 @@ def _owner_of(server: Server, key: str | None) -> str | None:
 
 
 def _owner(request: Request) -> str | None:
-    return _owner_of(get_server(request), _key(request))
+    return _owner_of(server_of(request), _key(request))
 
 
 def _require_owner(request: Request) -> str:
@@ -113,7 +113,7 @@ def overview(request: Request):
     owner = _owner(request)
     if owner is None:
         return _login_page(request)
-    server = get_server(request)
+    server = server_of(request)
     runs, _ = server.store.list_runs(owner, accessible=False, project_id=None, limit=ROWS, offset=0)
     run_rows = []
     for row in runs:
@@ -139,7 +139,7 @@ def overview(request: Request):
 async def login(request: Request):
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     key = (form.get("api_key") or [""])[0].strip()
-    if _owner_of(get_server(request), key) is None:
+    if _owner_of(server_of(request), key) is None:
         return _login_page(request, "That API key is not accepted by this server.", status=401)
     answer = RedirectResponse("/dashboard", status_code=303)
     answer.set_cookie(COOKIE, key, httponly=True, samesite="strict", path="/dashboard",
@@ -156,7 +156,7 @@ def logout():
 
 def _owned_run(request: Request, run_id: str):
     owner = _require_owner(request)
-    row = get_server(request).store.get_model(run_id)
+    row = server_of(request).store.get_model(run_id)
     if row is None or row.owner != owner:
         raise HTTPException(404, f"training run {run_id!r} not found")
     return row
@@ -167,7 +167,7 @@ def run_page(run_id: str, request: Request):
     if _owner(request) is None:
         return _login_page(request)
     row = _owned_run(request, run_id)
-    server = get_server(request)
+    server = server_of(request)
     return templates.TemplateResponse(request, "run.html", {
         "run": row, "lora": json.loads(row.lora_config), "points": _loss_points(server, run_id),
         "checkpoints": server.store.live_checkpoints(run_id)})
@@ -176,14 +176,14 @@ def run_page(run_id: str, request: Request):
 @router.get("/api/runs/{run_id}/loss")
 def run_loss(run_id: str, request: Request):
     _owned_run(request, run_id)
-    return {"run_id": run_id, "points": _loss_points(get_server(request), run_id)}
+    return {"run_id": run_id, "points": _loss_points(server_of(request), run_id)}
 
 
 @router.get("/api/cycles")
 def cycles(request: Request):
     """Recent clock cycles: how full each was. Server-wide totals, no tenant's identity."""
     _require_owner(request)
-    server = get_server(request)
+    server = server_of(request)
     queued = sum(served.scheduler.queue_depth() for served in server.models)
     return {"cycles": request.app.state.metrics.recent_cycles(), "queue_depth": queued,
             "max_tokens_per_cycle": server.config.max_tokens_per_cycle}
@@ -196,7 +196,8 @@ def audit_page(request: Request):
     owner = _owner(request)
     if owner is None:
         return _login_page(request)
-    server, access = get_server(request), get_access(request)
+    server = server_of(request)
+    access = request.app.state.access
     given = {name: value for name, value in request.query_params.items() if value.strip()}
     context = {"owner": owner, "given": given, "event_types": AUDIT_EVENT_TYPES, "events": AUDIT_EVENTS,
                "report": None, "query": None, "error": None}

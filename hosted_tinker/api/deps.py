@@ -1,4 +1,8 @@
-"""Request dependencies shared by the routers: the server, the caller's identity, its access."""
+"""Request dependencies shared by the routers: the server, the caller's identity, its access.
+
+The dependencies a route declares are `async`: each does no blocking I/O (attribute reads, the key
+check in memory), and FastAPI runs a plain `def` dependency in the thread pool, one trip there and
+back per dependency per request."""
 
 from __future__ import annotations
 
@@ -11,19 +15,24 @@ from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
 
 
-def get_server(request: Request) -> Server:
+def server_of(request: Request) -> Server:
+    """The server, for code that is not a dependency (the dashboard's)."""
     return request.app.state.server
 
 
-def get_access(request: Request) -> Access:
+async def get_server(request: Request) -> Server:
+    return request.app.state.server
+
+
+async def get_access(request: Request) -> Access:
     return request.app.state.access
 
 
-def get_training(request: Request) -> TrainingRequests:
+async def get_training(request: Request) -> TrainingRequests:
     return request.app.state.training
 
 
-def get_sampling(request: Request) -> SamplingRequests:
+async def get_sampling(request: Request) -> SamplingRequests:
     return request.app.state.sampling
 
 
@@ -36,7 +45,7 @@ def credential(request: Request, x_api_key: str | None = None) -> str | None:
     return x_api_key
 
 
-def require_owner(request: Request, x_api_key: str | None = Header(default=None)) -> str:
+async def require_owner(request: Request, x_api_key: str | None = Header(default=None)) -> str:
     """The caller's owner id. A refused JWT's 401 says `invalid_token` (RFC 6750): the SDK then
     exchanges its API key for a new token and sends the request once more."""
     try:

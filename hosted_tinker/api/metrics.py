@@ -189,8 +189,8 @@ _PER_MODEL: list[tuple[type, str, str, Callable[["ServedModel"], float]]] = [
      "forward_backward of it having failed after the pass", lambda m: m.worker.launched.rolled_back),
     (_G, "hosted_tinker_queue_depth", "training requests waiting", lambda m: m.scheduler.queue_depth()),
     (_G, "hosted_tinker_pipelining_training_runs",
-     "training runs whose client pipelines (posts optim_step before its forward_backward result): their "
-     "forward_backward waits up to gather_window_s for it, so that both share a cycle",
+     "training runs whose client pipelines (posts optim_step before its forward_backward result): the cycle "
+     "running their forward_backward waits up to gather_window_s for it while the pass runs, so that both share it",
      lambda m: m.scheduler.pipelining_models()),
     (_G, "hosted_tinker_adapters", "adapters held by the runtime (on the device or paged out)",
      lambda m: len(m.runtime.adapters)),

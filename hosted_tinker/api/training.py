@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import Field
 
-from ..access import Access
+from ..access import Access, owned
 from ..checkpoints.encryption import parse_recipients
 from ..checkpoints.paths import check_name
 from ..request_types import SaveSpec
@@ -38,10 +38,10 @@ async def close_refused_seq_id(request: Request, body: Any) -> None:
     if not isinstance(model_id, str) or type(seq_id) is not int:
         return
     try:
-        owner = require_owner(request, request.headers.get("x-api-key"))
+        owner = await require_owner(request, request.headers.get("x-api-key"))
     except HTTPException:
         return
-    await run_in_threadpool(get_training(request).refused, owner, model_id, seq_id)
+    await run_in_threadpool(request.app.state.training.refused, owner, model_id, seq_id)
 
 
 # -- models -----------------------------------------------------------------------------------------
@@ -169,10 +169,14 @@ def load_weights(body: LoadWeightsRequest, owner: str = Depends(require_owner),
 @router.post("/api/v1/retrieve_future")
 async def retrieve_future(body: RetrieveFutureRequest, owner: str = Depends(require_owner),
                           access: Access = Depends(get_access), server: Server = Depends(get_server)):
-    rec = await run_in_threadpool(access.future, owner, body.request_id)  # SQLite: off the event loop
     futures = server.futures
-    # The owner check already read the record: a finished one is answered from it directly.
-    result = futures.from_record(rec) or await futures.wait(body.request_id, server.config.long_poll_s)
+    known = futures.known(body.request_id)  # this process's requests: checked and answered from memory
+    if known is not None:
+        result = owned(known, owner, f"unknown request_id {body.request_id!r}").result
+    else:
+        rec = await run_in_threadpool(access.future, owner, body.request_id)  # SQLite: off the event loop
+        result = futures.from_record(rec)  # the owner check read the record: a finished one is answered from it
+    result = result or await futures.wait(body.request_id, server.config.long_poll_s)
     if result is None:
         return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
     media = "application/x-protobuf" if result.is_proto else "application/json"

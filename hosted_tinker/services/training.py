@@ -273,7 +273,8 @@ class TrainingRequests:
                                      owner=owner))
         else:
             scheduler.submit(Request(request_id, kind, model_id, seq_id, payload))
-        self.store.touch_model(model_id)
+        # No SQLite write here beyond the future's own row: the run's last_request_at is written with
+        # the answers of the cycle that runs the request (FutureStore.answering), one commit per cycle.
         return future_ref(request_id, model_id)
 
 
