@@ -36,7 +36,7 @@ from .checkpoints.paths import TinkerPath
 from .futures import FutureStore
 from .request_types import RequestKind, SaveSpec
 from .sampling.jobs import SampleJob, SampleResult
-from .scheduler import COMPUTE, CyclePlan, Request
+from .cycle_plan import COMPUTE, CyclePlan, Request
 from .store import Store
 from .store_accounting import AccountingTables, AuditEntry, RequestTiming, UsageKey
 

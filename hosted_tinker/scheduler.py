@@ -60,63 +60,10 @@ from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Callable
 
-from .request_types import FBWork, Payload, RequestKind
+from .cycle_plan import COMPUTE, CyclePlan, Request
+from .request_types import FBWork, RequestKind
 
 log = logging.getLogger(__name__)
-
-COMPUTE = frozenset({RequestKind.FORWARD, RequestKind.FORWARD_BACKWARD})
-
-
-@dataclass
-class Request:
-    request_id: str
-    kind: RequestKind
-    model_id: str
-    seq_id: int
-    payload: Payload = None  # the kind's payload (request_types.py)
-    tokens: int = 0  # compute requests: tokens to run, for the cycle's token budget
-    arrived_at: float = 0.0  # stamped by the scheduler's clock on submit
-    # A compute request split across cycles: the (payload, tokens) of the parts after this one.
-    more: list[tuple[FBWork, int]] = field(default_factory=list)
-    final: bool = True  # False for a planned part with more to come: answered after its last part
-    part: int = 0  # a request in parts: which part this is (0 the first)
-    owner: str = ""  # the API key's owner (a key whose request failed a pass runs apart: isolation.py)
-
-    @property
-    def in_parts(self) -> bool:
-        """A request (or a planned part of one) that runs in parts over several cycles."""
-        return bool(self.more) or self.part > 0 or not self.final
-
-    @property
-    def first_part(self) -> bool:
-        return self.part == 0 and not self.final
-
-
-@dataclass
-class CyclePlan:
-    compute: list[Request] = field(default_factory=list)
-    optim: list[Request] = field(default_factory=list)
-    tail: list[Request] = field(default_factory=list)  # per-model order preserved
-    orphaned: list[Request] = field(default_factory=list)  # their model was unloaded: they fail
-
-    def __bool__(self) -> bool:
-        return bool(self.compute or self.optim or self.tail or self.orphaned)
-
-    @property
-    def models(self) -> set[str]:
-        """The models this cycle runs work for."""
-        return {r.model_id for r in self.compute + self.optim + self.tail}
-
-    @property
-    def requests(self) -> list[Request]:
-        """Every request the cycle runs (a part of a split request included)."""
-        return self.compute + self.optim + self.tail + self.orphaned
-
-    @property
-    def finishing(self) -> list[Request]:
-        """The requests the cycle must answer: all but the parts of split requests with more to come."""
-        return [r for r in self.requests if r.final]
-
 
 class _ModelQueue:
     def __init__(self, next_seq: int):
@@ -374,6 +321,7 @@ class ClockCycleScheduler:
         plan = CyclePlan()
         deferred: list[str] = []  # models cut short by the budget: first in line next cycle
         ran: list[str] = []  # models with work in this plan: last in line next cycle
+        waiting: list[str] = []  # models whose next request waits for its images: they keep their place
         order, unvisited = list(self._rr), []
         budget = _CycleBudget(self.max_tokens_per_cycle, self.max_models_per_cycle)
         for i, mid in enumerate(order):
@@ -389,11 +337,13 @@ class ClockCycleScheduler:
                 self._add(plan, take)
                 if mid not in deferred:
                     ran.append(mid)
+            elif mid in self._rr:  # ready work it cannot start yet (its images are being processed)
+                waiting.append(mid)
         unloads = [r.model_id for r in self._after if r.kind == RequestKind.UNLOAD_MODEL]
         plan.tail.extend(self._after)
         self._after = []
         if plan:  # a model whose queue the plan emptied leaves the order now, not at its next visit
-            self._rr = dict.fromkeys(m for m in deferred + unvisited + ran
+            self._rr = dict.fromkeys(m for m in deferred + unvisited + waiting + ran
                                      if m in self._rr and self._queues[m].pending)
         for mid in unloads:
             self._close(mid)

@@ -40,7 +40,7 @@ from .runtime.adapters import GradientSnapshot, SkippedStep
 from .runtime.pass_io import PassStats, PendingPass, ReadyPass
 from .runtime.projections import refusal
 from .sampling.backend import SamplingBackend
-from .scheduler import CyclePlan, Request
+from .cycle_plan import CyclePlan, Request
 from .store import Store
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from hosted_tinker.runtime.losses import resolve_loss_config
 from hosted_tinker.runtime.step_audit import SyncAudit
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import SamplingBackend
-from hosted_tinker.scheduler import CyclePlan, Request
+from hosted_tinker.cycle_plan import CyclePlan, Request
 from hosted_tinker.store import Store
 from hosted_tinker.vision import ImageError, Pixels
 from hosted_tinker.worker import TrainingWorker
@@ -255,23 +255,27 @@ def test_a_request_whose_answer_fails_after_its_pass_leaves_no_gradient(worker, 
 
 
 def test_a_requests_only_gradient_goes_with_it(worker, monkeypatch):
-    """The model's only request of its cycle fails as its answer is stored: the model has no
-    gradients left, and its next optim_step has none to apply."""
+    """The model's only request of its cycle fails as its answer is stored (the cycle's one write
+    of its answers raises, as a full disk would): the device loop fails it, and the model has no
+    gradients left for its next optim_step to apply."""
     assert not create(worker, "m")["failed"]
     c = Cycle(worker)
     lost = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m"))
-    monkeypatch.setattr(worker.futures.store, "complete_future", _fails_for(worker.futures.store.complete_future, lost))
-    c.run()
+    write = worker.futures.store.complete_futures
+
+    def broken_write(results, touched_models):
+        if any(rid == lost for rid, *_ in results):
+            raise OSError("disk I/O error")
+        return write(results, touched_models)
+
+    monkeypatch.setattr(worker.futures.store, "complete_futures", broken_write)
+    with pytest.raises(OSError):
+        c.run()
+    # What the device loop does with a cycle that raised (device_loop.py): its requests fail.
+    assert worker.futures.fail_unanswered([lost], "the cycle failed") == [lost]
+    Cycle(worker).run()  # the next cycle settles the failed request first
     assert answer(worker, lost)["failed"]
     assert grads(worker, "m") == [None] * len(grads(worker, "m"))
-
-
-def _fails_for(complete, request_id):
-    def maybe_broken(rid, payload, is_proto, failed):
-        if rid == request_id and not failed:
-            raise OSError("disk I/O error")
-        return complete(rid, payload, is_proto, failed)
-    return maybe_broken
 
 
 def test_a_request_whose_images_could_not_be_processed_fails_before_its_pass(worker):

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from ..sampling.jobs import SampleJob, SampleResult
     from ..served_models import ServedModel
-    from ..scheduler import CyclePlan
+    from ..cycle_plan import CyclePlan
     from ..server import Server
 
 # The *_created series would double the output for no reader we know of.

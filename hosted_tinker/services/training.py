@@ -22,7 +22,7 @@ from ..request_types import (AdamParams, DatumWork, FBWork, FutureRef, LoadSpec,
                              SaveSpec, targets_per_position)
 from ..runtime.losses import LOSSES, LossInputError, check_one_targets_shape, resolve_loss_config, validate_datum
 from ..runtime.projections import refusal
-from ..scheduler import Request
+from ..cycle_plan import Request
 from ..server import Server
 from ..served_models import ServedModel
 from ..vision import Pixels, no_images, total_pixels
