@@ -22,11 +22,18 @@ def _fail(command: str, problems: list[str]) -> int:
 
 def _serve(config: ServerConfig) -> int:
     from .logs import configure_logging
-    from .startup import StartupError, preflight
+    from .runtime.cpu_threads import choose_threads, set_threads
 
     configure_logging(config.log_level, config.log_format)
     for line in config.deprecations:
         log.warning("%s", line)
+    if config.workers * config.nnodes == 1:  # a worker pool gives each rank cores / N (served_models.py)
+        threads = choose_threads(config.cpu_threads)
+        set_threads(threads)  # before anything imports torch (preflight does)
+        log.info("CPU threads: %s", threads.why)
+        config = config.model_copy(update={"cpu_threads": str(threads.threads)})
+    from .startup import StartupError, preflight
+
     try:
         checked = preflight(config)  # before anything slow: the model loads only once all of this passed
     except StartupError as e:

@@ -121,6 +121,11 @@ class ServerConfig(BaseSettings):
     pool_timeout_s: float = Field(300.0, gt=0)
     """how long a rank of the pool waits for the others (to join, in a collective) before the pool counts as
     broken and is relaunched"""
+    cpu_threads: str = "auto"
+    """torch's CPU threads (one OpenMP team, used by the device loop on CPU): N, or auto = the CPUs this process
+    may use (its CPU affinity and cgroup quota) less one for the server's other threads, at least 1; with auto,
+    $OMP_NUM_THREADS wins when set. A team waits for its slowest thread at every parallel op, so a team as
+    large as the CPUs stalls every tenant whenever anything else runs (a worker pool's ranks keep cores / N)"""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """padded tokens per fused forward/backward micro-batch (bounds activation memory); 0 = auto: 8192 on GPU;
     on CPU 512-8192 by the model's MLP width, since passes whose activations outgrow the caches run slower
@@ -303,6 +308,14 @@ class ServerConfig(BaseSettings):
         if twice:
             raise ValueError(f"{', '.join(map(repr, twice))} given more than once: each base model is served once")
         return value
+
+    @field_validator("cpu_threads", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: Any) -> Any:
+        text = str(value).strip().lower()
+        if text != "auto" and not (text.isdigit() and int(text) >= 1):
+            raise ValueError(f"{value!r} is not a thread count: use auto or a whole number of at least 1")
+        return text if text == "auto" else str(int(text))
 
     @field_validator("vllm_python", "vllm_devices")
     @classmethod

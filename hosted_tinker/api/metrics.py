@@ -219,6 +219,8 @@ class _ServerCollector(Collector):
         yield from _backend_families(server.models)
         yield CounterMetricFamily("hosted_tinker_futures_resolved", "futures resolved",
                                   value=server.futures.resolved_total)
+        yield GaugeMetricFamily("hosted_tinker_cpu_threads", "torch's CPU threads (--cpu-threads)",
+                                value=torch.get_num_threads())
         if torch.cuda.is_available():
             g = GaugeMetricFamily("hosted_tinker_gpu_memory_allocated_bytes", "GPU memory held by tensors",
                                   labels=["device"])
