@@ -494,7 +494,10 @@ class SamplingEngine:
 
     def _drop(self, job: JobState, e: Exception) -> None:
         """`job` failed with `e`: it is answered and leaves, its cache with it."""
-        log.warning("a sampling request failed", exc_info=not isinstance(e, UserError))
+        if isinstance(e, UserError):  # the request's own mistake: nothing for an operator to act on
+            log.info("a sampling request was refused: %s", e)
+        else:
+            log.warning("a sampling request failed", exc_info=True)
         job.fail(failure(e))
         self._retire([job])
 
