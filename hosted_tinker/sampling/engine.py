@@ -494,10 +494,7 @@ class SamplingEngine:
 
     def _drop(self, job: JobState, e: Exception) -> None:
         """`job` failed with `e`: it is answered and leaves, its cache with it."""
-        if isinstance(e, UserError):  # the request's own mistake: nothing for an operator to act on
-            log.info("a sampling request was refused: %s", e)
-        else:
-            log.warning("a sampling request failed", exc_info=True)
+        log.warning("a sampling request failed", exc_info=not isinstance(e, UserError))
         job.fail(failure(e))
         self._retire([job])
 
