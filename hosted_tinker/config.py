@@ -186,6 +186,19 @@ class ServerConfig(BaseSettings):
     """max_tokens when a sample request leaves it unset"""
     ephemeral_sampler_ttl_s: int = Field(7 * 24 * 3600, ge=1)
     """how long snapshots made by save_weights_and_get_sampling_client are kept on disk"""
+    sampler_snapshot_retention_bytes: int = Field(16 << 30, ge=0)
+    """bytes of disk the ephemeral snapshots may hold together; beyond it the oldest are removed (each training
+    run's newest stays)"""
+    request_history_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
+    """how long request history is kept: answered requests (a fetched result goes at once, its row stays), the
+    timings session traces are built from, the dashboard's loss points"""
+    request_history_retention_bytes: int = Field(1 << 30, ge=0)
+    """bytes of the database request history may hold; beyond it the oldest goes first (a result not yet fetched
+    goes only by age)"""
+    audit_retention_s: float = Field(365 * 24 * 3600.0, ge=0)
+    """how long the audit log keeps an entry"""
+    retention_sweep_s: float = Field(60.0, gt=0)
+    """how often the data dir is measured (/metrics, the dashboard) and the retention settings applied"""
     sample_record_ttl_s: float = Field(24 * 3600.0, ge=0)
     """how long a sample recorded with record_stability_info stays trainable after its last use
     (stable_reinforce)"""
