@@ -6,7 +6,8 @@ A server trains through the SDK, saves a checkpoint and a sampler checkpoint by 
 snapshots (save_weights_and_get_sampling_client), and answers a request whose result nobody
 fetches. It restarts with every size bound at 0 and a sweep a second; the test waits for two
 sweeps (a counter in /metrics, not a sleep): the older snapshot is gone, the rest is there and
-works. test_retention.py checks each rule on its own, with a clock it steps.
+works; /metrics and the dashboard show the data dir by kind. test_retention.py checks each rule
+on its own, with a clock it steps.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def test_a_restart_after_the_tightest_retention_answers_what_is_unfetched_and_re
         sizes = data_dir_bytes(srv)
         assert sizes["checkpoints"] > 0 and sizes["snapshots"] > 0 and sizes["models"] > 0
         assert {"database/requests", "database/audit", "database/catalog", "database/timings"} <= set(sizes)
+        page = httpx.get(f"{srv.base_url}/dashboard", headers={"X-API-Key": KEY}, timeout=60).text  # dev mode: shown
+        assert 'id="data-dir"' in page and all(f'data-kind="{kind}"' in page for kind in sizes)
         with sqlite3.connect(database(srv.data_dir)) as db:
             # the history bound (0) took every timing and loss point older than the restart; results stayed
             assert db.execute("SELECT COUNT(*) FROM futures WHERE request_id=? AND result IS NOT NULL",
