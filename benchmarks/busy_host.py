@@ -5,8 +5,9 @@ tenant's step stalled together every few seconds (p99 of a step 4-8 s); one thre
 variant here is a server process (its own checkout's code, its own data dir) on the embedded
 model, with `--tenants` SDK training clients looping forward_backward + optim_step for
 `--seconds`, while `--hogs` processes (`python -c 'while True: pass'`) compete for the CPUs.
-Printed per variant: steps done, p50 and p99 of a step, the share of steps over 1 s, and the
-steps as a fraction of the one-thread server's under the same load. The same again on an idle
+Printed per variant: steps done, p50 and p99 of a step, the share of steps over 1 s, the
+steps as a fraction of the one-thread server's under the same load, and the host's 1-minute load
+average at the end of its runs (on a shared machine, what else ran: hogs and tenants included). The same again on an idle
 host (no hogs), where the question is whether the default is slower than the old one.
 
     .venv/bin/python benchmarks/busy_host.py [--old f62a3dc] [--seconds 90] [--tenants 6] [--hogs 2]
@@ -50,6 +51,7 @@ class Variant:
     rev: str  # "." = this checkout
     env: dict[str, str] = field(default_factory=dict)
     runs: dict[int, list[list[float]]] = field(default_factory=dict)  # hogs -> per run, its step times
+    loads: dict[int, list[float]] = field(default_factory=dict)  # hogs -> per run, the host's 1-min load at its end
 
 
 def parse_variant(text: str) -> Variant:
@@ -161,18 +163,21 @@ def main() -> int:
                 for v in order:
                     times = run_once(v, trees[v.rev], hogs, args, tmp)
                     v.runs.setdefault(hogs, []).append(times)
-                    print(f"  round {r + 1}, {hogs} hogs, {v.label}: {len(times)} steps", flush=True)
+                    v.loads.setdefault(hogs, []).append(os.getloadavg()[0])
+                    print(f"  round {r + 1}, {hogs} hogs, {v.label}: {len(times)} steps, host load "
+                          f"{v.loads[hogs][-1]:.1f}", flush=True)
     print(f"\n{args.tenants} tenants x {args.rows} rows x {args.seq_len} tokens, {args.seconds:.0f} s per run, "
           f"{args.rounds} round(s), {os.cpu_count()} CPUs")
     yardstick = next((v for v in variants if v.env.get("OMP_NUM_THREADS") == "1"), None)
     for hogs in loads:
         print(f"\n{hogs} competing CPU-bound processes" if hogs else "\nidle host (no competing processes)")
-        print(f"{'variant':<22}{'steps':>8}{'p50 s':>8}{'p99 s':>8}{'>1 s':>7}{'vs 1 thread':>13}")
+        print(f"{'variant':<22}{'steps':>8}{'p50 s':>8}{'p99 s':>8}{'>1 s':>7}{'vs 1 thread':>13}{'host load':>11}")
         ref = summary(yardstick.runs[hogs])[0] if yardstick else None
         for v in variants:
             steps, p50, p99, slow = summary(v.runs[hogs])
             ratio = f"{steps / ref:.2f}x" if ref else "-"
-            print(f"{v.label:<22}{steps:>8.0f}{p50:>8.3f}{p99:>8.3f}{slow:>7.1%}{ratio:>13}")
+            load = statistics.mean(v.loads[hogs])
+            print(f"{v.label:<22}{steps:>8.0f}{p50:>8.3f}{p99:>8.3f}{slow:>7.1%}{ratio:>13}{load:>11.1f}")
     return 0
 
 
