@@ -27,10 +27,9 @@ def _serve(config: ServerConfig) -> int:
     configure_logging(config.log_level, config.log_format)
     for line in config.deprecations:
         log.warning("%s", line)
-    if config.workers * config.nnodes == 1:  # a worker pool gives each rank cores / N (served_models.py)
-        threads = choose_threads(config.cpu_threads)
+    threads = choose_threads(config.cpu_threads) if config.workers * config.nnodes == 1 else None
+    if threads is not None:  # a worker pool gives each rank cores / N (served_models.py)
         set_threads(threads)  # before anything imports torch (preflight does)
-        log.info("CPU threads: %s", threads.why)
         config = config.model_copy(update={"cpu_threads": str(threads.threads)})
     from .startup import StartupError, preflight
 
@@ -40,6 +39,8 @@ def _serve(config: ServerConfig) -> int:
         return _fail("serve", e.problems)
     for name, source in checked.model_sources.items():
         log.info("base model %s will be loaded from %s", name, source)
+    if threads is not None:
+        log.info("CPU threads: %s", threads.why)
     config = config.model_copy(update={"port": checked.port, "vllm_python": checked.vllm_python})
 
     import uvicorn
