@@ -1,4 +1,4 @@
-"""Keep torch's CPU thread pool on one thread: start-up compute runs on a thread that then ends.
+"""torch's CPU threads: one team, on the device loop's thread, of `--cpu-threads` threads.
 
 torch's CPU kernels run their parallel regions on OpenMP (libgomp). libgomp keeps a team of
 worker threads for every thread that ever ran a parallel region, for as long as that thread
@@ -17,8 +17,8 @@ the team's slowest thread. A team as large as the CPUs leaves none to the server
 (HTTP, SQLite, accounting) or to anything else on the host, and once one of its threads is off
 the CPU every op waits a scheduler slice for it: on 2 CPUs with 2 CPU-bound processes beside
 the server, 2 threads made 1,382 steps in 180 s (p99 4.2 s), 1 thread 3,791 (p99 0.44 s); every
-tenant's step stalled together. A yielding wait policy (OMP_WAIT_POLICY=PASSIVE) only halved
-that loss (benchmarks/busy_host.py). So `auto` keeps one CPU out of the team. The count is fixed
+tenant's step stalled together. A yielding wait policy (OMP_WAIT_POLICY=PASSIVE) kept under
+half of one thread's steps there (benchmarks/busy_host.py, one run on a shared 2-CPU box). So `auto` keeps one CPU out of the team. The count is fixed
 at start-up, never changed with the load: CPU kernels split work by thread count, so a count
 that followed the load would make a run's bits depend on what else ran (runtime/invariance.py).
 The count is set in the environment before torch is imported (libgomp sizes its teams from
