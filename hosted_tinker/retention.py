@@ -39,6 +39,7 @@ REMEASURE_EVERY = 10  # sweeps between two readings of every database page, unle
 # whose fetch's answer was lost on the way asks again within seconds, across a restart too.
 DELIVERED_GRACE_S = 30.0
 TRIM_TO = 0.9  # a size bound over is trimmed to this share of itself, not to the byte
+TRIM_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,20 @@ class Retention:
         return self.usage
 
     def _bound_history(self) -> None:
-        history = sum(self.usage.get(f"database/{g}", 0) for g in HISTORY_GROUPS)
+        """Over the bound, the oldest share of each table's rows goes, measured again, until it holds: a
+        share of the rows frees about that share of the pages, not exactly."""
         bound = self.settings.history_bytes
-        if history <= bound:
-            return
-        share = 1 - TRIM_TO * bound / history
-        removed = {table: prune_share(self.db, table, share) for table in HISTORY}
-        log.info("request history held %d bytes, over its bound of %d (--request-history-retention-bytes): "
-                 "removed the oldest %s", history, bound, ", ".join(f"{n} of {t}" for t, n in removed.items()))
-        self.removed.update(removed)
-        self.measure(force=True)
+        for _ in range(TRIM_ROUNDS):
+            history = sum(self.usage.get(f"database/{g}", 0) for g in HISTORY_GROUPS)
+            if history <= bound:
+                return
+            removed = {table: prune_share(self.db, table, 1 - TRIM_TO * bound / history) for table in HISTORY}
+            log.info("request history held %d bytes, over its bound of %d (--request-history-retention-bytes): "
+                     "removed the oldest %s", history, bound, ", ".join(f"{n} of {t}" for t, n in removed.items()))
+            self.removed.update(removed)
+            self.measure(force=True)
+            if not any(removed.values()):
+                return  # what is left may not go for size (results not yet fetched)
 
     def _bound_snapshots(self) -> None:
         """Each run's newest snapshot stays, whatever its size; the others count after them, newest first."""

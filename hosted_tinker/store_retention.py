@@ -8,7 +8,8 @@ per-token logprobs and losses); once the SDK has fetched it (`FutureStore.delive
 only its small columns, so a late retry is answered with a clear failure rather than a 404, and the
 (model_id, seq_id) still dedupes. A result never fetched is kept until its row goes by age.
 
-Rows go oldest first, in short batches by rowid (insertion order, so time order) that take the
+Rows go oldest first, in short batches by rowid (insertion order, so about time order: a row whose
+result was dropped is written again then, a minute or so after its answer) that take the
 database's lock one statement at a time: a prune never holds every other request behind one scan,
 and needs no index on time. The size bound removes only what no one can still ask for: rows whose
 result was dropped, timings and losses; a result still held goes only by age.
@@ -35,12 +36,22 @@ SNAPSHOT_NAME = re.compile(r"ephemeral-\d+")
 
 
 def drop_results(db: SQLiteDB, request_ids: list[str]) -> int:
-    """Forget the results of these answered futures (their small columns stay)."""
+    """Forget the results of these answered futures: each row is written again without its result.
+
+    Again, not updated in place: SQLite leaves a row that shrinks on its page, and a result of a few
+    KiB fills a page on its own, so an update would free no page. A row written again goes at the
+    table's end, small among small ones, and the pages of the old rows go to the free list, which
+    new rows reuse."""
+    columns = "request_id, owner, kind, model_id, seq_id, status, result_is_proto, created_at, completed_at"
     dropped = 0
     for i in range(0, len(request_ids), 500):  # SQLite caps the number of bound parameters
-        part = request_ids[i:i + 500]
-        dropped += db.execute(f"UPDATE futures SET result = NULL WHERE status != 'pending' AND result IS NOT NULL"
-                              f" AND request_id IN ({','.join('?' * len(part))})", tuple(part)).rowcount
+        part = tuple(request_ids[i:i + 500])
+        where = f"status != 'pending' AND result IS NOT NULL AND request_id IN ({','.join('?' * len(part))})"
+        with db.transaction() as c:
+            rows = c.execute(f"SELECT {columns} FROM futures WHERE {where}", part).fetchall()
+            c.execute(f"DELETE FROM futures WHERE {where}", part)
+            c.executemany(f"INSERT INTO futures({columns}) VALUES ({','.join('?' * 9)})", [tuple(r) for r in rows])
+        dropped += len(rows)
     return dropped
 
 

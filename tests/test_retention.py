@@ -117,16 +117,19 @@ def timing(request_id: str, at: float) -> RequestTiming:
 
 def test_the_size_bound_removes_the_oldest_history_and_never_a_result_not_yet_fetched(parts):
     clock, store, tables, futures, retention, _ = parts
-    for i in range(1, 301):
-        answered(store, futures, f"req-{i:03d}", i, at=T0 + i, payload=b"r" * 500)
-    unfetched = {"req-001", "req-002", "req-150"}  # the oldest among them
-    for i in range(1, 301):
-        if f"req-{i:03d}" not in unfetched:
-            futures.delivered(f"req-{i:03d}")
-    tables.write({}, [], [timing(f"req-{i:03d}", T0 + i) for i in range(1, 301)])
+    n = 1500
+    for i in range(1, n + 1):
+        answered(store, futures, f"req-{i:04d}", i, at=T0 + i, payload=b"r" * 2500)
+    unfetched = {"req-0001", "req-0002", "req-0750"}  # the oldest among them
+    for i in range(1, n + 1):
+        if f"req-{i:04d}" not in unfetched:
+            futures.delivered(f"req-{i:04d}")
+    tables.write({}, [], [timing(f"req-{i:04d}", T0 + i) for i in range(1, n + 1)])
     clock.now += DELIVERED_GRACE_S + 1
     loose = retention()
-    loose.sweep()  # the fetched results go
+    with_results = loose.measure(force=True)["database/requests"]
+    loose.sweep()  # the fetched results go, and their pages with them (not only their bytes)
+    assert loose.usage["database/requests"] < with_results / 5
     held = sum(v for k, v in loose.usage.items() if k in ("database/requests", "database/timings", "database/losses"))
     assert held > 0
     bound = held // 2
@@ -139,9 +142,9 @@ def test_the_size_bound_removes_the_oldest_history_and_never_a_result_not_yet_fe
     left = {r[0] for r in rows(store, "SELECT request_id FROM futures")}
     assert unfetched <= left  # a result the SDK may still ask for stays whatever the bound
     numbers = sorted(int(r[4:]) for r in left - unfetched)
-    assert numbers and numbers == list(range(numbers[0], 301))  # the oldest went, the newest stayed
+    assert numbers and numbers == list(range(numbers[0], n + 1)) and numbers[0] > 1  # the oldest went
     timings = sorted(int(r[0][4:]) for r in rows(store, "SELECT request_id FROM request_timings"))
-    assert timings and timings == list(range(timings[0], 301)) and timings[0] > 1
+    assert timings and timings == list(range(timings[0], n + 1)) and timings[0] > 1
 
 
 def test_snapshots_over_their_bound_go_oldest_first_and_nothing_saved_by_name(parts):
