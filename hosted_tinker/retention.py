@@ -116,7 +116,10 @@ class Retention:
         newest: dict[str, CheckpointRecord] = {}
         older: list[CheckpointRecord] = []
         for row in snapshots(self.db):  # newest first
-            (older.append(row) if row.model_id in newest else newest.setdefault(row.model_id, row))
+            if row.model_id in newest:
+                older.append(row)
+            else:
+                newest[row.model_id] = row
         held = sum(row.size_bytes for row in newest.values())
         for row in older:
             held += row.size_bytes
