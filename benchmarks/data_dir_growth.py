@@ -6,10 +6,10 @@ code, its own data dir) on the embedded model, with `--tenants` SDK training cli
 `--steps` steps (forward_backward + optim_step, and every `--sample-every` steps a
 save_weights_and_get_sampling_client and one sample, as an RL loop does). The data dir is measured
 by kind (hosted_tinker/data_dir_usage.py: the database's pages in use by table group, from SQLite's
-dbstat; checkpoints; snapshots; ...) once a third of the steps are done and again at the end; the
-growth between the two, per 1,000 steps, is printed per kind side by side. Measured between two
-points of a steady run, what a server keeps only for a while (results not yet dropped, a sweep not
-yet run) counts the same at both ends and cancels.
+dbstat; checkpoints; snapshots; ...) once a third of the steps are done and again at the end, each
+time after the tenants have idled `--settle-s` (what a server keeps only for a while, a result
+fetched less than 30 s ago, is then gone, as it is from a server that runs for hours); the growth
+between the two, per 1,000 steps, is printed per kind side by side.
 
     .venv/bin/python benchmarks/data_dir_growth.py [--old f62a3dc] [--tenants 4] [--steps 60]
         [--sample-every 5] [--new-arg=--retention-sweep-s=10 ...]
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -101,6 +102,7 @@ def run(label: str, tree: Path, extra: list[str], args, tmp: Path) -> tuple[dict
             t.start()
         for arrive, go in pauses:
             arrive.wait()
+            time.sleep(args.settle_s)  # the tenants idle: the server's retention sweep catches up
             measured.append(usage(data_dir))
             go.wait()
         for t in threads:
@@ -121,6 +123,8 @@ def main() -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--sample-every", type=int, default=5, help="steps between sampler snapshots (0: none)")
     p.add_argument("--new-arg", action="append", default=None, help="a flag for the new revision's server")
+    p.add_argument("--settle-s", type=float, default=45.0,
+                   help="idle time before each measurement (a fetched result goes 30 s after, at a sweep)")
     p.add_argument("--bounded-snapshots", type=int, default=4 << 20, help="the bounded run's snapshot bound, bytes")
     p.add_argument("--bounded-history", type=int, default=1 << 20, help="the bounded run's history bound, bytes")
     p.add_argument("--base-model", default="hosted-tinker/tiny-qwen3-embedded")
