@@ -53,7 +53,6 @@ AUDIT_EVENTS = {
 }
 FLUSH_S = 1.0  # sampling usage and audit entries wait at most this long in memory
 STORAGE_TICK_S = 60.0  # storage GB-hours are accrued this often (and before each report)
-TIMINGS_KEPT_S = 7 * 24 * 3600.0  # request timings (session traces) older than this are dropped
 SETTLE_WAIT_S = 60.0  # hang guard: a report waits this long at most for a running cycle's observation
 HOUR = 3600
 
@@ -274,15 +273,12 @@ class Accounting:
         self.flush()
 
     def _flush_forever(self) -> None:
-        last_storage = last_prune = time.monotonic()
+        last_storage = time.monotonic()
         while not self._stop.wait(FLUSH_S):
             try:
                 if time.monotonic() - last_storage >= STORAGE_TICK_S:
                     last_storage = time.monotonic()
                     self.accrue_storage()
                 self.flush()
-                if time.monotonic() - last_prune >= HOUR:
-                    last_prune = time.monotonic()
-                    self.tables.prune_timings(time.time() - TIMINGS_KEPT_S)
             except Exception:  # a full disk must not end the accounting for good
                 log.exception("writing the accounting records failed; they stay in memory for the next try")

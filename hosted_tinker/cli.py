@@ -23,17 +23,25 @@ def _fail(command: str, problems: list[str]) -> int:
 
 def _serve(config: ServerConfig) -> int:
     from .logs import configure_logging
-    from .startup import StartupError, preflight
+    from .runtime.cpu_threads import choose_threads, set_threads
 
     configure_logging(config.log_level, config.log_format)
     for line in config.deprecations:
         log.warning("%s", line)
+    threads = choose_threads(config.cpu_threads) if config.workers * config.nnodes == 1 else None
+    if threads is not None:  # a worker pool gives each rank cores / N (served_models.py)
+        set_threads(threads)  # before anything imports torch (preflight does)
+        config = config.model_copy(update={"cpu_threads": str(threads.threads)})
+    from .startup import StartupError, preflight
+
     try:
         checked = preflight(config)  # before anything slow: the model loads only once all of this passed
     except StartupError as e:
         return _fail("serve", e.problems)
     for name, source in checked.model_sources.items():
         log.info("base model %s will be loaded from %s", name, source)
+    if threads is not None:
+        log.info("CPU threads: %s", threads.why)
     config = config.model_copy(update={"port": checked.port, "vllm_python": checked.vllm_python})
 
     import uvicorn

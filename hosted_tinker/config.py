@@ -129,6 +129,11 @@ class ServerConfig(BaseSettings):
     for every rank, other machines' too unless their `hosted-tinker pool-node` names its own); empty = the
     address this machine's hostname resolves to, which Debian's /etc/hosts makes a loopback one (127.0.1.1)
     that other machines cannot reach"""
+    cpu_threads: str = "auto"
+    """torch's CPU threads (one OpenMP team, used by the device loop on CPU): N, or auto = the CPUs this process
+    may use (its CPU affinity and cgroup quota) less one for the server's other threads, at least 1; with auto,
+    $OMP_NUM_THREADS wins when set. A team waits for its slowest thread at every parallel op, so a team as
+    large as the CPUs stalls every tenant whenever anything else runs (a worker pool's ranks keep cores / N)"""
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """padded tokens per fused forward/backward micro-batch (bounds activation memory); 0 = auto: 8192 on GPU;
     on CPU 512-8192 by the model's MLP width, since passes whose activations outgrow the caches run slower
@@ -189,6 +194,19 @@ class ServerConfig(BaseSettings):
     """max_tokens when a sample request leaves it unset"""
     ephemeral_sampler_ttl_s: int = Field(7 * 24 * 3600, ge=1)
     """how long snapshots made by save_weights_and_get_sampling_client are kept on disk"""
+    sampler_snapshot_retention_bytes: int = Field(16 << 30, ge=0)
+    """bytes of disk the ephemeral snapshots may hold together; beyond it the oldest are removed (each training
+    run's newest stays)"""
+    request_history_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
+    """how long request history is kept: answered requests (a fetched result goes at once, its row stays), the
+    timings session traces are built from, the dashboard's loss points"""
+    request_history_retention_bytes: int = Field(1 << 30, ge=0)
+    """bytes of the database request history may hold; beyond it the oldest goes first (a result not yet fetched
+    goes only by age)"""
+    audit_retention_s: float = Field(365 * 24 * 3600.0, ge=0)
+    """how long the audit log keeps an entry"""
+    retention_sweep_s: float = Field(60.0, gt=0)
+    """how often the data dir is measured (/metrics, the dashboard) and the retention settings applied"""
     sample_record_ttl_s: float = Field(24 * 3600.0, ge=0)
     """how long a sample recorded with record_stability_info stays trainable after its last use
     (stable_reinforce)"""
@@ -322,6 +340,14 @@ class ServerConfig(BaseSettings):
         if twice:
             raise ValueError(f"{', '.join(map(repr, twice))} given more than once: each base model is served once")
         return value
+
+    @field_validator("cpu_threads", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: Any) -> Any:
+        text = str(value).strip().lower()
+        if text != "auto" and not (text.isdigit() and int(text) >= 1):
+            raise ValueError(f"{value!r} is not a thread count: use auto or a whole number of at least 1")
+        return text if text == "auto" else str(int(text))
 
     @field_validator("vllm_python", "vllm_devices")
     @classmethod

@@ -3,7 +3,9 @@
 A result is written to SQLite first (so an acknowledged result survives a crash), then kept in
 memory for fast delivery, then every waiter on that id is woken through its asyncio event. No
 waiter ever sleeps and re-checks: `retrieve_future` answers the moment the scheduler resolves
-the future, or after the long-poll window with `try_again`.
+the future, or after the long-poll window with `try_again`. Once the SDK has fetched a result,
+the retention sweep drops it from SQLite soon after (`delivered`, retention.py); memory keeps it
+for `keep_in_memory_s`, so a retry of a fetch whose answer was lost on the way still gets it.
 
 A cycle answers its requests together (`answering`): their results, and the `last_request_at` of
 the training runs they touched, are written in one transaction, then all are published, so a
@@ -59,6 +61,7 @@ class FutureStore:
         self.pending_by_owner: dict[str, int] = {}
         self._on_finish: dict[str, Callable[[], None]] = {}  # what an unfinished request gives back when it ends
         self._batch = threading.local()  # answers held by `answering` on this thread, written together
+        self._delivered: dict[str, float] = {}  # request id -> when its result was first handed to the SDK
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -170,13 +173,31 @@ class FutureStore:
             return hit
         return self.from_record(self.store.get_future(request_id))
 
-    @staticmethod
-    def from_record(rec) -> FutureResult | None:
-        """The result held by a SQLite future record, or None while it is pending."""
+    def from_record(self, rec) -> FutureResult | None:
+        """The result of a SQLite future record, or None while it is pending. A result dropped after
+        its delivery is still answered from memory for a while, then as a failure that says so."""
         if rec is None or rec.status == "pending":
             return None
-        return FutureResult(rec.result or b"", rec.result_is_proto, rec.status == "failed",
-                            rec.completed_at or time.time())
+        if rec.result is None:
+            with self._lock:
+                hit = self._results.get(rec.request_id)
+            return hit or FutureResult(Failure(
+                f"request {rec.request_id} was answered and its result fetched; results are not kept after they "
+                "are fetched", "server").to_wire(), False, True, rec.completed_at or time.time())
+        return FutureResult(rec.result, rec.result_is_proto, rec.status == "failed", rec.completed_at or time.time())
+
+    def delivered(self, request_id: str) -> None:
+        """The SDK was handed this request's result (`retrieve_future`): SQLite need not keep it."""
+        with self._lock:
+            self._delivered.setdefault(request_id, self.clock())
+
+    def take_delivered(self, before: float) -> list[str]:
+        """The requests whose results were first delivered before `before`, forgotten here."""
+        with self._lock:
+            ids = [rid for rid, at in self._delivered.items() if at < before]
+            for rid in ids:
+                del self._delivered[rid]
+        return ids
 
     async def wait(self, request_id: str, timeout: float) -> FutureResult | None:
         """The result, or None if it is still pending after `timeout` seconds.

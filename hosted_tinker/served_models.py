@@ -23,6 +23,7 @@ from .device_loop import DeviceLoop
 from .errors import UserError
 from .model_loading import load_base_model, pick_dtype
 from .model_runtime import ModelRuntime
+from .runtime.cpu_threads import apply_threads
 from .runtime.recompute import RecomputeChoice, choose_recompute
 from .runtime.kernel_choices import default_micro_batch_tokens
 from .runtime.trainer import TrainingRuntime
@@ -56,6 +57,8 @@ def make_runtime(name: str, device: torch.device, config: ServerConfig, data_dir
     docs/scale.md). Returns (runtime, tokenizer)."""
     dtype = pick_dtype(config.dtype, device)
     if config.workers * config.nnodes == 1:
+        if config.cpu_threads != "auto":  # `serve` resolved auto; a Server made inside another process keeps its count
+            apply_threads(int(config.cpu_threads))  # runtime/cpu_threads.py
         model, tokenizer = load_base_model(name, data_dir, device, dtype)
         return TrainingRuntime(model, name, device=device, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
                                max_live_adapters=config.max_live_adapters,

@@ -38,6 +38,7 @@ from .futures import FutureStore
 from .image_decodes import ImageDecodes
 from .model_loading import pick_device, resolve_model_source
 from .rate_card import load_rate_card
+from .retention import Retention, RetentionSettings
 from .runtime.cpu_threads import on_passing_thread
 from .sampling.backends import SamplingObserver, make_backend
 from .sampling.jobs import SampleJob, SampleResult
@@ -175,6 +176,8 @@ class Server:
         self.traces = TraceExports(self.accounting.tables, data_dir / "traces")
         # Every served model's requests' images are decoded on these threads, within one bound.
         self.image_decodes = ImageDecodes(config.max_image_decodes, config.max_image_decodes_per_key)
+        self.retention = Retention(self.store.db, self.futures, data_dir, RetentionSettings.of(config),
+                                   remove_snapshot=self._remove_snapshot)
         self.rate_card = load_rate_card(config.rate_card, [entry.name for entry in config.served_models])
         observer = FanOut(observer or _Unobserved(), self.accounting)
         self.models = ModelRegistry([serve_model(entry, config, self.futures, self.store, self.checkpoints, data_dir,
@@ -198,6 +201,15 @@ class Server:
 
     def _expired(self, row: CheckpointRecord) -> None:
         self.audit_checkpoint("checkpoint_delete", "", row, reason="expired")
+
+    def _remove_snapshot(self, row: CheckpointRecord) -> bool:
+        """A sampler snapshot over --sampler-snapshot-retention-bytes goes as an expired checkpoint does."""
+        if not self.checkpoints.delete(row):
+            return False
+        log.info("sampler snapshot %s removed: snapshots held more than --sampler-snapshot-retention-bytes",
+                 TinkerPath.of_record(row.model_id, row.checkpoint_id))
+        self.audit_checkpoint("checkpoint_delete", "", row, reason="snapshot retention")
+        return True
 
     def cycles_started(self) -> dict[str, int]:
         """Each served model's clock cycles started so far (what `Accounting.settle` waits for)."""

@@ -298,10 +298,6 @@ class Store:
     def get_future(self, request_id: str) -> FutureRecord | None:
         return self._record(FutureRecord, "SELECT * FROM futures WHERE request_id=?", (request_id,))
 
-    def prune_futures(self, older_than: float) -> int:
-        return self._exec("DELETE FROM futures WHERE status!='pending' AND completed_at < ?",
-                          (older_than,)).rowcount
-
     # -- sampling sessions ----------------------------------------------------------------------
     def create_sampling_session(self, sampling_session_id: str, session_id: str, owner: str, base_model: str,
                                 model_path: str | None, checkpoint_dir: str | None) -> None:

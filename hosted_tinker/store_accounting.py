@@ -173,6 +173,3 @@ class AccountingTables:
                            " AND started_at IS NOT NULL AND started_at <= ? AND ended_at >= ?",
                            (base_model, end, start))
         return [(r[0], r[1]) for r in rows]
-
-    def prune_timings(self, before: float) -> int:
-        return self.db.execute("DELETE FROM request_timings WHERE arrived_at < ?", (before,)).rowcount

@@ -1,8 +1,11 @@
-"""Start-up compute on a passing thread leaves no OpenMP team behind (runtime/cpu_threads.py).
+"""CPU threads (runtime/cpu_threads.py): how many `serve` gives torch, and start-up compute on a
+passing thread that leaves no OpenMP team behind.
 
-Each check runs in a fresh interpreter with 2 torch threads: libgomp's teams live as long as the
-thread that made them, so the pytest process's own history must not count. A team of 2 threads
-is the thread itself plus one worker, which stays alive while its master thread lives.
+The team checks run in a fresh interpreter with 2 torch threads: libgomp's teams live as long as
+the thread that made them, so the pytest process's own history must not count. A team of 2
+threads is the thread itself plus one worker, which stays alive while its master thread lives.
+The thread-count checks start real servers and read the count the server's runtime used (its
+start-up log) and reports (/metrics); nothing here is timed.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import sys
 
 import pytest
 
-from hosted_tinker.runtime.cpu_threads import on_passing_thread
+from hosted_tinker.runtime.cpu_threads import choose_threads, on_passing_thread, usable_cpus
+from helpers import metric
+from server_process import ServerProcess
 
 SCRIPT = """
 import json, sys, threading, time
@@ -68,3 +73,30 @@ def _pythonpath() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "HOME", "VIRTUAL_ENV")}
+
+
+def test_auto_keeps_one_cpu_for_the_server_and_honours_a_count_or_the_environment(tmp_path):
+    assert choose_threads("auto", {}, cpus=2).threads == 1
+    assert choose_threads("auto", {}, cpus=16).threads == 15
+    assert choose_threads("auto", {}, cpus=1).threads == 1
+    assert choose_threads("auto", {"OMP_NUM_THREADS": "3"}, cpus=16).threads == 3
+    assert choose_threads("4", {"OMP_NUM_THREADS": "3"}, cpus=16).threads == 4
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # a container given 1.5 CPUs
+    assert usable_cpus(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(tmp_path) == usable_cpus(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((), max(1, usable_cpus() - 1)),  # the default: auto
+    (("--cpu-threads", "2"), 2),
+], ids=["auto", "flag"])
+def test_the_server_runs_torch_on_the_threads_chosen(tmp_path, args, expected):
+    srv = ServerProcess(tmp_path, args=args, env={"OMP_NUM_THREADS": ""}).start()  # the test's own must not count
+    try:
+        assert metric(srv, "hosted_tinker_cpu_threads") == expected
+        log = srv.log(tail=None)
+        assert f"CPU threads: {expected} (" in log
+        assert f"'threads': {expected}," in log  # what the runtime's fusion probes ran with, at start-up
+    finally:
+        srv.stop()

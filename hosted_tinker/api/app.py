@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -128,7 +127,10 @@ async def _internal_error(request: Request, exc: Exception):
 
 
 async def _prune_forever(srv: Server) -> None:
+    """The retention sweep (retention.py) at start-up and every --retention-sweep-s, off the event loop."""
     while True:
-        await asyncio.sleep(60)
-        srv.futures.prune()
-        await asyncio.to_thread(srv.store.prune_futures, time.time() - 24 * 3600)  # SQLite: off the event loop
+        try:
+            await asyncio.to_thread(srv.retention.sweep)
+        except Exception:  # a disk error must not end the sweeping for good
+            log.exception("the retention sweep failed")
+        await asyncio.sleep(srv.config.retention_sweep_s)

@@ -131,6 +131,7 @@ def overview(request: Request):
     return templates.TemplateResponse(request, "overview.html", {
         "owner": owner, "base_models": server.models.names, "dev_mode": server.keyring.dev_mode,
         "usage": usage, "usage_days": DASHBOARD_DAYS, "admin": admin,
+        "data_dir": dict(sorted(server.retention.usage.items())) if admin or server.keyring.dev_mode else None,
         "runs": run_rows, "checkpoints": checkpoints, "sessions": [s for s in sessions if s is not None],
         "session_runs": {sid: len(server.store.session_model_ids(sid)) for sid in session_ids}})
 

@@ -226,6 +226,9 @@ class _ServerCollector(Collector):
                                 value=server.image_decodes.running)
         yield GaugeMetricFamily("hosted_tinker_image_decodes_waiting", "requests' images waiting to be processed "
                                 "for their pass or prefill", value=server.image_decodes.waiting)
+        yield GaugeMetricFamily("hosted_tinker_cpu_threads", "torch's CPU threads (--cpu-threads)",
+                                value=torch.get_num_threads())
+        yield from _retention_families(server)
         if torch.cuda.is_available():
             g = GaugeMetricFamily("hosted_tinker_gpu_memory_allocated_bytes", "GPU memory held by tensors",
                                   labels=["device"])
@@ -238,6 +241,25 @@ class _ServerCollector(Collector):
             return
         yield GaugeMetricFamily("hosted_tinker_process_max_rss_bytes", "peak resident memory of the server",
                                 value=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def _retention_families(server: "Server") -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+    """The data dir by kind, as the retention sweep last measured it, and what the sweep removed."""
+    retention = server.retention
+    size = GaugeMetricFamily("hosted_tinker_data_dir_bytes", "bytes in the data dir by kind: database/<table group> "
+                             "(requests, timings, losses, audit, usage, sample_records, catalog; free pages, wal), "
+                             "checkpoints, snapshots (ephemeral sampler), telemetry, traces, models, other; as the "
+                             "retention sweep last measured them", labels=["kind"])
+    for kind, n in sorted(retention.usage.items()):
+        size.add_metric([kind], n)
+    yield size
+    yield CounterMetricFamily("hosted_tinker_retention_sweeps", "retention sweeps done (--retention-sweep-s)",
+                              value=retention.sweeps)
+    removed = CounterMetricFamily("hosted_tinker_retention_removed", "what the retention sweep removed: rows of a "
+                                  "table, fetched results, snapshots", labels=["what"])
+    for what, n in sorted(retention.removed.items()):
+        removed.add_metric([what], n)
+    yield removed
 
 
 def _backend_families(models: Iterable["ServedModel"]) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:

@@ -15,6 +15,7 @@ from ..checkpoints.paths import check_name
 from ..request_types import SaveSpec
 from ..server import Server
 from ..services.training import TrainingRequests, checkpoint_to_load
+from ..store_retention import SNAPSHOT_NAME
 from ..wire.codec import WireError, decode_forward_backward_request
 from .deps import get_access, get_server, get_training, require_owner
 from .schemas import (
@@ -114,6 +115,9 @@ def save_weights(body: SaveWeightsRequest, owner: str = Depends(require_owner),
 def save_weights_for_sampler(body: SaveWeightsForSamplerRequest, owner: str = Depends(require_owner),
                              training: TrainingRequests = Depends(get_training)):
     def spec() -> SaveSpec:
+        if body.path is not None and SNAPSHOT_NAME.fullmatch(body.path):
+            raise HTTPException(400, f"checkpoint name {body.path!r}: names ephemeral-<number> are the server's "
+                                     "(save_weights_and_get_sampling_client's snapshots); choose another")
         if body.path is not None:
             return SaveSpec(kind="sampler_weights", name=check_name(body.path), owner=owner, overwrite=True,
                             ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata)
@@ -179,5 +183,6 @@ async def retrieve_future(body: RetrieveFutureRequest, owner: str = Depends(requ
     result = result or await futures.wait(body.request_id, server.config.long_poll_s)
     if result is None:
         return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+    futures.delivered(body.request_id)
     media = "application/x-protobuf" if result.is_proto else "application/json"
     return Response(content=result.payload, media_type=media)

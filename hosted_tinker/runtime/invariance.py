@@ -174,6 +174,16 @@ class FusionPolicy:
         self.mixing_refused: str | None = None if mixing_probe is not None else "no model probe"
         # How the frozen projections' input gradients are taken (TrainingRuntime.check_fusion).
         self.input_grads = "autograd"
+        self._refusals_logged: set[tuple] = set()
+
+    def _first_refusal(self, shape: tuple) -> bool:
+        """Whether this is the first refusal for a layer's shape: each is logged once, at INFO (a
+        routine choice of kernels, nothing to act on; `describe` counts them all), not once per
+        batch shape (hundreds in minutes)."""
+        if shape in self._refusals_logged:
+            return False
+        self._refusals_logged.add(shape)
+        return True
 
     def _threads(self) -> int:
         # CPU kernels split work by thread count (see the module docstring); a GPU's do not.
@@ -196,8 +206,8 @@ class FusionPolicy:
         if ok is None:
             ok = self._mix[key] = bool(self._mixing_probe(width, rows))
             if not ok:
-                log.warning("tenants will not share %d x %d micro-batches on this machine (%d threads): "
-                            "rows change bits with the batch; each tenant runs its own", rows, width, key[2])
+                log.info("tenants will not share %d x %d micro-batches on this machine (%d threads): "
+                         "rows change bits with the batch; each tenant runs its own", rows, width, key[2])
         return ok
 
     def group_lora(self, tokens: int, in_features: int, out_features: int, rank: int, n: int,
@@ -208,10 +218,11 @@ class FusionPolicy:
             with torch.no_grad():
                 ok = self._group[key] = bool(self._grouping_probe(tokens, in_features, out_features, rank, n,
                                                                   dtype, self.device, datums))
-            if not ok:
-                log.warning("LoRA deltas of %d tenants (rank %d, %d tokens, %dx%d) will not share a batched "
-                            "matmul on this machine: entries change bits with the batch", n, rank, tokens,
-                            in_features, out_features)
+            if not ok and self._first_refusal(("group", in_features, out_features, rank, dtype)):
+                log.info("LoRA deltas of rank %d, %dx%d (%s) will not share a batched matmul at some batch "
+                         "shapes on this machine (first: %d tenants, %d tokens): entries change bits with the batch; "
+                         "each tenant's delta is its own call there", rank, in_features, out_features,
+                         str(dtype).removeprefix("torch."), n, tokens)
         return ok
 
     def stacked_norms(self, rows: int, inner: tuple[int, ...], dtype: torch.dtype) -> bool:
@@ -223,9 +234,9 @@ class FusionPolicy:
         if ok is None:
             with torch.no_grad():
                 ok = self._norms[key] = bool(self._norms_probe(rows, inner, dtype, self.device))
-            if not ok:
-                log.warning("gradient norms of a [%d, %s] slot stack are summed per tenant on this machine", rows,
-                            "x".join(map(str, inner)))
+            if not ok and self._first_refusal(("norms", inner, dtype)):
+                log.info("gradient norms of [%s] slot stacks are summed per tenant on this machine (first: %d rows)",
+                         "x".join(map(str, inner)), rows)
         return ok
 
     def describe(self) -> dict:
