@@ -157,7 +157,8 @@ class Accounting:
         """Charge `job` once, when it ends, before its own `on_done` / `on_error` runs (so before its answer
         exists). Done: its prompt and every sampled token. Cancelled (its client left) or failed: what its
         backend computed until it stopped (`SampleJob.prefilled_tokens`, `generated_tokens`), nothing if it
-        never started. Call before the job is queued."""
+        never started. Either way, plus the requests its backend sent for it beyond those (vLLM's per-row
+        prompt-scoring requests, `SampleJob.scoring_*`) that were answered. Call before the job is queued."""
         session_id = "" if sampling_session_id is None else self._session_of(sampling_session_id)
         arrived, own_done, own_error = time.time(), job.on_done, job.on_error
         once = threading.Lock()  # a job whose answer fails to encode is told both: charged at on_done
@@ -166,8 +167,9 @@ class Accounting:
             if not once.acquire(blocking=False):
                 return
             try:
-                self._count_sample(job, prefill, sampled, outcome, owner, base_model, session_id, request_id,
-                                   arrived, sampling_session_id or "")
+                self._count_sample(job, prefill + job.scoring_prefilled_tokens, job.scoring_cached_tokens,
+                                   sampled + job.scoring_generated_tokens, outcome, owner, base_model, session_id,
+                                   request_id, arrived, sampling_session_id or "")
             except Exception:  # counting must never fail a sample
                 log.exception("counting a sample's usage failed")
 
@@ -181,16 +183,20 @@ class Accounting:
 
         job.on_done, job.on_error = done, error
 
-    def _count_sample(self, job: SampleJob, prefill: int, sampled: int, outcome: str, owner: str, base_model: str,
-                      session_id: str, request_id: str, arrived: float, target: str) -> None:
+    def _count_sample(self, job: SampleJob, prefill: int, cached: int, sampled: int, outcome: str, owner: str,
+                      base_model: str, session_id: str, request_id: str, arrived: float, target: str) -> None:
         now = time.time()
         hour = hour_of(now)
-        # The built-in engine keeps no prefix cache: every prefill token is computed (cached=False).
+        # A job's own prompt is charged as computed (cached=False) on every backend, whatever vLLM's prefix cache
+        # held from other requests: a request costs the same wherever it runs. Its prompt-scoring requests reuse
+        # the prompt the job itself just prefilled: what vLLM says it took from its cache is charged as cached.
         usage = [(UsageKey(hour, base_model, owner, session_id, PREFILL, False), prefill),
                  (UsageKey(hour, base_model, owner, session_id, SAMPLE), sampled)] if prefill or sampled else []
+        if cached:
+            usage.append((UsageKey(hour, base_model, owner, session_id, PREFILL, True), cached))
         first = None if job.first_token_at is None else now - (time.perf_counter() - job.first_token_at)
         timings = [RequestTiming(session_id, base_model, request_id, "sample", target, arrived, first, now, now,
-                                 None, None, prefill + sampled, outcome)] if session_id else []
+                                 None, None, prefill + cached + sampled, outcome)] if session_id else []
         self._add(usage, [], timings)
 
     def _session_of(self, sampling_session_id: str) -> str:

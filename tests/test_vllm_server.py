@@ -12,7 +12,12 @@ plain forward's; OpenAI requests naming a training run follow its training;
 snapshot sessions keep their version, pinned when opened; Tinker and OpenAI answers and errors
 equal the built-in engine's; a client that leaves cancels its vLLM request; kill -9 of vLLM's
 process group mid-request is recovered without user action; kill -9 of the server takes its vLLM
-down with it; math_rl runs unchanged.
+down with it; math_rl runs unchanged. Usage (issue 40): a whole (not streamed) request cut short on
+vLLM, by its client leaving or by vLLM dying, is charged its prompt and the tokens vLLM generated
+until then, once; one finished is charged as before; prompt scoring's per-row requests are charged.
+
+The servers run with three keys (`KEYS`): the tests' own, one used only by the usage tests, and the
+admin whose `AdminClient` reads the usage report.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -49,6 +57,8 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "Qwen/Qwen3-8B"  # a cookbook name, holding the head_dim-64 tiny model
 API_KEY = "tml-vllm-server"
+CHARGED_KEY = "tml-vllm-charged"  # the usage tests' own owner: nothing else uses it
+KEYS = {"vllm": API_KEY, "charged": CHARGED_KEY, "root": "tml-vllm-root"}
 WAIT = 600.0  # hang guard for anything that waits on vLLM (a restart takes 20-90 s on 2 busy cores)
 PROMPT = [5, 77, 300, 12, 900, 40]
 CHAT = [{"role": "user", "content": "Tell me about the river."}]
@@ -61,7 +71,9 @@ def hub(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-server")
     hf_home = root / "hf"
     snapshot = install_fake_hub_model(hf_home, MODEL, spec=SPEC)
-    return root, snapshot, {**os.environ, **offline_env(hf_home), "TINKER_API_KEY": API_KEY}
+    keys = {"HOSTED_TINKER_API_KEYS": ",".join(f"{owner}: {key}" for owner, key in KEYS.items()),
+            "HOSTED_TINKER_ADMIN_USERS": "root"}
+    return root, snapshot, {**os.environ, **offline_env(hf_home), **keys, "TINKER_API_KEY": API_KEY}
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +174,38 @@ def chat_prompt(tok) -> list[int]:
 
 def greedy_chat(oai, model: str) -> str:
     return oai.chat.completions.create(model=model, messages=CHAT, max_tokens=32, temperature=0).choices[0].message.content
+
+
+def usage_of(server, owner: str) -> dict[str, int]:
+    """`owner`'s tokens by kind since the last hour began (cached prefill apart), as the admin's report has them."""
+    start = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    admin = tinker.AdminClient(base_url=server.base_url, api_key=KEYS["root"])
+    totals: dict[str, int] = {}
+    for event in admin.get_billing_usage(start, start + timedelta(hours=3)).result().data:
+        info = event.event_info
+        if event.user_name == owner and info.type.startswith("sampling"):
+            kind = info.type + ("_cached" if getattr(info, "cached", False) else "")
+            totals[kind] = totals.get(kind, 0) + info.token_count
+    return totals
+
+
+def charged_since(server, owner: str, before: dict[str, int]) -> dict[str, int]:
+    after = usage_of(server, owner)
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def post_then_leave(server, body: dict, api_key: str, leave_when) -> bool:
+    """POST `body` to /v1/completions on a connection of its own and close it once `leave_when()` holds: a
+    client that goes away without reading its answer. False if the answer came first."""
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {api_key}\r\nContent-Length: {len(payload)}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head.encode() + payload)
+        while not leave_when():
+            if select.select([sock], [], [], 0.05)[0]:  # answered (or refused) before it could leave
+                return False
+    return True
 
 
 # -- tests -----------------------------------------------------------------------------------------
@@ -384,6 +428,76 @@ def test_a_client_that_leaves_cancels_its_vllm_request(srv):
                and metric(srv, "hosted_tinker_vllm_requests_in_flight") == 0, "vLLM request cancelled", srv)
 
 
+SAMPLED = "hosted_tinker_vllm_sampled_tokens_total"  # tokens vLLM generated, counted as they reach the server
+
+
+def test_a_whole_completion_whose_client_leaves_is_charged_what_vllm_generated(srv):
+    """Not streamed, its client sees nothing until the end; the server streams from vLLM all the same, so a
+    client that leaves mid-way leaves a job charged its prompt and every token vLLM sent until it was stopped,
+    once. (Before, such a request was charged nothing: a whole answer says nothing until it is whole.)"""
+    used, sampled = usage_of(srv, "charged"), metric(srv, SAMPLED)
+    cancelled = metric(srv, "hosted_tinker_vllm_requests_cancelled_total")
+    body = {"model": MODEL, "prompt": PROMPT, "n": 4, "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
+    # It leaves once vLLM has generated some of its 12000 tokens.
+    assert post_then_leave(srv, body, CHARGED_KEY, lambda: metric(srv, SAMPLED) >= sampled + 40), \
+        "the whole answer came first: the server knew nothing of the request's tokens before its end"
+    # Once no job is in flight, the cancelled one has been charged and counted.
+    wait_until(lambda: metric(srv, "hosted_tinker_vllm_requests_in_flight") == 0, "the request ended", srv)
+    assert metric(srv, "hosted_tinker_vllm_requests_cancelled_total") == cancelled + 1
+    generated = int(metric(srv, SAMPLED) - sampled)
+    assert 40 <= generated < 12000  # cut short
+    charged = charged_since(srv, "charged", used)
+    assert charged == {"sampling_prefill": len(PROMPT), "sampling_sample": generated}
+    assert charged_since(srv, "charged", used) == charged  # once: a later report adds nothing
+
+
+def test_requests_finished_on_vllm_are_charged_as_before(srv):
+    """A job's prompt and the tokens it returned, once, whole or streamed to its client, as the built-in engine
+    charges them: streaming from vLLM counts nothing twice. A greedy Tinker sample of 3 is one sequence on
+    vLLM, repeated; it is charged as 3, as before."""
+    used, sampled = usage_of(srv, "charged"), metric(srv, SAMPLED)
+    common = dict(model=MODEL, prompt=PROMPT, max_tokens=12, n=2, temperature=1.0, seed=0,
+                  extra_body={"ignore_eos": True})
+    with openai.OpenAI(base_url=srv.base_url + "/v1", api_key=CHARGED_KEY, max_retries=0) as oai:
+        assert oai.completions.create(**common).usage.completion_tokens == 24
+        chunks = list(oai.completions.create(**common, stream=True))
+    assert sum(len(c.choices[0].text) > 0 for c in chunks) > 0
+    with srv.client(CHARGED_KEY) as sc:
+        sampler = sc.create_sampling_client(base_model=MODEL).result()
+        greedy = sampler.sample(types.ModelInput.from_ints(PROMPT), 3,
+                                types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])).result()
+    assert [len(s.tokens) for s in greedy.sequences] == [5, 5, 5]
+    assert charged_since(srv, "charged", used) == {"sampling_prefill": 3 * len(PROMPT),
+                                                  "sampling_sample": 24 + 24 + 3 * 5}
+    assert metric(srv, SAMPLED) - sampled == 24 + 24 + 5  # vLLM generated the greedy sequence once
+
+
+def test_prompt_scoring_rows_on_vllm_are_charged(srv):
+    """target_prompt_logprobs and prompt_alt_tokens_k cost vLLM one more request per prompt row asked for
+    (prompt[:row + 1], one token or k draws): each is charged as vLLM reports it, the prompt tokens it took
+    from its prefix cache (the job's own prompt, prefilled just before) as cached prefill. Before, they were free."""
+    prompt = np.random.default_rng(7).integers(1, 900, 300).tolist()
+    rows = [3, len(prompt) - 3, len(prompt) - 2]  # the last two hold two whole 128-token KV blocks of the prompt
+    targets = np.full((len(prompt) - 1, 2), -1, dtype=np.int64)
+    targets[rows] = [5, 6]
+    greedy = types.SamplingParams(max_tokens=1, temperature=0.0)
+    with srv.client(CHARGED_KEY) as sc:
+        sampler = sc.create_sampling_client(base_model=MODEL).result()
+        used = usage_of(srv, "charged")
+        sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy,
+                       target_prompt_logprobs=types.TensorData.from_numpy(targets)).result()
+        charged = charged_since(srv, "charged", used)
+        cached = charged.get("sampling_prefill_cached", 0)
+        assert charged["sampling_prefill"] + cached == len(prompt) + sum(r + 1 for r in rows)
+        assert 0 < cached and charged["sampling_sample"] == 1 + len(rows)
+        used = usage_of(srv, "charged")
+        sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=1, temperature=1.0, seed=1),
+                       prompt_alt_tokens_k=3).result()
+    rows = range(len(PROMPT) - 1)  # every row; each prompt shorter than a KV block: nothing cached
+    assert charged_since(srv, "charged", used) == {"sampling_prefill": len(PROMPT) + sum(r + 1 for r in rows),
+                                                  "sampling_sample": 1 + 3 * len(rows)}
+
+
 def test_kill9_of_vllm_is_recovered_without_user_action(srv, clients, tok):
     sc, oai = clients
     tc = sc.create_lora_training_client(base_model=MODEL, rank=8, seed=4).result()
@@ -397,19 +511,21 @@ def test_kill9_of_vllm_is_recovered_without_user_action(srv, clients, tok):
                                         extra_body={"ignore_eos": True}).choices[0].text
     restarts = metric(srv, "hosted_tinker_vllm_restarts_total")
 
-    # A long request is running on vLLM when its whole process group gets SIGKILL. The group is frozen
-    # before the request is sent, so it cannot finish first however fast the machine is; the kill
-    # comes once the request has been sent to vLLM.
-    at_vllm = metric(srv, "hosted_tinker_vllm_requests_at_vllm")
+    # A long request (a Tinker sample: whole) is running on vLLM when its whole process group gets SIGKILL,
+    # once vLLM has generated some of its tokens. It fails, charged its prompt and those tokens, once.
+    used, sampled = usage_of(srv, "vllm"), metric(srv, SAMPLED)
     (pid,) = vllm_processes(srv)
     pgid = os.getpgid(pid)
-    os.killpg(pgid, signal.SIGSTOP)
-    running = snapshot.sample(prompt, 16, types.SamplingParams(max_tokens=3000, temperature=1.0, stop=[]))
-    wait_until(lambda: metric(srv, "hosted_tinker_vllm_requests_at_vllm") == at_vllm + 1, "request sent to vLLM", srv)
+    running = snapshot.sample(prompt, 16, types.SamplingParams(max_tokens=1000, temperature=1.0, stop=[]))
+    wait_until(lambda: metric(srv, SAMPLED) >= sampled + 40 or running.future().done(), "tokens generated", srv)
+    assert not running.future().done(), "the whole answer came first: the server knew nothing of its tokens before its end"
     os.killpg(pgid, signal.SIGKILL)
     with pytest.raises(tinker.RequestFailedError) as failed:
         running.result(timeout=WAIT)
     assert failed.value.category == RequestErrorCategory.Server and "vLLM" in str(failed.value)
+    generated = int(metric(srv, SAMPLED) - sampled)
+    assert 40 <= generated < 16000
+    assert charged_since(srv, "vllm", used) == {"sampling_prefill": len(PROMPT), "sampling_sample": generated}
 
     # During the outage a request waits for the restart or fails cleanly; it does not hang.
     try:

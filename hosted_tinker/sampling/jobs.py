@@ -57,6 +57,11 @@ class SampleJob:
     # a job that ends unfinished (cancelled, failed) is charged for these (accounting.py).
     prefilled_tokens: int = 0  # prompt tokens prefilled
     generated_tokens: int = 0  # tokens generated, over all its samples
+    # Requests a backend sends for the job beyond its own prompt and samples (vLLM: one per prompt row
+    # scored, vllm_backend.py), as it reports each one answered: charged on top, done or not.
+    scoring_prefilled_tokens: int = 0  # prompt tokens computed
+    scoring_cached_tokens: int = 0  # prompt tokens served from the backend's prefix cache
+    scoring_generated_tokens: int = 0
     # For the time-to-first-token and tokens-per-second metrics (perf_counter seconds).
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

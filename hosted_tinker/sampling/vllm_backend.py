@@ -36,9 +36,12 @@ it to come back up to `outage_wait_s`, then fail. `cancel_job` (the client left)
 wherever it is: waiting for vLLM, or its HTTP request to vLLM, which is closed. An adapter vLLM no longer knows (404: it
 restarted unseen) is registered again and the request retried once.
 
-Usage (accounting.py): a streamed job's tokens are counted as they arrive (`SampleJob.prefilled_tokens`,
-`generated_tokens`), so one cut short is charged its prompt and what vLLM generated until then. vLLM tells
-nothing of a whole (not streamed) request until its answer: one cut short is charged nothing.
+Usage (accounting.py): a job is streamed from vLLM whatever its client asked for, so its tokens are counted
+as they come (`SampleJob.prefilled_tokens`, `generated_tokens`; a whole answer tells nothing until its end):
+one cut short (client gone, vLLM failed) is charged its prompt and what vLLM generated until then (the cost
+of streaming: benchmarks/vllm_streaming.py). Except prompt logprobs, which vLLM refuses to stream: such a job
+goes whole. A prompt-scoring row request is charged when answered (`SampleJob.scoring_*`), as vLLM reports
+it (cached prompt tokens with `--enable-prompt-tokens-details`; without, none: logged once).
 """
 
 from __future__ import annotations
@@ -158,6 +161,7 @@ class VLLMSamplingBackend:
         self._in_flight = 0
         self._count_lock = threading.Lock()
         self._calls: dict[asyncio.Task, None] = {}  # tasks talking to vLLM right now
+        self._warned_cached = False  # logged once: this vLLM does not say what its prefix cache served
         self._tasks: dict[int, asyncio.Task] = {}  # id(job) -> its task, until its answer is given
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="vllm-adapters")
         self._loop = asyncio.new_event_loop()
@@ -259,7 +263,6 @@ class VLLMSamplingBackend:
                     self.adapters.release(version)
             self._tasks.pop(id(job), None)  # answered: a cancel from now on changes nothing
             failed = False
-            self.stats.tokens_generated_total += sum(len(s.tokens) for s in result.sequences)
             try:
                 job.on_done(result)
             except Exception as e:  # encoding the answer failed: this request fails, others go on
@@ -303,10 +306,10 @@ class VLLMSamplingBackend:
         body = completion_body(job, version.name if version else self.sidecar.served_model_name)
         for attempt in (0, 1):
             try:
-                if job.on_token is not None:
-                    choices, prompt_entries = await self._stream(job, body)
-                else:
+                if "prompt_logprobs" in body:  # vLLM refuses to stream them: whole, told nothing until its end
                     choices, prompt_entries = await self._complete(body)
+                else:
+                    choices, prompt_entries = await self._stream(job, body), None
                 break
             except _UnknownAdapter:
                 if attempt or version is None:
@@ -341,7 +344,7 @@ class VLLMSamplingBackend:
         rows = targets.requested_rows()
 
         async def row_scores(row: int) -> dict[int, float]:
-            data = await self._post(target_row_body(job, body, row))
+            data = await self._post_row(job, target_row_body(job, body, row))
             entries = data["choices"][0]["logprobs"]["top_logprobs"][0]
             return {_sample_token_id(t): float(lp) for t, lp in entries.items()}
 
@@ -356,7 +359,11 @@ class VLLMSamplingBackend:
         k, rows = job.prompt_alt_tokens_k, list(range(len(job.prompt) - 1))
 
         async def row_draws(row: int) -> list[SequenceSoFar]:
-            return (await self._complete(alternatives_row_body(job, body, row)))[0]
+            row_body = alternatives_row_body(job, body, row)
+            choices = [SequenceSoFar() for _ in range(row_body["n"])]
+            for ch in (await self._post_row(job, row_body))["choices"]:
+                _add(choices[ch["index"]], ch, row_body["logprobs"])
+            return choices
 
         tokens = np.zeros((len(rows), k), dtype=np.int64)
         logprobs = np.zeros((len(rows), k), dtype=np.float32)
@@ -381,14 +388,33 @@ class VLLMSamplingBackend:
         for ch in data["choices"]:
             _add(choices[ch["index"]], ch, body["logprobs"])
             prompt_entries = prompt_entries or ch.get("prompt_logprobs")
+        self.stats.tokens_generated_total += data["usage"]["completion_tokens"]
         return choices, prompt_entries
 
-    async def _stream(self, job: SampleJob, body: dict) -> tuple[list[SequenceSoFar], list | None]:
-        """Stream tokens to job.on_token; each is held back until the next, so the last carries its stop reason."""
+    async def _post_row(self, job: SampleJob, body: dict) -> dict:
+        """One of `job`'s per-row prompt-scoring requests, whole (one token: nothing to stream); what vLLM says
+        it computed for it is charged to `job` (`SampleJob.scoring_*`)."""
+        data = await self._post(body)
+        usage = data["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is None:
+            cached = 0
+            if not self._warned_cached:
+                self._warned_cached = True
+                log.warning("vLLM does not report the prompt tokens it takes from its prefix cache (start it with "
+                            "--enable-prompt-tokens-details): prompt-scoring requests are charged as computed")
+        job.scoring_prefilled_tokens += usage["prompt_tokens"] - cached
+        job.scoring_cached_tokens += cached
+        job.scoring_generated_tokens += usage["completion_tokens"]
+        self.stats.tokens_generated_total += usage["completion_tokens"]
+        return data
+
+    async def _stream(self, job: SampleJob, body: dict) -> list[SequenceSoFar]:
+        """Run `body` streamed, whatever `job`'s client asked for: what vLLM has computed is known as it comes
+        (charged if the job ends unfinished, accounting.py). A streaming client's tokens go to job.on_token,
+        each held back until the next, so the last carries its stop reason."""
         choices = [SequenceSoFar() for _ in range(body["n"])]
-        repeat = job.num_samples if body["n"] == 1 else 1
         reported = [0] * body["n"]
-        prompt_entries = None
         try:
             async with self._client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                 if r.status_code != 200:
@@ -401,22 +427,17 @@ class VLLMSamplingBackend:
                         raise VLLMUnavailable(f"vLLM failed while streaming: {chunk['error']}")
                     for ch in chunk["choices"]:
                         i = ch["index"]
-                        c = choices[i]
-                        _add(c, ch, body["logprobs"])
+                        _add(choices[i], ch, body["logprobs"])
                         # What vLLM has computed so far, charged if the job ends unfinished (accounting.py).
+                        new = len(ch.get("token_ids") or [])
                         job.prefilled_tokens = len(job.prompt)
-                        job.generated_tokens += len(ch.get("token_ids") or [])
-                        prompt_entries = prompt_entries or ch.get("prompt_logprobs")
-                        done = len(c.tokens) if c.stop_reason is not None else len(c.tokens) - 1
-                        for pos in range(reported[i], done):
-                            reason = c.stop_reason if c.stop_reason is not None and pos == len(c.tokens) - 1 else None
-                            top = (c.topk_ids[pos], c.topk_logprobs[pos]) if body["logprobs"] else (None, None)
-                            for copy in range(repeat):
-                                _report(job, i + copy, c.tokens[pos], c.logprobs[pos], *top, reason)
-                        reported[i] = max(reported[i], done)
+                        job.generated_tokens += new
+                        self.stats.tokens_generated_total += new
+                        if job.on_token is not None:
+                            reported[i] = _report_new(job, body, i, choices[i], reported[i])
         except httpx.HTTPError as e:
             raise self._lost(e) from None
-        return choices, prompt_entries
+        return choices
 
     def _check(self, status: int, text: str) -> None:
         if status == 200:
@@ -455,11 +476,20 @@ def _add(c: SequenceSoFar, ch: dict, k: int) -> None:
         c.stop_reason = ch["finish_reason"]
 
 
-def _report(job: SampleJob, index: int, token: int, lp: float, top_ids, top_lps, reason: str | None) -> None:
-    try:
-        job.on_token(index, token, lp, top_ids, top_lps, reason)
-    except Exception:  # a streaming consumer's failure never stops the request
-        log.exception("a streaming on_token callback failed")
+def _report_new(job: SampleJob, body: dict, i: int, c: SequenceSoFar, reported: int) -> int:
+    """Give job.on_token sequence `i`'s tokens after the first `reported`, all but the last while `c` goes on
+    (the last carries the stop reason); every sample when one greedy sequence stands for all. -> now reported."""
+    repeat = job.num_samples if body["n"] == 1 else 1
+    done = len(c.tokens) if c.stop_reason is not None else len(c.tokens) - 1
+    for pos in range(reported, done):
+        reason = c.stop_reason if c.stop_reason is not None and pos == len(c.tokens) - 1 else None
+        top = (c.topk_ids[pos], c.topk_logprobs[pos]) if body["logprobs"] else (None, None)
+        for copy in range(repeat):
+            try:
+                job.on_token(i + copy, c.tokens[pos], c.logprobs[pos], *top, reason)
+            except Exception:  # a streaming consumer's failure never stops the request
+                log.exception("a streaming on_token callback failed")
+    return max(reported, done)
 
 
 def _error_message(text: str) -> str:

@@ -193,6 +193,8 @@ class VLLMLaunch:
                "--lora-target-modules", *modules,
                "--generation-config", "vllm", "--max-logprobs", str(self.max_logprobs),
                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+               # usage says which prompt tokens came from the prefix cache: charged as such (vllm_backend.py)
+               "--enable-prompt-tokens-details",
                "--uvicorn-log-level", "warning"]
         return cmd + list(self.extra_args)
 
