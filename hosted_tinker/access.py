@@ -55,11 +55,11 @@ class Access:
                             "grants it with --admin-users)")
 
     def session(self, owner: str, session_id: str) -> SessionRecord:
-        return owned(self.store.get_session(session_id), owner, f"session {session_id!r} not found")
+        return owned(self.store.sessions.get(session_id), owner, f"session {session_id!r} not found")
 
     def model(self, owner: str, model_id: str) -> ModelRecord:
         """A training model of this key's, loaded or not."""
-        return owned(self.store.get_model(model_id), owner, f"model {model_id!r} not found")
+        return owned(self.store.runs.get(model_id), owner, f"model {model_id!r} not found")
 
     def loaded_model(self, owner: str, model_id: str) -> ModelRecord:
         """A training model of this key's that this server holds now (it can take work)."""
@@ -70,11 +70,11 @@ class Access:
         return row
 
     def future(self, owner: str, request_id: str) -> FutureRecord:
-        return owned(self.store.get_future(request_id), owner, f"unknown request_id {request_id!r}")
+        return owned(self.store.futures.get(request_id), owner, f"unknown request_id {request_id!r}")
 
     def checkpoint(self, owner: str, run_id: str, checkpoint_id: str, *, write: bool = False) -> CheckpointRecord:
         """A live checkpoint this key owns, or, to read it, one that is published."""
-        row = self.store.get_checkpoint(run_id, checkpoint_id)
+        row = self.store.checkpoints.get(run_id, checkpoint_id)
         if row is None or is_expired(row) or (row.owner != owner and (write or not row.public)):
             raise NotFound(f"checkpoint {TinkerPath.of_record(run_id, checkpoint_id)} not found")
         return row
@@ -89,17 +89,17 @@ class Access:
     def run(self, owner: str, run_id: str) -> tuple[ModelRecord, bool]:
         """(the run's record, whether this key owns it). Others see a run only while it holds a live
         published checkpoint, and then only its public fields (api/rest.py shapes them)."""
-        row = self.store.get_model(run_id)
+        row = self.store.runs.get(run_id)
         if row is not None:
             if row.owner == owner:
                 return row, True
-            if self.store.run_has_public_checkpoint(run_id):
+            if self.store.checkpoints.run_has_public(run_id):
                 return row, False
         raise NotFound(f"training run {run_id!r} not found")
 
     def sampler(self, owner: str, sampling_session_id: str) -> SamplerGrant:
         """A sampling session of this key's, with the checkpoint it samples checked again now."""
-        row = owned(self.store.get_sampling_session(sampling_session_id), owner,
+        row = owned(self.store.sampling_sessions.get(sampling_session_id), owner,
                     f"sampling session {sampling_session_id!r} not found")
         path = row.model_path
         if path is None:

@@ -147,7 +147,7 @@ class Accounting:
         if model_id not in self._runs:
             if len(self._runs) > 65536:  # a bound on memory, not a cache policy
                 self._runs.clear()
-            row = self.store.get_model(model_id)
+            row = self.store.runs.get(model_id)
             self._runs[model_id] = None if row is None else RunOwner(row.owner, row.session_id, row.base_model)
         return self._runs[model_id]
 
@@ -202,7 +202,7 @@ class Accounting:
     def _session_of(self, sampling_session_id: str) -> str:
         session = self._samplers.get(sampling_session_id)
         if session is None:
-            row = self.store.get_sampling_session(sampling_session_id)
+            row = self.store.sampling_sessions.get(sampling_session_id)
             session = "" if row is None else row.session_id
             if len(self._samplers) > 65536:  # a bound, not a cache policy: sessions are few per client
                 self._samplers.clear()
@@ -230,7 +230,7 @@ class Accounting:
         if now <= since:
             return
         usage = []
-        for held in self.store.live_checkpoint_storage():
+        for held in self.store.checkpoints.live_storage():
             t = since
             while t < now:
                 end = min(now, hour_of(t) + HOUR)

@@ -72,7 +72,7 @@ class FutureStore:
         """Return (request_id, is_new). A repeated (model_id, seq_id) returns the first id. A new
         request calls `on_finish` once, when it is resolved or failed; a repeated one never does."""
         request_id = f"req-{uuid.uuid4().hex}"
-        got = self.store.insert_future(request_id, owner, kind, model_id, seq_id)
+        got = self.store.futures.insert(request_id, owner, kind, model_id, seq_id)
         if got == request_id:
             with self._lock:
                 self._pending_owner[request_id] = owner
@@ -121,7 +121,7 @@ class FutureStore:
             yield
         finally:
             self._batch.rows = None
-            self.store.complete_futures(rows, touched_models=list(touched_models))
+            self.store.futures.complete_batch(rows, touched_models=list(touched_models))
             for rid, payload, is_proto, failed in rows:
                 self._publish(rid, payload, is_proto=is_proto, failed=failed)
 
@@ -130,7 +130,7 @@ class FutureStore:
         if rows is not None:
             rows.append((request_id, payload, is_proto, failed))
             return
-        self.store.complete_future(request_id, payload, is_proto, failed)
+        self.store.futures.complete(request_id, payload, is_proto, failed)
         self._publish(request_id, payload, is_proto=is_proto, failed=failed)
 
     def _publish(self, request_id: str, payload: bytes, *, is_proto: bool, failed: bool) -> None:
@@ -171,7 +171,7 @@ class FutureStore:
             hit = self._results.get(request_id)
         if hit is not None:
             return hit
-        return self.from_record(self.store.get_future(request_id))
+        return self.from_record(self.store.futures.get(request_id))
 
     def from_record(self, rec) -> FutureResult | None:
         """The result of a SQLite future record, or None while it is pending. A result dropped after

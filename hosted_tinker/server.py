@@ -157,12 +157,12 @@ class Server:
         self.auth = Authenticator(self.keyring, TokenSigner(data_dir, config.jwt_lifetime_s),
                                   RevokedKeys(data_dir / REVOKED_KEYS_FILE))
         self.store = Store(db_path(data_dir), config.max_query_s)
-        interrupted = self.store.fail_interrupted_futures(
+        interrupted = self.store.futures.fail_interrupted(
             "the server restarted while this request was running; resubmit it")
         if interrupted:
             log.warning("%d request(s) were running when the server last stopped; they failed with "
                         "category 'server'", interrupted)
-        self.store.mark_models_unloaded()
+        self.store.runs.mark_unloaded()
         self.futures = FutureStore(self.store)
         self.sample_records = SampleRecords(self.store, ttl_s=config.sample_record_ttl_s)
         # Checkpoints of every served model: one catalog, one expiry sweep, one URL signing key.

@@ -2,8 +2,8 @@
 
 WAL journaling with synchronous=NORMAL: a commit survives kill -9 of the server (the WAL is in the
 OS page cache and is replayed at the next open), at the price of one fsync per checkpoint of the WAL
-rather than per commit. `store.py` keeps the core tables; other modules keep theirs
-(`store_accounting.py`), each creating its own schema here.
+rather than per commit. `store.py` keeps the core tables (a `store_<group>.py` per group of them); other
+modules keep theirs (`store_accounting.py`), each creating its own schema here.
 
 Reads never wait for anything but themselves. In WAL mode a reader sees the last commit made before
 its statement began while the writer goes on, and readers do not block one another; a Python

@@ -1,7 +1,7 @@
-"""What the store (store.py) hands out: one frozen record per kind of row, read by attribute.
+"""What the store's tables (store.py) hand out: one frozen record per kind of row, read by attribute.
 
-A record is built from its row inside the store, so a column's name is spelled in one place and a
-reader's typo is an AttributeError at once, not a KeyError on one path. JSON columns stay the
+A record is built from its row inside the store (`Table`), so a column's name is spelled in one place
+and a reader's typo is an AttributeError at once, not a KeyError on one path. JSON columns stay the
 text they are stored as (`user_metadata`, `lora_config`, ...): each reader decodes what it uses.
 SQLite's 0/1 flags become bools.
 """
@@ -12,12 +12,31 @@ import sqlite3
 from dataclasses import dataclass
 from typing import TypeVar
 
+from .sqlite_db import SQLiteDB
+
 Record = TypeVar("Record")
 
 
 def from_row(cls: type[Record], row: sqlite3.Row) -> Record:
     """The record of `row`: its columns, by name, are the record's fields."""
     return cls(**dict(row))
+
+
+class Table:
+    """One group of the store's tables (a `store_<group>.py`): its `SCHEMA`, created by `Store`, and
+    its queries, run on the database every group shares."""
+
+    SCHEMA = ""
+
+    def __init__(self, db: SQLiteDB):
+        self.db = db
+
+    def _record(self, cls: type[Record], sql: str, args: tuple = ()) -> Record | None:
+        row = self.db.one(sql, args)
+        return None if row is None else from_row(cls, row)
+
+    def _records(self, cls: type[Record], sql: str, args: tuple = (), *, budgeted: bool = False) -> list[Record]:
+        return [from_row(cls, row) for row in self.db.all(sql, args, budgeted=budgeted)]
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """What the data dir keeps of its history, in SQL: results dropped once delivered, rows by age and size.
 
-Request history is three tables, each a row per request: `futures` (store.py: the answer the SDK
+Request history is three tables, each a row per request: `futures` (store_futures.py: the answer the SDK
 long-polls, kept so that a result outlives a crash and a resubmitted seq_id finds its request),
 `request_timings` (store_accounting.py: what session traces are built from) and `request_losses`
-(store.py: the dashboard's loss curves). A future's result is the bulky part (a forward_backward's
+(store_losses.py: the dashboard's loss curves). A future's result is the bulky part (a forward_backward's
 per-token logprobs and losses); once the SDK has fetched it (`FutureStore.delivered`) the row keeps
 only its small columns, so a late retry is answered with a clear failure rather than a 404, and the
 (model_id, seq_id) still dedupes. A result never fetched is kept until its row goes by age.

@@ -216,7 +216,7 @@ class TrainingWorker:
             if r.final:
                 finished.append((r, out))
         # The dashboard's loss curves; written before the results are visible, so it never lags a client.
-        self.store.record_losses([
+        self.store.losses.record([
             (r.model_id, r.seq_id, self.runtime.adapters[r.model_id].step, r.payload.forward_only, out.metrics["loss:sum"])
             for r, out in finished if math.isfinite(out.metrics.get("loss:sum", math.nan))])
         for r, out in finished:
@@ -349,7 +349,7 @@ class TrainingWorker:
 
     def _unload_model(self, req: Request) -> UnloadModelResult:
         self.runtime.remove_adapter(req.model_id)
-        self.store.set_model_status(req.model_id, "unloaded")
+        self.store.runs.set_status(req.model_id, "unloaded")
         return UnloadModelResult(req.model_id)
 
     def _save_weights_for_sampler(self, req: Request) -> SamplerWeightsResult:
@@ -358,9 +358,9 @@ class TrainingWorker:
         if spec.sampling_session_id is None:
             return SamplerWeightsResult(path=str(path))
         # The ephemeral form: a sampling session on this exact snapshot of the weights.
-        model = self.store.get_model(req.model_id)
-        self.store.create_sampling_session(spec.sampling_session_id, model.session_id, spec.owner,
-                                           model.base_model, str(path), str(self.checkpoints.folder(path)))
+        model = self.store.runs.get(req.model_id)
+        self.store.sampling_sessions.create(spec.sampling_session_id, model.session_id, spec.owner,
+                                            model.base_model, str(path), str(self.checkpoints.folder(path)))
         return SamplerWeightsResult(sampling_session_id=spec.sampling_session_id)
 
     def _save(self, req: Request, *, with_optimizer: bool) -> tuple[TinkerPath, int]:
@@ -389,7 +389,7 @@ class TrainingWorker:
         ckpt = read_checkpoint_for(self.runtime, spec.checkpoint_dir, with_optimizer=spec.with_optimizer)
         check_fits(ckpt, self.runtime.layers, max_rank=spec.max_rank)  # the files as read now, whatever the route saw
         adapter = load_checkpoint(self.runtime, req.model_id, ckpt)
-        self.store.update_model_lora(req.model_id, adapter.config.to_dict())
+        self.store.runs.update_lora(req.model_id, adapter.config.to_dict())
         return LoadWeightsResult(path=spec.path, model_id=req.model_id)
 
 

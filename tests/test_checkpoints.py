@@ -331,8 +331,8 @@ def test_an_encrypted_export_survives_recovery_and_leaves_no_plaintext(trained, 
     from hosted_tinker.store import Store
 
     store = Store(tmp_path / "db.sqlite")
-    store.create_session("s", "alice", [], {}, None, None)
-    store.create_model("run", "s", "alice", "tiny", CFG.to_dict(), {}, {})
+    store.sessions.create("s", "alice", [], {}, None, None)
+    store.runs.create("run", "s", "alice", "tiny", CFG.to_dict(), {}, {})
     catalog = CheckpointCatalog(store, tmp_path / "checkpoints")
     identity = pyrage.x25519.Identity.generate()
     path = TinkerPath("run", "external_weights", "enc")

@@ -1,7 +1,7 @@
 """create_session's idempotency key under concurrency: the route itself over a real SQLite store.
 
 The SDK retries create_session with the same X-Idempotency-Key; two such calls in flight at once
-must get one session. To make "at once" deterministic, the store's create_session is wrapped so
+must get one session. To make "at once" deterministic, the store's `sessions.create` is wrapped so
 that both calls are inside the route, past any check it made, before either writes (a barrier).
 """
 
@@ -19,14 +19,14 @@ from hosted_tinker.store import Store
 def test_concurrent_creates_with_one_idempotency_key_get_one_session(tmp_path):
     store = Store(tmp_path / "db.sqlite3")
     try:
-        real_create = store.create_session
+        real_create = store.sessions.create
         both_inside = threading.Barrier(2, timeout=30)
 
         def create_when_both_are_inside(*args, **kwargs):
             both_inside.wait()
             return real_create(*args, **kwargs)
 
-        store.create_session = create_when_both_are_inside
+        store.sessions.create = create_when_both_are_inside
         server = SimpleNamespace(store=store)  # the route reads nothing else
         body = CreateSessionRequest(tags=[], user_metadata={}, sdk_version="0.38.0")
 
@@ -36,9 +36,9 @@ def test_concurrent_creates_with_one_idempotency_key_get_one_session(tmp_path):
         with ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(call, range(2)))
         assert answers[0] == answers[1]
-        assert store.list_sessions("alice", 10, 0) == ([answers[0]["session_id"]], 1)
+        assert store.sessions.page("alice", 10, 0) == ([answers[0]["session_id"]], 1)
 
-        store.create_session = real_create
+        store.sessions.create = real_create
         # The key is per owner, and it survives: a later retry gets the same session too.
         assert call(0) == answers[0]
         other = create_session(body, owner="bob", x_idempotency_key="retry-1", server=server)

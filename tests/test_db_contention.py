@@ -108,7 +108,7 @@ def test_sessions_stored_before_the_metadata_index_are_found_by_it(tmp_path):
     """A database from before `session_metadata` (made here by dropping it) gets it filled at the next
     start, in one transaction: a metadata filter then finds the older sessions."""
     store = Store(tmp_path / "db.sqlite3")
-    store.create_session("sess-old", "alice", [], {"team": "nlp", "n": 3, "nested": {"team": "nlp"}}, "old", None)
+    store.sessions.create("sess-old", "alice", [], {"team": "nlp", "n": 3, "nested": {"team": "nlp"}}, "old", None)
     store.db.execute("DROP TABLE session_metadata")
     store.close()
     store = Store(tmp_path / "db.sqlite3")

@@ -138,7 +138,7 @@ def test_fail_payload_is_error_and_category(store):
     assert json.loads(ra.payload) == {"error": "datum 3: loss_fn_inputs['weights'] has shape [2], expected [3]",
                                       "category": "user"}
     assert json.loads(rb.payload) == {"error": "CUDA out of memory", "category": "server"}
-    assert store.get_future(a).status == "failed"
+    assert store.futures.get(a).status == "failed"
 
 
 def test_model_seq_idempotency_returns_first_request_id(store):
@@ -171,7 +171,7 @@ def test_fail_interrupted_futures_marks_pending_as_server_failures(db_path):
 
     store2 = Store(db_path)
     try:
-        assert store2.fail_interrupted_futures("server restarted") == 2
+        assert store2.futures.fail_interrupted("server restarted") == 2
         futures2 = FutureStore(store2)
         for rid in (p1, p2):
             r = futures2.lookup(rid)
@@ -179,7 +179,7 @@ def test_fail_interrupted_futures_marks_pending_as_server_failures(db_path):
             assert json.loads(r.payload) == {"error": "server restarted", "category": "server"}
         r = futures2.lookup(done)
         assert not r.failed and json.loads(r.payload) == {"ok": 1}
-        assert store2.fail_interrupted_futures("again") == 0
+        assert store2.futures.fail_interrupted("again") == 0
     finally:
         store2.close()
 
@@ -251,18 +251,18 @@ def test_a_request_of_this_process_is_known_with_its_owner_until_pruned(store):
 def test_answers_given_in_a_batch_are_written_and_visible_together_at_its_end(store):
     """answering(): the results given inside the block are neither in SQLite nor visible to a waiter
     until the block ends; then all are, with the touched runs' last_request_at, in one go."""
-    store.create_model("m1", "s", "alice", "base", {}, {}, {})
+    store.runs.create("m1", "s", "alice", "base", {}, {}, {})
     futures = FutureStore(store)
     ids = [futures.create("alice", "forward", "m1", seq)[0] for seq in (1, 2)]
-    touched_before = store.get_model("m1").last_request_at
+    touched_before = store.runs.get("m1").last_request_at
     with futures.answering(touched_models=["m1"]):
         futures.resolve(ids[0], {"v": 1})
         futures.fail(ids[1], "no", "user")
         assert futures.lookup(ids[0]) is None and futures.is_pending(ids[1])
-        assert store.get_future(ids[0]).status == "pending"
+        assert store.futures.get(ids[0]).status == "pending"
     assert json.loads(futures.lookup(ids[0]).payload) == {"v": 1} and futures.lookup(ids[1]).failed
-    assert [store.get_future(i).status for i in ids] == ["done", "failed"]
-    assert store.get_model("m1").last_request_at > touched_before
+    assert [store.futures.get(i).status for i in ids] == ["done", "failed"]
+    assert store.runs.get("m1").last_request_at > touched_before
 
 
 def test_a_batch_whose_write_fails_publishes_nothing(store, monkeypatch):
@@ -274,7 +274,7 @@ def test_a_batch_whose_write_fails_publishes_nothing(store, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(store, "complete_futures", disk_full)
+    monkeypatch.setattr(store.futures, "complete_batch", disk_full)
     with pytest.raises(OSError), futures.answering():
         futures.resolve(rid, {"v": 1})
     assert futures.is_pending(rid) and futures.lookup(rid) is None

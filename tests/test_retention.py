@@ -40,7 +40,7 @@ def parts(tmp_path):
 
     def remove_snapshot(row) -> bool:  # the record only: these snapshots have no files (the server's removes both)
         removed.append(row)
-        return store.delete_checkpoint_if(row.model_id, row.checkpoint_id)
+        return store.checkpoints.delete_if(row.model_id, row.checkpoint_id)
 
     def retention(settings: RetentionSettings = LOOSE) -> Retention:
         return Retention(store.db, futures, tmp_path, settings, remove_snapshot=remove_snapshot, clock=clock)
@@ -70,7 +70,7 @@ def test_a_fetched_result_goes_after_its_grace_and_its_row_and_unfetched_results
     futures.delivered("req-fetched")
     sweep = retention()
     sweep.sweep()  # within the grace: nothing goes yet
-    assert store.get_future("req-fetched").result is not None
+    assert store.futures.get("req-fetched").result is not None
     clock.now += DELIVERED_GRACE_S + 1
     futures.delivered("req-fetched-late")
     sweep.sweep()
@@ -82,7 +82,7 @@ def test_a_fetched_result_goes_after_its_grace_and_its_row_and_unfetched_results
     late = futures.lookup("req-fetched")  # a retry after that: a failure that says why, not a 404
     assert late.failed and "fetched" in json.loads(late.payload)["error"]
     assert futures.lookup("req-unfetched").payload == b"x" * 3000
-    assert store.get_future_id("run-1", 1) == "req-fetched"  # the seq_id still dedupes a resubmission
+    assert store.futures.request_id_of("run-1", 1) == "req-fetched"  # the seq_id still dedupes a resubmission
 
 
 def pending_id(store: Store) -> str:
@@ -99,7 +99,7 @@ def test_history_and_audit_go_by_age_and_nothing_pending(parts):
     tables.write({}, [AuditEntry(T0 - 400 * DAY, "checkpoint_read", "checkpoints", "alice", {}),
                       AuditEntry(T0 - 300 * DAY, "checkpoint_read", "checkpoints", "bob", {})],
                  [timing("req-old", old), timing("req-new", new)])
-    store.record_losses([("run-1", 1, 0, False, 1.0), ("run-1", 2, 1, False, 0.5)])
+    store.losses.record([("run-1", 1, 0, False, 1.0), ("run-1", 2, 1, False, 0.5)])
     store.db.execute("UPDATE request_losses SET created_at = CASE seq_id WHEN 1 THEN ? ELSE ? END", (old, new))
     retention().sweep()
     assert {r[0] for r in rows(store, "SELECT request_id FROM futures")} == {"req-new", pending_id(store)}
@@ -152,12 +152,12 @@ def test_snapshots_over_their_bound_go_oldest_first_and_nothing_saved_by_name(pa
     size = 1000
     for run, names in (("run-a", ["ephemeral-1", "ephemeral-3", "ephemeral-5"]), ("run-b", ["ephemeral-2"])):
         for name in names:
-            store.upsert_checkpoint(run, f"sampler_weights/{name}", "sampler", "alice", f"/x/{run}/{name}", size,
+            store.checkpoints.upsert(run, f"sampler_weights/{name}", "sampler", "alice", f"/x/{run}/{name}", size,
                                     T0 + 7 * DAY, {})
     # saved by name: never the sweep's, however old or large
-    store.upsert_checkpoint("run-a", "sampler_weights/ephemeral", "sampler", "alice", "/x/a/e", 10 * size, None, {})
-    store.upsert_checkpoint("run-a", "weights/ephemeral-7", "training", "alice", "/x/a/w", 10 * size, None, {})
-    store.upsert_checkpoint("run-a", "sampler_weights/final", "sampler", "alice", "/x/a/f", 10 * size, None, {})
+    store.checkpoints.upsert("run-a", "sampler_weights/ephemeral", "sampler", "alice", "/x/a/e", 10 * size, None, {})
+    store.checkpoints.upsert("run-a", "weights/ephemeral-7", "training", "alice", "/x/a/w", 10 * size, None, {})
+    store.checkpoints.upsert("run-a", "sampler_weights/final", "sampler", "alice", "/x/a/f", 10 * size, None, {})
     order = ["ephemeral-1", "ephemeral-2", "ephemeral-3", "ephemeral-5"]  # oldest first
     for i, name in enumerate(order):
         store.db.execute("UPDATE checkpoints SET created_at=? WHERE checkpoint_id=?", (T0 + i, f"sampler_weights/{name}"))

@@ -25,7 +25,7 @@ class Clock:
 @pytest.fixture
 def world(tmp_path):
     store = Store(tmp_path / "db.sqlite3")
-    store.create_sampling_session(SS, "sess-1", "alice", "m", "tinker://r/sampler_weights/w", "/ckpt")
+    store.sampling_sessions.create(SS, "sess-1", "alice", "m", "tinker://r/sampler_weights/w", "/ckpt")
     clock = Clock()
     yield store, clock, SampleRecords(store, clock=clock, sweep_every_s=3600)
     store.close()
@@ -79,13 +79,13 @@ def test_sweep_deletes_expired_records_and_their_requests(world):
     fresh = record_request(records, 2)
     clock.now += DAY_S / 2
     assert records.sweep() == 2
-    assert store._one("SELECT COUNT(*) FROM sample_requests")[0] == 1
+    assert store.db.one("SELECT COUNT(*) FROM sample_requests")[0] == 1
     left = records.for_training("alice", "sess-1", old + fresh)
     assert [isinstance(left[i], SampleRecord) for i in old + fresh] == [False, False, True, True]
     # Storing new records sweeps too, once per sweep_every_s.
     clock.now += DAY_S
     record_request(records, 3)
-    assert store._one("SELECT COUNT(*) FROM sample_records")[0] == 2
+    assert store.db.one("SELECT COUNT(*) FROM sample_records")[0] == 2
 
 
 def test_records_survive_reopening_the_database(world, tmp_path):

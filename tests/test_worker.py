@@ -65,7 +65,7 @@ def worker(runtime, tmp_path):
     for mid in list(runtime.adapters):
         runtime.remove_adapter(mid)
     store = Store(tmp_path / "db.sqlite3")
-    store.create_session("s", "alice", [], {}, None, None)
+    store.sessions.create("s", "alice", [], {}, None, None)
     w = TrainingWorker(runtime, FutureStore(store), store, CheckpointCatalog(store, tmp_path / "checkpoints"),
                        NewWeightsRecorder())
     yield w
@@ -99,7 +99,7 @@ def answer(worker: TrainingWorker, rid: str) -> dict:
 
 
 def create(worker: TrainingWorker, model_id: str, **flags) -> dict:
-    worker.store.create_model(model_id, "s", "alice", "embedded", {}, {}, {})
+    worker.store.runs.create(model_id, "s", "alice", "embedded", {}, {}, {})
     c = Cycle(worker)
     rid = c.add("tail", model_id, RequestKind.CREATE_MODEL, LoRAConfig(rank=4, **flags))
     c.run()
@@ -122,7 +122,7 @@ def test_a_server_bug_is_a_server_error_whatever_its_exception_class(worker, mon
     def broken_write(*args, **kwargs):
         raise KeyError("checkpoints")
 
-    monkeypatch.setattr(worker.store, "upsert_checkpoint", broken_write)
+    monkeypatch.setattr(worker.store.checkpoints, "upsert", broken_write)
     c = Cycle(worker)
     rid = c.add("tail", "m", RequestKind.SAVE_WEIGHTS, SaveSpec(kind="weights", name="s1", owner="alice"))
     c.run()
@@ -261,14 +261,14 @@ def test_a_requests_only_gradient_goes_with_it(worker, monkeypatch):
     assert not create(worker, "m")["failed"]
     c = Cycle(worker)
     lost = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m"))
-    write = worker.futures.store.complete_futures
+    write = worker.futures.store.futures.complete_batch
 
     def broken_write(results, touched_models):
         if any(rid == lost for rid, *_ in results):
             raise OSError("disk I/O error")
         return write(results, touched_models)
 
-    monkeypatch.setattr(worker.futures.store, "complete_futures", broken_write)
+    monkeypatch.setattr(worker.futures.store.futures, "complete_batch", broken_write)
     with pytest.raises(OSError):
         c.run()
     # What the device loop does with a cycle that raised (device_loop.py): its requests fail.
@@ -325,7 +325,7 @@ def test_a_cycles_answers_are_written_in_one_transaction_whatever_the_tenants(ru
     for mid in list(runtime.adapters):
         runtime.remove_adapter(mid)
     store = Store(tmp_path / "db.sqlite3")
-    store.create_session("s", "alice", [], {}, None, None)
+    store.sessions.create("s", "alice", [], {}, None, None)
     worker = TrainingWorker(runtime, FutureStore(store), store, CheckpointCatalog(store, tmp_path / "ckpt"),
                             NewWeightsRecorder())
     try:
@@ -339,8 +339,8 @@ def test_a_cycles_answers_are_written_in_one_transaction_whatever_the_tenants(ru
         c.run()
         assert len(transactions) == 2, transactions
         assert not any(answer(worker, r)["failed"] for r in ids)
-        assert [p.requests for p in store.loss_curve("a")] == [1]
-        assert store.get_future(ids[-1]).status == "done"
+        assert [p.requests for p in store.losses.curve("a")] == [1]
+        assert store.futures.get(ids[-1]).status == "done"
     finally:
         store.close()
 

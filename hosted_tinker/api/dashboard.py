@@ -105,7 +105,7 @@ def _login_page(request: Request, error: str | None = None, status: int = 200) -
 
 def _loss_points(server: Server, run_id: str) -> list[dict]:
     return [{"step": r.step, "loss": r.train_loss_sum, "eval_loss": r.eval_loss_sum, "requests": r.requests}
-            for r in server.store.loss_curve(run_id)]
+            for r in server.store.losses.curve(run_id)]
 
 
 @router.get("")
@@ -114,7 +114,7 @@ def overview(request: Request):
     if owner is None:
         return _login_page(request)
     server = server_of(request)
-    runs, _ = server.store.list_runs(owner, accessible=False, project_id=None, limit=ROWS, offset=0)
+    runs, _ = server.store.runs.page(owner, accessible=False, project_id=None, limit=ROWS, offset=0)
     run_rows = []
     for row in runs:
         curve = [p for p in _loss_points(server, row.model_id) if p["loss"] is not None]
@@ -123,9 +123,9 @@ def overview(request: Request):
                          "created": row.created_at, "last_request": row.last_request_at,
                          "steps": curve[-1]["step"] + 1 if curve else 0,
                          "last_loss": curve[-1]["loss"] if curve else None})
-    checkpoints, _ = server.store.owner_checkpoints(owner, ROWS, 0)
-    session_ids, _ = server.store.list_sessions(owner, ROWS, 0)
-    sessions = [server.store.get_session(sid) for sid in session_ids]
+    checkpoints, _ = server.store.checkpoints.live_page(owner, ROWS, 0)
+    session_ids, _ = server.store.sessions.page(owner, ROWS, 0)
+    sessions = [server.store.sessions.get(sid) for sid in session_ids]
     admin = owner in server.config.admin_users
     usage = usage_by_owner(server, None if admin else {owner})
     return templates.TemplateResponse(request, "overview.html", {
@@ -133,7 +133,7 @@ def overview(request: Request):
         "usage": usage, "usage_days": DASHBOARD_DAYS, "admin": admin,
         "data_dir": dict(sorted(server.retention.usage.items())) if admin or server.keyring.dev_mode else None,
         "runs": run_rows, "checkpoints": checkpoints, "sessions": [s for s in sessions if s is not None],
-        "session_runs": {sid: len(server.store.session_model_ids(sid)) for sid in session_ids}})
+        "session_runs": {sid: len(server.store.runs.ids_in_session(sid)) for sid in session_ids}})
 
 
 @router.post("/login")
@@ -157,7 +157,7 @@ def logout():
 
 def _owned_run(request: Request, run_id: str):
     owner = _require_owner(request)
-    row = server_of(request).store.get_model(run_id)
+    row = server_of(request).store.runs.get(run_id)
     if row is None or row.owner != owner:
         raise HTTPException(404, f"training run {run_id!r} not found")
     return row
@@ -171,7 +171,7 @@ def run_page(run_id: str, request: Request):
     server = server_of(request)
     return templates.TemplateResponse(request, "run.html", {
         "run": row, "lora": json.loads(row.lora_config), "points": _loss_points(server, run_id),
-        "checkpoints": server.store.live_checkpoints(run_id)})
+        "checkpoints": server.store.checkpoints.live(run_id)})
 
 
 @router.get("/api/runs/{run_id}/loss")

@@ -86,7 +86,7 @@ def checkpoint_json(row, is_owner: bool) -> dict:
 
 def run_json(server: Server, row, is_owner: bool) -> dict:
     lora = json.loads(row.lora_config)
-    shown = server.store.live_checkpoints(row.model_id, public_only=not is_owner)  # oldest first
+    shown = server.store.checkpoints.live(row.model_id, public_only=not is_owner)  # oldest first
     latest = {c.kind: c for c in shown}
     # To another key, the run was last active when its newest published checkpoint was made.
     last_active = row.last_request_at if is_owner or not shown else shown[-1].created_at
@@ -110,7 +110,7 @@ def run_json(server: Server, row, is_owner: bool) -> dict:
 def list_training_runs(limit: int = Query(20, ge=0, le=PAGE_MAX_ROWS), offset: int = Query(0, ge=0, le=INT64_MAX),
                        accessible: bool = Depends(accessible_scope), project_id: str | None = None,
                        owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    rows, total = server.store.list_runs(owner, accessible=accessible, project_id=project_id,
+    rows, total = server.store.runs.page(owner, accessible=accessible, project_id=project_id,
                                          limit=limit, offset=offset)
     return {"training_runs": [run_json(server, r, r.owner == owner) for r in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
@@ -129,14 +129,14 @@ def get_training_run(run_id: str, accessible: bool = Depends(accessible_scope), 
 def list_run_checkpoints(run_id: str, owner: str = Depends(require_owner), server: Server = Depends(get_server),
                          access: Access = Depends(get_access)):
     row, is_owner = access.run(owner, check_run_id(run_id))
-    rows = server.store.live_checkpoints(run_id, public_only=not is_owner)
+    rows = server.store.checkpoints.live(run_id, public_only=not is_owner)
     return {"checkpoints": [checkpoint_json(r, is_owner) for r in rows]}
 
 
 @router.get("/api/v1/checkpoints")
 def list_user_checkpoints(limit: int = Query(100, ge=0, le=PAGE_MAX_ROWS), offset: int = Query(0, ge=0, le=INT64_MAX),
                           owner: str = Depends(require_owner), server: Server = Depends(get_server)):
-    rows, total = server.store.owner_checkpoints(owner, limit, offset)
+    rows, total = server.store.checkpoints.live_page(owner, limit, offset)
     return {"checkpoints": [checkpoint_json(r, True) for r in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 
@@ -173,7 +173,7 @@ def _set_public(server: Server, access: Access, owner: str, path: TinkerPath, pu
     if row.public == public:
         # 400, not 409: the SDK retries a 409 for minutes.
         raise HTTPException(400, f"checkpoint {path} is already {'public' if public else 'private'}")
-    server.store.set_checkpoint_public(path.run, path.checkpoint_id, public)
+    server.store.checkpoints.set_public(path.run, path.checkpoint_id, public)
     server.audit_checkpoint("checkpoint_publish" if public else "checkpoint_unpublish", owner, row)
     return {"tinker_path": str(path), "public": public}
 
@@ -193,7 +193,7 @@ def set_ttl(run_id: str, kind: str, name: str, body: TtlBody, owner: str = Depen
         raise HTTPException(400, f"ttl_seconds must be between 1 and {MAX_TTL_S} (10 years), or null to "
                                  f"never expire; got {body.ttl_seconds}")
     expires = None if body.ttl_seconds is None else time.time() + body.ttl_seconds
-    server.store.set_checkpoint_expiry(path.run, path.checkpoint_id, expires)
+    server.store.checkpoints.set_expiry(path.run, path.checkpoint_id, expires)
     server.audit_checkpoint("checkpoint_ttl_set", owner, row, ttl_seconds=body.ttl_seconds, expires_at=iso(expires))
     return {"tinker_path": str(path), "expires_at": iso(expires)}
 
@@ -286,7 +286,7 @@ def weights_info(body: WeightsInfoBody, owner: str = Depends(require_owner), ser
         except CheckpointError as e:
             raise HTTPException(400, f"checkpoint {path} cannot be read: {e}") from None
     lora = manifest.lora_config
-    model = server.store.get_model(path.run)
+    model = server.store.runs.get(path.run)
     optimizer = json.loads(model.optimizer_config) if model is not None else {"type": "adamw"}
     return {
         "base_model": manifest.base_model,
@@ -341,7 +341,7 @@ async def import_checkpoint(request: Request, name: str, training_run_id: str | 
     """
     path = TinkerPath(training_run_id or f"import-{uuid.uuid4().hex[:12]}", "weights", name)
     if training_run_id is not None:
-        existing_run = await run_in_threadpool(server.store.get_model, path.run)  # SQLite: off the event loop
+        existing_run = await run_in_threadpool(server.store.runs.get, path.run)  # SQLite: off the event loop
         if existing_run is None or existing_run.owner != owner:
             raise _no_such_run(path.run)
     server.uploads.mkdir(parents=True, exist_ok=True)
@@ -398,11 +398,11 @@ def _import(server: Server, owner: str, path: TinkerPath, overwrite: bool, archi
         raise HTTPException(400, f"cannot import this adapter: {e}") from None
     config = prepared.checkpoint.config
     with server.checkpoints.lock:  # the run and the checkpoint appear together
-        run = server.store.get_model(path.run)
+        run = server.store.runs.get(path.run)
         if run is None and new_run:
-            server.store.create_model(path.run, "", owner, served.name, config.to_dict(),
-                                      {"type": "adamw"}, {"source": "import"})
-            server.store.set_model_status(path.run, "imported")
+            server.store.runs.create(path.run, "", owner, served.name, config.to_dict(),
+                                     {"type": "adamw"}, {"source": "import"})
+            server.store.runs.set_status(path.run, "imported")
         elif run is None or run.owner != owner:  # deleted meanwhile, or never the caller's
             raise _no_such_run(path.run)
         elif run.base_model != served.name:

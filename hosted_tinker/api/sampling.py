@@ -234,7 +234,7 @@ def _csr_layout(t: TensorDataIn, rows: int, cols: int) -> CsrLayout:
 def asample(body: AsampleRequest, owner: str = Depends(require_owner), server: Server = Depends(get_server),
             access: Access = Depends(get_access), sampling: SamplingRequests = Depends(get_sampling)):
     grant = access.sampler(owner, body.sampling_session_id)  # the checkpoint it samples, checked again now
-    existing = server.store.get_future_id(body.sampling_session_id, body.seq_id)
+    existing = server.store.futures.request_id_of(body.sampling_session_id, body.seq_id)
     if existing is None:
         served = served_model(server, grant.row.base_model)  # the session's model, whatever its prompt says
         job = build_job(server, served, body, grant.adapter_dir)
@@ -261,7 +261,7 @@ def _recorder(server: Server, body: AsampleRequest, row, request_id: str, job: S
     version = None
     if row.model_path is not None:
         where = TinkerPath.parse(row.model_path)
-        ckpt = server.store.get_checkpoint(where.run, where.checkpoint_id)
+        ckpt = server.store.checkpoints.get(where.run, where.checkpoint_id)
         version = None if ckpt is None else ckpt.created_at
     return server.sample_records.recorder(
         request_id=request_id, owner=row.owner, session_id=row.session_id,

@@ -74,9 +74,9 @@ def create_session(body: CreateSessionRequest, owner: str = Depends(require_owne
                    server: Server = Depends(get_server)):
     # The SDK's transport layer retries create_session with the same X-Idempotency-Key: the
     # store gives every retry, concurrent ones included, the session the first one made.
-    session_id = server.store.create_session(f"sess-{uuid.uuid4().hex[:16]}", owner, body.tags, body.user_metadata,
-                                             body.display_name, body.project_id,
-                                             idempotency_key=x_idempotency_key or None)
+    session_id = server.store.sessions.create(f"sess-{uuid.uuid4().hex[:16]}", owner, body.tags, body.user_metadata,
+                                              body.display_name, body.project_id,
+                                              idempotency_key=x_idempotency_key or None)
     return {"type": "create_session", "session_id": session_id}
 
 
@@ -86,7 +86,7 @@ def heartbeat(body: SessionHeartbeatRequest, owner: str = Depends(require_owner)
     row = access.session(owner, body.session_id)
     if row.status != "active":
         raise HTTPException(410, f"session {body.session_id!r} has finished")
-    server.store.touch_session(body.session_id)
+    server.store.sessions.touch(body.session_id)
     return {"type": "session_heartbeat"}
 
 
@@ -94,7 +94,7 @@ def heartbeat(body: SessionHeartbeatRequest, owner: str = Depends(require_owner)
 def finish_session(session_id: str, body: FinishSessionRequest, owner: str = Depends(require_owner),
                    server: Server = Depends(get_server), access: Access = Depends(get_access)):
     access.session(owner, session_id)
-    server.store.finish_session(session_id, body.reason.type if body.reason else "success")
+    server.store.sessions.finish(session_id, body.reason.type if body.reason else "success")
     return {}
 
 
@@ -105,7 +105,7 @@ def list_sessions(limit: int = Query(20, ge=0, le=PAGE_MAX_ROWS), offset: int = 
                   accessible: bool = Depends(accessible_scope), owner: str = Depends(require_owner),
                   server: Server = Depends(get_server)):
     """The caller's sessions, newest first (sessions are never shared, whatever the scope)."""
-    ids, _ = server.store.list_sessions(owner, limit, offset)
+    ids, _ = server.store.sessions.page(owner, limit, offset)
     return {"sessions": ids}
 
 
@@ -113,8 +113,8 @@ def list_sessions(limit: int = Query(20, ge=0, le=PAGE_MAX_ROWS), offset: int = 
 def get_session(session_id: str, accessible: bool = Depends(accessible_scope), owner: str = Depends(require_owner),
                 server: Server = Depends(get_server), access: Access = Depends(get_access)):
     row = access.session(owner, session_id)
-    return {"training_run_ids": server.store.session_model_ids(session_id),
-            "sampler_ids": server.store.session_sampler_ids(session_id),
+    return {"training_run_ids": server.store.runs.ids_in_session(session_id),
+            "sampler_ids": server.store.sampling_sessions.ids_in_session(session_id),
             "user_metadata": str_dict(row.user_metadata), "display_name": row.display_name}
 
 
@@ -126,7 +126,7 @@ class ProjectBody(BaseModel):
 def assign_session_project(session_id: str, body: ProjectBody, owner: str = Depends(require_owner),
                            server: Server = Depends(get_server), access: Access = Depends(get_access)):
     row = access.session(owner, session_id)
-    server.store.set_session_project(session_id, body.project_id)
+    server.store.sessions.set_project(session_id, body.project_id)
     server.accounting.audit("project_session_assign", owner, session_id=session_id, from_project=row.project_id,
                             to_project=body.project_id)
     return {"session_id": session_id, "project_id": body.project_id}

@@ -70,7 +70,7 @@ class CheckpointCatalog:
 
     def record(self, path: TinkerPath) -> CheckpointRecord | None:
         """The live record of `path`: None if there is none or it has expired."""
-        row = self.store.get_checkpoint(path.run, path.checkpoint_id)
+        row = self.store.checkpoints.get(path.run, path.checkpoint_id)
         return None if row is None or is_expired(row) else row
 
     # -- changes ------------------------------------------------------------------------------------
@@ -87,8 +87,8 @@ class CheckpointCatalog:
             faults.crash_point("checkpoint.before_record")
             size = dir_size(folder)
             expires = time.time() + ttl_seconds if ttl_seconds else None
-            self.store.upsert_checkpoint(path.run, path.checkpoint_id, path.checkpoint_type, owner, str(folder),
-                                         size, expires, user_metadata or {})
+            self.store.checkpoints.upsert(path.run, path.checkpoint_id, path.checkpoint_type, owner, str(folder),
+                                          size, expires, user_metadata or {})
         return size
 
     def delete(self, row: CheckpointRecord, *, expired_before: float | None = None) -> bool:
@@ -96,7 +96,7 @@ class CheckpointCatalog:
         with `expired_before`, no longer expired: a new save replaced it)."""
         path = TinkerPath.of_record(row.model_id, row.checkpoint_id)
         with self.lock:
-            if not self.store.delete_checkpoint_if(path.run, path.checkpoint_id, expired_before=expired_before):
+            if not self.store.checkpoints.delete_if(path.run, path.checkpoint_id, expired_before=expired_before):
                 return False
             faults.crash_point("checkpoint.after_record_deleted")
             folder = self.folder(path)
@@ -113,7 +113,7 @@ class CheckpointCatalog:
         """Delete every checkpoint whose TTL has passed: its record and its files (`on_removed` hears of each)."""
         now = now or time.time()
         removed = 0
-        for row in self.store.expired_checkpoints(now):
+        for row in self.store.checkpoints.expired(now):
             if self.delete(row, expired_before=now):
                 removed += 1
                 on_removed(row)

@@ -95,7 +95,7 @@ def recover(catalog: CheckpointCatalog) -> RecoveryReport:
             for kind_dir in _kind_dirs(run_dir):
                 _recover_kind_dir(kind_dir, report)
         known: set[Path] = set()
-        for row in store.all_checkpoints():
+        for row in store.checkpoints.all():
             tag = f"{row.model_id}/{row.checkpoint_id}"
             try:
                 path = TinkerPath.of_record(row.model_id, row.checkpoint_id)
@@ -103,7 +103,7 @@ def recover(catalog: CheckpointCatalog) -> RecoveryReport:
                 path = None
             folder = catalog.folder(path) if path is not None else None
             if folder is None or not holds_adapter(folder):
-                store.delete_checkpoint_if(row.model_id, row.checkpoint_id)
+                store.checkpoints.delete_if(row.model_id, row.checkpoint_id)
                 report.removed_records.append(tag)
                 continue
             known.add(folder)
@@ -112,14 +112,14 @@ def recover(catalog: CheckpointCatalog) -> RecoveryReport:
                 written = written if written is not None else folder.stat().st_mtime
             if written is not None and not written <= row.created_at <= LATEST_TIME:
                 # an overwrite renamed in with its record not updated (or a record time no listing can print)
-                store.set_checkpoint_files(path.run, path.checkpoint_id, dir_size(folder), written)
+                store.checkpoints.set_files(path.run, path.checkpoint_id, dir_size(folder), written)
                 report.refreshed.append(str(path))
             if row.expires_at is not None and not row.expires_at <= LATEST_TIME:
-                store.set_checkpoint_expiry(path.run, path.checkpoint_id, None)  # a TTL beyond printable time
+                store.checkpoints.set_expiry(path.run, path.checkpoint_id, None)  # a TTL beyond printable time
                 report.refreshed.append(str(path))
         # Folders no record lists, only in runs the database knows.
         for run_dir in run_dirs:
-            if store.get_model(run_dir.name) is None:
+            if store.runs.get(run_dir.name) is None:
                 continue
             for kind_dir in _kind_dirs(run_dir):
                 for d in kind_dir.iterdir():

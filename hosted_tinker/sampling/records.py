@@ -78,7 +78,7 @@ class SampleRecords:
 
     # -- sampling side ------------------------------------------------------------------------------
     def request_was_recorded(self, sampling_session_id: str, seq_id: int) -> bool:
-        return self.store.sample_request_exists(sampling_session_id, seq_id)
+        return self.store.samples.request_exists(sampling_session_id, seq_id)
 
     def recorder(self, *, request_id: str, owner: str, session_id: str, sampling_session_id: str, seq_id: int,
                  weights: str, weights_version: float | None, job: SampleJob) -> Callable[[SampleResult], None]:
@@ -90,7 +90,7 @@ class SampleRecords:
             now = self.clock()
             rows = [(sid, i, np.asarray(s.tokens, np.int32).tobytes(), np.asarray(s.logprobs, np.float32).tobytes())
                     for i, (sid, s) in enumerate(zip(ids, result.sequences, strict=True))]
-            self.store.insert_sample_records(
+            self.store.samples.insert(
                 dict(request_id=request_id, owner=owner, session_id=session_id,
                      sampling_session_id=sampling_session_id, seq_id=seq_id, weights=weights,
                      weights_version=weights_version, prompt=prompt, temperature=job.temperature,
@@ -107,7 +107,7 @@ class SampleRecords:
         """
         wanted = sorted(set(ids))
         now = self.clock()
-        rows = {r.sequence_id: r for r in self.store.get_sample_records(wanted)}
+        rows = {r.sequence_id: r for r in self.store.samples.get(wanted)}
         out: dict[str, SampleRecord | Unusable] = {}
         for sid in wanted:
             row = rows.get(sid)
@@ -125,13 +125,13 @@ class SampleRecords:
                     tokens=np.frombuffer(row.tokens, np.int32), logprobs=np.frombuffer(row.logprobs, np.float32),
                     weights=row.weights, weights_version=row.weights_version, temperature=row.temperature,
                     top_k=row.top_k, top_p=row.top_p)
-        self.store.touch_sample_records([sid for sid, r in out.items() if isinstance(r, SampleRecord)], now)
+        self.store.samples.touch([sid for sid, r in out.items() if isinstance(r, SampleRecord)], now)
         return out
 
     def _unrecorded(self, owner: str, sequence_id: str) -> Unusable:
         """No record this key may see: say whether the id is one of its own unrecorded samples."""
         request = _request_of(sequence_id)
-        session = self.store.get_sampling_session(request[0]) if request else None
+        session = self.store.sampling_sessions.get(request[0]) if request else None
         if session is None or session.owner != owner:
             return Unusable(f"not found: no sample request of this API key returned it ({RECORD_HINT})",
                             not_found=True)
@@ -147,4 +147,4 @@ class SampleRecords:
         """Delete every expired record; returns how many went."""
         now = self.clock() if now is None else now
         self._last_sweep = now
-        return self.store.delete_sample_records_unused_since(now - self.ttl_s)
+        return self.store.samples.delete_unused_since(now - self.ttl_s)

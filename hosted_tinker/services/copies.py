@@ -54,22 +54,22 @@ def copy_weights(server: Server, access: Access, owner: str, source_path: str, *
         project_id = access.session(owner, session_id).project_id
         run_id = training_run_id(session_id, model_seq_id)
     else:
-        session_id = server.store.create_session(
+        session_id = server.store.sessions.create(
             f"sess-{uuid.uuid4().hex[:16]}", owner, ["copy_weights"], {}, None, project_id,
             idempotency_key=None if idempotency_key is None else f"copy_weights:{idempotency_key}")
         run_id = training_run_id(session_id, 0)
     copy = TinkerPath(run_id, source.kind, source.name)
     with server.checkpoints.lock:  # the source stays as it is while it is linked; the run and its copy appear together
-        existing = server.store.get_model(run_id)
+        existing = server.store.runs.get(run_id)
         if existing is not None:
             if existing.owner == owner and existing.status == COPIED and server.checkpoints.record(copy) is not None:
                 return str(copy)  # a retry of this copy
             raise UserError(f"model_seq_id {model_seq_id} of session {session_id!r} already holds a training run; "
                             "give the copy a slot of its own")
         lora = read_manifest(Path(row.dir)).lora_config.config().to_dict()
-        server.store.create_model(run_id, session_id, owner, base_model, lora, {"type": "adamw"},
-                                  {"copied_from": str(source)})
-        server.store.set_model_status(run_id, COPIED)
+        server.store.runs.create(run_id, session_id, owner, base_model, lora, {"type": "adamw"},
+                                 {"copied_from": str(source)})
+        server.store.runs.set_status(run_id, COPIED)
         files = server.checkpoints.files(source)
         server.checkpoints.save(copy, owner, lambda folder: write_atomically(folder, lambda tmp: _link(files, tmp)),
                                 overwrite=False, ttl_seconds=ttl_seconds, user_metadata={"copied_from": str(source)})

@@ -145,7 +145,7 @@ def usage_report(server: Server, access: Access, owner: str, start: int, end: in
     for row in server.accounting.tables.usage(start, end):
         k = row.key
         if k.session_id and k.session_id not in sessions:
-            record = server.store.get_session(k.session_id)
+            record = server.store.sessions.get(k.session_id)
             if record is not None:
                 sessions[k.session_id] = record
         project = sessions[k.session_id].project_id if k.session_id in sessions else None
@@ -181,9 +181,9 @@ def storage_report(server: Server, access: Access, owner: str, project_id: str |
     access.admin(owner)
     groups: dict[tuple[str | None, str], list[int]] = {}
     projects: dict[str, str | None] = {}
-    for held in server.store.live_checkpoint_storage():
+    for held in server.store.checkpoints.live_storage():
         if held.session_id not in projects:
-            record = server.store.get_session(held.session_id) if held.session_id else None
+            record = server.store.sessions.get(held.session_id) if held.session_id else None
             projects[held.session_id] = None if record is None else record.project_id
         project = projects[held.session_id]
         if project_id is not None and project != project_id:

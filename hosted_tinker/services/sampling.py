@@ -183,8 +183,8 @@ class SamplingRequests:
                                 f"{base_model!r}: it samples only on its own base model")
             base_model = trained_on
         served = served_model(self.server, base_model)
-        self.server.store.create_sampling_session(sampling_session_id, session_id, owner, served.name,
-                                                  model_path, checkpoint_dir)
+        self.server.store.sampling_sessions.create(sampling_session_id, session_id, owner, served.name,
+                                                   model_path, checkpoint_dir)
         if checkpoint_dir is not None:
             served.sampler.session_opened(checkpoint_dir)
 

@@ -92,18 +92,18 @@ class TrainingRequests:
 
     def _create(self, served: ServedModel, owner: str, model_id: str, session_id: str, kind: RequestKind, lora: dict,
                 optimizer: dict, user_metadata: dict, payload: LoRAConfig | LoadSpec) -> dict:
-        row = self.store.get_model(model_id)
+        row = self.store.runs.get(model_id)
         if row is not None:
             if row.owner != owner:
                 raise NotFound(f"session {session_id!r} not found")
-            existing = self.store.get_future_id(model_id, 0)  # a retried create: same future
+            existing = self.store.futures.request_id_of(model_id, 0)  # a retried create: same future
             if existing is not None:
                 return future_ref(existing, model_id)
-        live = self.store.count_active_models(owner)
+        live = self.store.runs.count_active(owner)
         if live >= self.config.max_training_runs_per_key:
             raise UserError(f"this API key already has {live} live training runs (max_training_runs_per_key = "
                             f"{self.config.max_training_runs_per_key}); unload one before creating another")
-        self.store.create_model(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
+        self.store.runs.create(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
         served.scheduler.open_model(model_id, 0)
         request_id, is_new = self.futures.create(owner, kind, model_id, 0)
         if is_new:
@@ -194,7 +194,7 @@ class TrainingRequests:
                                ttl_seconds: int | None) -> SaveSpec:
         """save_weights_and_get_sampling_client: a snapshot of the weights as of this seq_id, served by a
         new sampling session. ("inflight" is served as a snapshot too.)"""
-        session_id = self.store.get_model(model_id).session_id
+        session_id = self.store.runs.get(model_id).session_id
         return SaveSpec(kind="sampler_weights", name=f"ephemeral-{seq_id}", owner=owner, overwrite=True,
                         ttl_seconds=ttl_seconds or self.config.ephemeral_sampler_ttl_s,
                         sampling_session_id=f"{session_id}:sample:{sampling_session_seq_id}")
@@ -221,7 +221,7 @@ class TrainingRequests:
         a limit): the seq_id counts as done, so the model's next request runs at once instead of
         waiting out the scheduler's gap timeout. Only the owner's refusals count: another key's
         request naming this model must not close a gap the owner's own request may still fill."""
-        row = self.store.get_model(model_id)
+        row = self.store.runs.get(model_id)
         if row is not None and row.owner == owner and row.base_model in self.server.models.names:
             self._owner_model(row).scheduler.skip(model_id, seq_id)
 
@@ -233,7 +233,7 @@ class TrainingRequests:
                 make_payload: Callable[[], Payload]) -> dict:
         """Idempotent, validated submission of one request of an existing model of `served`."""
         scheduler = served.scheduler
-        existing = self.store.get_future_id(model_id, seq_id)
+        existing = self.store.futures.request_id_of(model_id, seq_id)
         if existing is not None:
             return future_ref(existing, model_id)
         try:

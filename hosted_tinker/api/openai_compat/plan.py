@@ -72,7 +72,7 @@ def resolve_model(server: Server, access: Access, owner: str, model: str) -> tup
         current = own.sampler.current_weights_ref(model)
         if current is not None:
             return own, current
-        saved = [c for c in server.store.live_checkpoints(model) if c.kind == "sampler"]  # oldest first
+        saved = [c for c in server.store.checkpoints.live(model) if c.kind == "sampler"]  # oldest first
         if not saved:
             raise HTTPException(404, f"model {model!r} has no sampler weights yet: call "
                                      "save_weights_for_sampler(name) on its training client first")

@@ -60,13 +60,13 @@ def list_models(owner: str = Depends(require_owner), server: Server = Depends(ge
     """The served base models, then the caller's unexpired sampler checkpoints of them, newest first."""
     served = server.models.names
     data = [_model_card(name, server.started_at, "hosted-tinker", None) for name in served]
-    rows, _ = server.store.owner_checkpoints(owner, limit=1 << 30, offset=0)
+    rows, _ = server.store.checkpoints.live_page(owner, limit=1 << 30, offset=0)
     base_of_run: dict[str, str | None] = {}  # a run's checkpoints are all of its base model
     for c in rows:
         if c.kind != "sampler" or not Path(c.dir).is_dir():
             continue
         if c.model_id not in base_of_run:
-            run = server.store.get_model(c.model_id)
+            run = server.store.runs.get(c.model_id)
             base_of_run[c.model_id] = None if run is None else run.base_model
         base = base_of_run[c.model_id]
         if base in served:  # others cannot be sampled here
