@@ -10,7 +10,7 @@ load waits for the next cycle.
 
 A part of a request in parts (`Request.more`) is its run's only compute in its cycle (the run's
 earlier compute runs a cycle before the first part, its later compute a cycle after the last), so
-that a failed part can put back exactly the gradients from before the request (worker.py).
+that a failed part can put back exactly the gradients from before the request (request_parts.py).
 
 A compute request whose images are not decoded yet ends the prefix: its decode is asked for
 (image_decodes.py, whose end rings the scheduler's `on_work`), and so is that of the run's next
