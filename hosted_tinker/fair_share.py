@@ -112,7 +112,7 @@ class FairShare:
     def turn(self) -> Turn:
         return Turn(list(self._order), CycleBudget(self.max_tokens_per_cycle, self.max_models_per_cycle))
 
-    def rotate(self, turn: Turn, has_work: Callable[[str], bool]) -> None:
-        """After a plan with work: the order `turn` says, less the runs that left it or whose queue
-        the plan emptied (they leave now, not at their next visit)."""
-        self._order = dict.fromkeys(m for m in turn.next_order() if m in self._order and has_work(m))
+    def rotate(self, turn: Turn, with_work: Callable[[list[str]], list[str]]) -> None:
+        """After a plan with work: the order `turn` says, less the runs that left it and those that
+        `with_work` leaves out (whose queue the plan emptied: they leave now, not at their next visit)."""
+        self._order = dict.fromkeys(with_work([m for m in turn.next_order() if m in self._order]))

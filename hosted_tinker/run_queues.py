@@ -102,9 +102,10 @@ class RunQueues:
         self.take(rest)
         return True
 
-    def has_pending(self, model_id: str) -> bool:
-        q = self._queues.get(model_id)
-        return q is not None and bool(q.pending)
+    def with_pending(self, model_ids: list[str]) -> list[str]:
+        """Those of `model_ids` whose queue holds requests (one pass: a plan asks it of every run in line)."""
+        queues = self._queues
+        return [m for m in model_ids if m in queues and queues[m].pending]
 
     def head(self, model_id: str) -> Request | None:
         """The run's next request, if it is queued."""

@@ -191,7 +191,7 @@ class ClockCycleScheduler:
         plan.tail.extend(self._after)
         self._after = []
         if plan:
-            self.share.rotate(turn, self.queues.has_pending)
+            self.share.rotate(turn, self.queues.with_pending)
         for mid in unloads:
             self._close(mid)
         plan.orphaned = self.queues.take_orphaned()
