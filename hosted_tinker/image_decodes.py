@@ -14,7 +14,7 @@ anything long:
    file cut short is a 400 naming the image, as every other refusal) and lets the pixels go. It
    is the cheap part (measured on one core, a 4096 x 4096 image: PNG 0.36, JPEG 0.07 CPU-seconds).
 2. Processing, on this pool's threads (`attach`, then `Pixels.ready`): asked for by the
-   scheduler when the request is next for its model's cycle (scheduler.py), by the sampler when
+   scheduler when the request is next for its model's cycle (cycle_prefix.py), by the sampler when
    the job would start (sampling/admission.py); the device loop plans or prefills the request
    once its images are done, and never waits for one (it is rung when one is done). It is the
    costly part: the same image takes 2.6 (JPEG) to 4.0 (PNG) CPU-seconds through Qwen3-VL's

@@ -2,7 +2,7 @@
 for the others.
 
 A forward / forward_backward above `max_tokens_per_cycle` runs one part per clock cycle
-(scheduler.py), each part its model's only compute in its pass. The ledger keeps, per such
+(cycle_prefix.py), each part its model's only compute in its pass. The ledger keeps, per such
 request, the outcome of its parts so far and its model's gradients as they were before its first
 part (`GradientSnapshot`). The last part's success answers the whole request; a part's failure,
 or the request failing any other way before it is answered (a cycle that raised, its model

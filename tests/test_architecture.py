@@ -1,8 +1,9 @@
 """Structural facts about the package, read from its source (no import of it runs).
 
 The house has floors, top to bottom:
-`cli → api/ → services/ → server → served_models → device_loop → worker (request_parts) → sampling/ →
-checkpoints/ → runtime/ → the ground floor (config, store, scheduler, errors, vision, wire, …)`.
+`cli → api/ → services/ → server → served_models → device_loop → worker (compute_requests, optim_steps,
+tail_requests, request_failures, request_parts) → sampling/ → checkpoints/ → runtime/ → the ground
+floor (config, store, scheduler, errors, vision, wire, …)`.
 A module imports only from its own floor or below, and no two modules import each other, even
 through others or from inside a function. The API and the services see requests and their
 answers only through typed values, never a device-side module; HTTP stays in `api/`.
@@ -33,14 +34,16 @@ FLOORS = [
     ("hosted_tinker.server", "hosted_tinker.startup", "hosted_tinker.access", "hosted_tinker.accounting"),
     ("hosted_tinker.served_models",),
     ("hosted_tinker.device_loop",),
-    ("hosted_tinker.worker", "hosted_tinker.request_parts"),
+    ("hosted_tinker.worker", "hosted_tinker.compute_requests", "hosted_tinker.optim_steps",
+     "hosted_tinker.tail_requests", "hosted_tinker.request_failures", "hosted_tinker.request_parts"),
     ("hosted_tinker.sampling",),
     ("hosted_tinker.checkpoints", "hosted_tinker.model_runtime"),
     ("hosted_tinker.runtime",),
     ("hosted_tinker",),  # the ground floor: everything not named above
 ]
 # What the API and the services may not import: the modules that run on the device.
-DEVICE_SIDE = ("hosted_tinker.worker", "hosted_tinker.device_loop", "hosted_tinker.runtime.trainer",
+DEVICE_SIDE = ("hosted_tinker.worker", "hosted_tinker.compute_requests", "hosted_tinker.optim_steps",
+               "hosted_tinker.tail_requests", "hosted_tinker.device_loop", "hosted_tinker.runtime.trainer",
                "hosted_tinker.runtime.distributed", "hosted_tinker.runtime.multi_lora",
                "hosted_tinker.runtime.moe_lora", "hosted_tinker.sampling.engine")
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker import scheduler as scheduler_module
+from hosted_tinker import run_queues
 from hosted_tinker.request_types import DatumWork, FBWork, RequestKind
 from hosted_tinker.scheduler import ClockCycleScheduler, CyclePlan, Request
 from hosted_tinker.vision import Pixels
@@ -163,7 +163,7 @@ def test_unload_closes_the_queue_and_hands_back_its_requests(make_sched):
     assert seqs(plan.compute) == [("a", 0)] and [r.request_id for r in plan.tail] == ["unload"]
     assert [r.request_id for r in plan.orphaned] == ["a-2"]
     assert not s.has_model("a") and s.expected_seq("a") is None and s.queue_depth() == 0
-    assert "a" not in s._queues and "a" not in s._rr  # no per-model state left behind
+    assert "a" not in s.queues and "a" not in s.share  # no per-model state left behind
 
     s.submit(req("a", 3))  # raced the unload past the API's has_model check
     assert not s.has_model("a") and s.has_training_work()
@@ -270,7 +270,7 @@ def test_a_pipelined_fb_starts_at_once_and_its_optim_joins_the_running_cycle(clo
     s.submit(req("a", 3, RequestKind.OPTIM_STEP))  # during the pass
     assert s.join_optim(plan) is None  # joined: nothing more to wait for
     s.cycle_done(plan, 0.0)
-    assert seqs(plan.optim) == [("a", 3)] and s.joined_optim_steps == 1
+    assert seqs(plan.optim) == [("a", 3)] and s.gather_window.joined_optim_steps == 1
     assert not run(s) and s.queue_depth() == 0 and s.expected_seq("a") == 4
 
 
@@ -496,8 +496,8 @@ def test_a_plan_visits_no_idle_training_run(monkeypatch, clock, make_sched):
     visit to any plan of an active model's cycles (visits counted, not time). A parked run comes
     back when its gap times out, and at once when a request wakes it."""
     visits = []
-    ready = scheduler_module._ModelQueue.ready
-    monkeypatch.setattr(scheduler_module._ModelQueue, "ready", lambda q: visits.append(q) or ready(q))
+    ready = run_queues.RunQueue.ready
+    monkeypatch.setattr(run_queues.RunQueue, "ready", lambda q: visits.append(q) or ready(q))
     s = make_sched()
     for i in range(2000):
         s.open_model(f"idle-{i}", first_seq=1)
@@ -522,8 +522,8 @@ def test_a_plan_stops_at_a_full_budget_and_every_busy_run_gets_its_turn(monkeypa
     """1,000 runs with work and room for 64 per cycle: a plan visits about 64 of them, not 1,000, and
     the round robin runs every one within ceil(1000 / 64) cycles (the ones that ran go last)."""
     visits = []
-    ready = scheduler_module._ModelQueue.ready
-    monkeypatch.setattr(scheduler_module._ModelQueue, "ready", lambda q: visits.append(q) or ready(q))
+    ready = run_queues.RunQueue.ready
+    monkeypatch.setattr(run_queues.RunQueue, "ready", lambda q: visits.append(q) or ready(q))
     s = make_sched(max_models_per_cycle=64)
     for i in range(1000):
         s.open_model(f"m{i}")

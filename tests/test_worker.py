@@ -251,7 +251,7 @@ def test_a_request_whose_answer_fails_after_its_pass_leaves_no_gradient(worker, 
     c.run()
     for a, b in zip(grads(worker, "m"), grads(worker, "ref"), strict=True):
         assert a is not None and torch.equal(a, b)
-    assert worker.launched.rolled_back == 1
+    assert worker.compute.launched.rolled_back == 1
 
 
 def test_a_requests_only_gradient_goes_with_it(worker, monkeypatch):
@@ -294,7 +294,7 @@ def test_a_request_whose_images_could_not_be_processed_fails_before_its_pass(wor
         "forward_backward failed: ImageError: datum 0 image 0: this model's image processor cannot use this 64x32 "
         "CMYK image")}
     assert not answer(worker, fine)["failed"]
-    assert worker.failed_passes == 0
+    assert worker.compute.failed_passes == 0
 
 
 def test_a_cycles_answers_are_written_in_one_transaction_whatever_the_tenants(runtime, tmp_path, monkeypatch):

@@ -245,7 +245,7 @@ class GradientPass:
 
     def restore(self, adapter: LoRAAdapter) -> bool:
         """After the pass was committed: put one of its adapters' gradients back as they were before
-        it (a request of the pass failed after it ran: worker.py puts back its model's gradients and
+        it (a request of the pass failed after it ran: compute_requests.py puts back its model's gradients and
         runs that model's other requests of the pass again). False, restoring nothing, if the adapter
         has left the slots it held in the pass (paged out: a cycle's models all stay live, so this
         is not expected)."""

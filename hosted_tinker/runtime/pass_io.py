@@ -87,7 +87,7 @@ class PendingPass:
     stats: PassStats
     start: float
     # The trained adapters' gradients as they were before the pass: a request of it that fails
-    # later in its cycle has its model's put back (worker.py, request_parts.py).
+    # later in its cycle has its model's put back (compute_requests.py, request_parts.py).
     before: GradientPass | None = None
 
     def outcomes(self) -> list[FBOutcome]:
