@@ -8,17 +8,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 import leak_guard  # noqa: E402
-from helpers import API_KEY, TEAM_ADMINS, write_team_keys  # noqa: E402
+from helpers import API_KEY, TEAM_ADMINS, Gate, write_team_keys  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 _SESSION_SERVERS: set[int] = set()  # pids of servers that session fixtures own (they outlive modules)
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
+def server_gate(tmp_path_factory):
+    """The shared server's `device_loop.before_plan` gate (helpers.Gate): open unless a test closes
+    it to queue several clients' requests for one cycle (helpers.in_one_cycle)."""
+    return Gate(tmp_path_factory.mktemp("server-gates"), "device_loop.before_plan")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, server_gate):
     """One real server process on the embedded model, shared by the end-to-end tests. Its clients
     are each test's (or module's) to close: the module guard below fails a module that leaves one."""
-    proc = ServerProcess(tmp_path_factory.mktemp("server")).start()
+    env = {"HOSTED_TINKER_FAULTS": server_gate.point, **server_gate.gates_env()}
+    proc = ServerProcess(tmp_path_factory.mktemp("server"), env=env).start()
     _SESSION_SERVERS.add(proc.proc.pid)
     yield proc
     proc.stop()

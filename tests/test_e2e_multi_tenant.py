@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 from tinker import types
 
-from helpers import BASE_MODEL, checkpoint_dir, metric, sft_batch
+from helpers import BASE_MODEL, checkpoint_dir, metric, queued, sft_batch
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -40,8 +40,22 @@ def train(server, key: str, rank: int, seed: int, steps: int, barrier: threading
     return losses, state, tc.model_id
 
 
-def run_concurrently(server, configs: list[tuple[int, int]], steps: int) -> list:
-    barrier = threading.Barrier(len(configs))
+def run_concurrently(server, configs: list[tuple[int, int]], steps: int, gate=None) -> list:
+    """Each config's client trains at once, a barrier before each step. With `gate` (the server's
+    `device_loop.before_plan`), their first steps' forward_backwards are queued while the device
+    loop is parked before planning, so that one cycle plans them together: a shared pass by
+    construction, not by the luck of arriving together."""
+    first_step = threading.Event()
+
+    def park_the_loop() -> None:  # the barrier's action: run once all clients wait, before any posts
+        if gate is None or first_step.is_set():
+            return
+        first_step.set()
+        depth = metric(server, "hosted_tinker_queue_depth")
+        gate.close()
+        threading.Thread(target=lambda: (queued(server, depth + len(configs)), gate.open()), daemon=True).start()
+
+    barrier = threading.Barrier(len(configs), action=park_the_loop)
     results: list = [None] * len(configs)
     errors: list = []
 
@@ -57,6 +71,8 @@ def run_concurrently(server, configs: list[tuple[int, int]], steps: int) -> list
         t.start()
     for t in threads:
         t.join(300)
+    if gate is not None:
+        gate.open()
     assert not errors, errors
     return results
 
@@ -67,10 +83,10 @@ def assert_same_state(a: dict, b: dict) -> None:
         assert a[k].equal(b[k]), k
 
 
-def test_isolation_bit_identical_with_or_without_a_neighbour(server):
+def test_isolation_bit_identical_with_or_without_a_neighbour(server, server_gate):
     solo_losses, solo_state, _ = train(server, "tml-iso-a", rank=8, seed=1, steps=5, data_seed=0)
     fused_before = metric(server, "hosted_tinker_fused_passes_total")
-    (a_losses, a_state, _), (_, _, b_model) = run_concurrently(server, [(8, 1), (4, 2)], steps=5)
+    (a_losses, a_state, _), (_, _, b_model) = run_concurrently(server, [(8, 1), (4, 2)], steps=5, gate=server_gate)
     assert metric(server, "hosted_tinker_fused_passes_total") > fused_before  # they did share passes
     assert a_losses == solo_losses
     assert_same_state(a_state, solo_state)  # adapter and AdamW moments, bit for bit
@@ -87,11 +103,11 @@ def test_isolation_bit_identical_with_or_without_a_neighbour(server):
     assert_same_state(again_state, solo_state)
 
 
-def test_eight_concurrent_clients_match_their_solo_runs(server):
+def test_eight_concurrent_clients_match_their_solo_runs(server, server_gate):
     configs = [(4, 0), (8, 1), (16, 2), (2, 3), (8, 4), (32, 5), (4, 6), (1, 7)]
     steps = 20
     fused_before = metric(server, "hosted_tinker_fused_passes_total")
-    concurrent = run_concurrently(server, configs, steps)
+    concurrent = run_concurrently(server, configs, steps, gate=server_gate)
     assert metric(server, "hosted_tinker_fused_passes_total") > fused_before
     for i, (rank, seed) in enumerate(configs):
         solo_losses, solo_state, _ = train(server, f"tml-solo-{i}", rank, seed, steps, data_seed=i)
