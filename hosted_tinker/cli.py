@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from .checkpoints.paths import KINDS, SCHEME
-from .config import ServerConfig, SettingsError
+from .config import ServerConfig
+from .config_sources import SettingsError
 
 log = logging.getLogger("hosted_tinker")
 
