@@ -16,6 +16,7 @@ import threading
 import time
 
 from .audit_log import AuditLog
+from .periodic import Periodic
 from .request_timings import RequestTimings
 from .store_accounting import AccountingTables
 from .usage_meter import UsageMeter
@@ -35,8 +36,9 @@ class AccountingWriter:
         # Held while a batch is taken, and while records that belong in one batch are added (`one_batch`).
         self._taking = threading.Lock()
         self._flush_lock = threading.Lock()  # one flush at a time: batches are written in order
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._flush_forever, name="accounting-flush", daemon=True)
+        self._last_storage = time.monotonic()
+        self._flushes = Periodic("accounting-flush", FLUSH_S, self._flush_on_time,
+                                 "writing the accounting records failed; they stay in memory for the next try", log)
 
     @property
     def one_batch(self) -> threading.Lock:
@@ -58,23 +60,17 @@ class AccountingWriter:
                 raise
 
     def start(self) -> None:
-        self._thread.start()
+        self._last_storage = time.monotonic()
+        self._flushes.start()
 
     def stop(self) -> None:
         """Write everything still in memory. Call after the device loops have stopped."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self._flushes.stop()
         self.usage.accrue_storage()
         self.flush()
 
-    def _flush_forever(self) -> None:
-        last_storage = time.monotonic()
-        while not self._stop.wait(FLUSH_S):
-            try:
-                if time.monotonic() - last_storage >= STORAGE_TICK_S:
-                    last_storage = time.monotonic()
-                    self.usage.accrue_storage()
-                self.flush()
-            except Exception:  # a full disk must not end the accounting for good
-                log.exception("writing the accounting records failed; they stay in memory for the next try")
+    def _flush_on_time(self) -> None:
+        if time.monotonic() - self._last_storage >= STORAGE_TICK_S:
+            self._last_storage = time.monotonic()
+            self.usage.accrue_storage()
+        self.flush()
