@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from .checkpoints.paths import KINDS, SCHEME
-from .config import ServerConfig, SettingsError
+from .config import ServerConfig
+from .config_sources import SettingsError
 
 log = logging.getLogger("hosted_tinker")
 
@@ -150,9 +151,17 @@ def _pool_node(args: argparse.Namespace) -> int:
     return 0  # not reached: run_node becomes torchrun
 
 
+def _command(sub, name: str, run: Callable[[argparse.Namespace], int], **texts: str) -> argparse.ArgumentParser:
+    """Subcommand `name`, which `run` runs with the parsed arguments; `texts`: its help and description."""
+    parser = sub.add_parser(name, **texts)
+    parser.set_defaults(func=run)
+    return parser
+
+
 def _add_pool_node(sub) -> None:
-    p = sub.add_parser(
-        "pool-node", help="run this machine's ranks of a worker pool whose server runs on another machine",
+    p = _command(
+        sub, "pool-node", _pool_node,
+        help="run this machine's ranks of a worker pool whose server runs on another machine",
         description="Run this machine's ranks of a hosted-tinker worker pool (docs/scale.md): torchrun starts one per "
                     "device and starts each again when it exits. The server (rank 0) runs on machine 0: hosted-tinker "
                     "serve --workers N --nnodes M --master-addr A --master-port P; this command waits for it.")
@@ -168,7 +177,6 @@ def _add_pool_node(sub) -> None:
     p.add_argument("--pool-interface", help="the network interface this machine's ranks bind and advertise (sets "
                                             "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME); default: the server's "
                                             "--pool-interface")
-    p.set_defaults(func=_pool_node)
 
 
 def _add_remote(p: argparse.ArgumentParser) -> None:
@@ -185,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "flags win over variables, variables over the file.")
     settings_source = ServerConfig.cli_source(serve)
 
-    export = sub.add_parser(
-        "export", help="write a checkpoint as an adapter directory (or a merged model) without the SDK",
+    export = _command(
+        sub, "export", _export, help="write a checkpoint as an adapter directory (or a merged model) without the SDK",
         description=f"Export {SCHEME}RUN/KIND/NAME from a running server (--base-url, --api-key) or from a "
                     "server's data directory (--data-dir) as an adapter directory (Tinker's layout, which "
                     "tinker_cookbook.weights reads; a PEFT adapter for text models without MoE experts), or "
@@ -200,10 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--base-model", help="with --merged: base model id or path (default: the checkpoint's)")
     export.add_argument("--dtype", default="float32", help="with --merged: float32, bfloat16 or float16")
     export.add_argument("--force", action="store_true", help="replace the contents of a non-empty --out")
-    export.set_defaults(func=_export)
 
-    imp = sub.add_parser(
-        "import", help="upload a PEFT adapter directory to a running server as a loadable checkpoint",
+    imp = _command(
+        sub, "import", _import, help="upload a PEFT adapter directory to a running server as a loadable checkpoint",
         description="Upload an adapter directory (adapter_config.json + adapter_model.safetensors, e.g. from "
                     "peft's save_pretrained or from `hosted-tinker export`). Prints its tinker:// path, for "
                     "ServiceClient.create_training_client_from_state.")
@@ -212,15 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--run-id", help="put it in this existing training run of yours; default: a new run with a fresh id")
     imp.add_argument("--overwrite", action="store_true", help="replace a checkpoint of the same name")
     _add_remote(imp)
-    imp.set_defaults(func=_import)
 
-    rotate = sub.add_parser(
-        "rotate-token-key", help="replace the key that signs the SDK's JWTs (every token issued before is refused)",
+    rotate = _command(
+        sub, "rotate-token-key", _rotate_token_key,
+        help="replace the key that signs the SDK's JWTs (every token issued before is refused)",
         description="Write a new JWT signing key into the server's data directory (DATA_DIR/jwt_signing.key). A "
                     "running server uses it from its next request on: tokens issued before are refused with 401 "
                     "invalid_token, and SDK clients exchange their API key for a new token by themselves.")
     rotate.add_argument("--data-dir", type=Path, default=Path("./data"), help="the server's --data-dir (default ./data)")
-    rotate.set_defaults(func=_rotate_token_key)
     _add_pool_node(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":

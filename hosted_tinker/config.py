@@ -1,36 +1,28 @@
-"""All server settings in one pydantic-settings class: validation, `--help`, env vars and a config file.
+"""The server's settings, declared in groups by concern and composed into one pydantic-settings class,
+`ServerConfig`: validation, `--help`, env vars and a config file (`config_sources.py` reads those).
 
-Every setting `foo_bar` can be given, highest priority first, as
-
-    --foo-bar VALUE                      on the command line (flag names as vLLM's where vLLM has the setting)
-    HOSTED_TINKER_FOO_BAR=VALUE          in the environment
-    foo_bar: VALUE  (or foo-bar)         in a YAML or TOML file named by --config / HOSTED_TINKER_CONFIG
-
-and is validated (type, range, choice) before anything slow starts. `hosted-tinker serve --help` is
-generated from this class. Start-up checks that need the outside world (the port, the device, the
-model's files) are in `startup.py`.
+A setting is one flat name (`foo_bar`: flag --foo-bar, variable HOSTED_TINKER_FOO_BAR, key foo_bar in the
+file) whichever group declares it; the docstring under it is its description in `--help`, which lists the
+groups in the order below. Each is validated (type, range, choice) before anything slow starts. Start-up
+checks that need the outside world (the port, the device, the model's files) are in `startup.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings, CliSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict,
-    TomlConfigSettingsSource, YamlConfigSettingsSource,
-)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, CliSettingsSource, NoDecode, SettingsConfigDict
 from typing_extensions import TypeAliasType
 
+from .config_sources import ENV_PREFIX, ConfigFileSource, apply_renamed, cli_source, settings_from_cli
 from .embedded_model import EMBEDDED_MODEL_NAME
 from .sqlite_db import DEFAULT_QUERY_BUDGET_S
 
-ENV_PREFIX = "HOSTED_TINKER_"
 # vLLM's dtype names and aliases (half = float16, float = float32), plus "auto".
 DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -41,6 +33,8 @@ _DEVICE_HELP = "use auto, cpu, cuda, cuda:N, mps or xpu"
 DEFAULT_KV_TOKENS = 1 << 22
 # Settings renamed, old name -> new: the old one still works for one release, with a warning at start-up.
 RENAMED = {"max_models_per_key": "max_training_runs_per_key"}
+# What each group of settings needs to declare them: a setting's description is its docstring.
+GROUP = ConfigDict(use_attribute_docstrings=True)
 
 
 @dataclass(frozen=True)
@@ -72,19 +66,24 @@ def _model_entry(entry: str) -> str:
 ModelEntries = TypeAliasType("MODEL[@DEVICE]", list[Annotated[str, AfterValidator(_model_entry)]])
 
 
-class ServerConfig(BaseSettings):
-    """Settings of `hosted-tinker serve`. The docstring under a setting is its description (`--help`)."""
+def _comma_separated(value: Any) -> Any:
+    """A string (a variable, a file's scalar) or list items may each be a comma-separated list."""
+    if not isinstance(value, (str, list)):
+        return value  # pydantic says what is wrong with it
+    entries = []
+    for item in [value] if isinstance(value, str) else value:
+        entries += [p.strip() for p in item.split(",") if p.strip()] if isinstance(item, str) else [item]
+    return entries
 
-    # allow_inf_nan=False: every number is finite (an `inf` timeout or window passed start-up, then broke the
-    # device loop's wait: threading's timeouts overflow).
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, allow_inf_nan=False,
-                                      cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True,
-                                      cli_shortcuts={"base-model": "model"},  # vLLM's --model
-                                      use_attribute_docstrings=True)  # a setting's description: its docstring
 
-    # Old setting names this configuration used (RENAMED). Not between a field and its docstring: the
-    # docstring is the description of the line above it.
-    _deprecations: list[str] = PrivateAttr(default_factory=list)
+def _lowercase(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+class ServingSettings(BaseModel):
+    """The server: its settings file, its address, the base models it serves, where its data lives."""
+
+    model_config = GROUP
 
     config: Path | None = None
     """YAML (.yaml/.yml) or TOML (.toml) file of settings, keyed by setting name (base_model or base-model);
@@ -106,6 +105,38 @@ class ServerConfig(BaseSettings):
     cuda:1 ..."""
     dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
     """base model dtype: auto (bfloat16 on GPU, float32 on CPU), float32 (= float), bfloat16, float16 (= half)"""
+
+    @property
+    def served_models(self) -> list[ModelEntry]:
+        """The base models to serve, in the order given, each with its device."""
+        return [ModelEntry(name, device or self.device, device is not None)
+                for name, device in map(split_model_entry, self.base_model)]
+
+    _split_models = field_validator("base_model", mode="before")(_comma_separated)
+    _lower_dtype = field_validator("dtype", mode="before")(_lowercase)
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise ValueError(f"{value!r} is not a device: {_DEVICE_HELP}")
+        return value
+
+    @field_validator("base_model")
+    @classmethod
+    def _each_model_once(cls, value: list[str]) -> list[str]:
+        names = [split_model_entry(entry)[0] for entry in value]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(map(repr, twice))} given more than once: each base model is served once")
+        return value
+
+
+class WorkerPoolSettings(BaseModel):
+    """The ranks the model runs on, on this machine and others, and the CPU threads of each."""
+
+    model_config = GROUP
+
     workers: int = Field(1, ge=1)
     """ranks of the worker pool on this machine, one per device: 1 = the model runs in this process; N > 1 =
     this process is rank 0 and starts N-1 more with torchrun (gloo on CPU, NCCL on GPU: cuda:0..N-1), and
@@ -134,6 +165,21 @@ class ServerConfig(BaseSettings):
     may use (its CPU affinity and cgroup quota) less one for the server's other threads, at least 1; with auto,
     $OMP_NUM_THREADS wins when set. A team waits for its slowest thread at every parallel op, so a team as
     large as the CPUs stalls every tenant whenever anything else runs (a worker pool's ranks keep cores / N)"""
+
+    @field_validator("cpu_threads", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: Any) -> Any:
+        text = str(value).strip().lower()
+        if text != "auto" and not (text.isdigit() and int(text) >= 1):
+            raise ValueError(f"{value!r} is not a thread count: use auto or a whole number of at least 1")
+        return text if text == "auto" else str(int(text))
+
+
+class TrainingSettings(BaseModel):
+    """Training: how passes run on the device, how clock cycles are packed, what one request may ask."""
+
+    model_config = GROUP
+
     max_tokens_per_micro_batch: int = Field(0, ge=0)
     """padded tokens per fused forward/backward micro-batch (bounds activation memory); 0 = auto: 8192 on GPU;
     on CPU 512-8192 by the model's MLP width, since passes whose activations outgrow the caches run slower
@@ -152,6 +198,38 @@ class ServerConfig(BaseSettings):
     max_live_adapters: int = Field(64, ge=1)
     """adapters kept on the device; idle ones beyond this are paged out to CPU memory (with their optimizer
     state) and back on their next request"""
+    max_lora_rank: int = Field(128, ge=1)
+    """largest LoRA rank a client may ask for"""
+    gap_timeout_s: float = Field(120.0, gt=0)
+    """how long a model's later seq_ids wait for a missing earlier one before it is skipped"""
+    # The SDK posts optim_step once its forward_backward POST has returned: 8.4 ms later (median of 27
+    # steps; p90 9.6, max 11.7; SDK 0.38 on loopback, a loaded 2-core CPU). 50 ms covers a slower client
+    # five times over; the wait overlaps the pass already launched (scheduler.join_optim), so on a CPU,
+    # where the pass outlasts the gap, there is nothing left to wait for when it ends.
+    gather_window_s: float = Field(0.05, ge=0)
+    """how long after a pipelining client's forward_backward arrived its running cycle waits for its optim_step
+    to join it, while the pass runs (only clients seen posting optim_step before their forward_backward finished
+    are waited for; the forward_backward itself never waits)"""
+    max_datums_per_request: int = Field(1024, ge=1)
+    """datums per forward_backward request (the SDK chunks to this)"""
+    max_targets_per_position: int = Field(100, ge=1)
+    """largest K of cross_entropy's (N, K) target_tokens and weights (top-K distillation); 100 is the most
+    topk_prompt_logprobs a sample request returns"""
+
+    @field_validator("activation_checkpointing", "cuda_graphs", mode="before")
+    @classmethod
+    def _on_off(cls, value: Any) -> Any:
+        # YAML reads a bare `on` / `off` as a boolean.
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return value.lower() if isinstance(value, str) else value
+
+
+class SamplingSettings(BaseModel):
+    """Sampling: what one request and one API key may ask of the samplers, and their memory."""
+
+    model_config = GROUP
+
     max_sampler_snapshots: int = Field(64, ge=1)
     """sampler adapter snapshots kept loaded; others are reloaded from disk when sampled again"""
     max_num_samples: int = Field(128, ge=1)
@@ -194,41 +272,16 @@ class ServerConfig(BaseSettings):
     """max_tokens when a sample request leaves it unset"""
     ephemeral_sampler_ttl_s: int = Field(7 * 24 * 3600, ge=1)
     """how long snapshots made by save_weights_and_get_sampling_client are kept on disk"""
-    sampler_snapshot_retention_bytes: int = Field(16 << 30, ge=0)
-    """bytes of disk the ephemeral snapshots may hold together; beyond it the oldest are removed (each training
-    run's newest stays)"""
-    request_history_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
-    """how long request history is kept: answered requests (a fetched result goes at once, its row stays), the
-    timings session traces are built from, the dashboard's loss points"""
-    request_history_retention_bytes: int = Field(1 << 30, ge=0)
-    """bytes of the database request history may hold; beyond it the oldest goes first (a result not yet fetched
-    goes only by age)"""
-    audit_retention_s: float = Field(365 * 24 * 3600.0, ge=0)
-    """how long the audit log keeps an entry"""
-    retention_sweep_s: float = Field(60.0, gt=0)
-    """how often the data dir is measured (/metrics, the dashboard) and the retention settings applied"""
     sample_record_ttl_s: float = Field(24 * 3600.0, ge=0)
     """how long a sample recorded with record_stability_info stays trainable after its last use
     (stable_reinforce)"""
-    max_lora_rank: int = Field(128, ge=1)
-    """largest LoRA rank a client may ask for"""
-    long_poll_s: float = Field(30.0, gt=0)
-    """how long retrieve_future holds a pending request before try_again"""
-    gap_timeout_s: float = Field(120.0, gt=0)
-    """how long a model's later seq_ids wait for a missing earlier one before it is skipped"""
-    # The SDK posts optim_step once its forward_backward POST has returned: 8.4 ms later (median of 27
-    # steps; p90 9.6, max 11.7; SDK 0.38 on loopback, a loaded 2-core CPU). 50 ms covers a slower client
-    # five times over; the wait overlaps the pass already launched (scheduler.join_optim), so on a CPU,
-    # where the pass outlasts the gap, there is nothing left to wait for when it ends.
-    gather_window_s: float = Field(0.05, ge=0)
-    """how long after a pipelining client's forward_backward arrived its running cycle waits for its optim_step
-    to join it, while the pass runs (only clients seen posting optim_step before their forward_backward finished
-    are waited for; the forward_backward itself never waits)"""
-    max_datums_per_request: int = Field(1024, ge=1)
-    """datums per forward_backward request (the SDK chunks to this)"""
-    max_targets_per_position: int = Field(100, ge=1)
-    """largest K of cross_entropy's (N, K) target_tokens and weights (top-K distillation); 100 is the most
-    topk_prompt_logprobs a sample request returns"""
+
+
+class ImageSettings(BaseModel):
+    """Images for vision-language models: their sizes, and the decodes they cost."""
+
+    model_config = GROUP
+
     max_image_bytes: int = Field(10 << 20, ge=1)
     """largest image chunk (encoded png or jpeg) a vision-language model takes"""
     max_image_pixels: int = Field(4096 * 4096, ge=1)
@@ -248,6 +301,15 @@ class ServerConfig(BaseSettings):
     max_image_decodes: int = Field(4, ge=1)
     """image decodes at once on the whole server, every key's and model's together (as max_image_decodes_per_key
     counts them); a request with images arriving beyond it gets 429, a processing beyond it waits its turn"""
+
+
+class RequestSettings(BaseModel):
+    """Every request: body sizes, back-pressure per API key, long polls, the queries a request shapes."""
+
+    model_config = GROUP
+
+    long_poll_s: float = Field(30.0, gt=0)
+    """how long retrieve_future holds a pending request before try_again"""
     max_pending_per_key: int = Field(4096, ge=1)
     """unfinished requests one API key may have queued; beyond it submissions get 429 (back-pressure)"""
     max_training_runs_per_key: int = Field(64, ge=1)
@@ -262,6 +324,15 @@ class ServerConfig(BaseSettings):
     """seconds one database query a request shapes may run (search_sessions; a page of runs, checkpoints or
     sessions); past it SQLite stops it and the request is refused with a 400 naming this setting. Other keys'
     requests never wait for such a query either way: each thread reads on a connection of its own"""
+    compress_fwdbwd: bool = False
+    """ask the SDK to zstd-compress forward_backward bodies (saves bandwidth to remote clients)"""
+
+
+class TeamSettings(BaseModel):
+    """Who may use the server and as whom: API keys, admins, tokens; what their usage costs."""
+
+    model_config = GROUP
+
     api_keys_file: Path | None = None
     """file of accepted API keys, one 'owner: tml-key' or 'tml-key' per line (also read:
     $HOSTED_TINKER_API_KEYS, the same entries comma-separated); with neither, dev mode accepts any tml- key"""
@@ -275,11 +346,38 @@ class ServerConfig(BaseSettings):
     """YAML or JSON file of USD rates per base model (training, sampling_prefill, sampling_prefill_cached,
     sampling_sample per million tokens) and for storage per GB-month: billing usage then carries estimated
     costs as the SDK computes them; without one every cost is null"""
+
+    _split_admins = field_validator("admin_users", mode="before")(_comma_separated)
+
+
+class DataRetentionSettings(BaseModel):
+    """How much the data dir keeps, and for how long."""
+
+    model_config = GROUP
+
+    sampler_snapshot_retention_bytes: int = Field(16 << 30, ge=0)
+    """bytes of disk the ephemeral snapshots may hold together; beyond it the oldest are removed (each training
+    run's newest stays)"""
+    request_history_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
+    """how long request history is kept: answered requests (a fetched result goes at once, its row stays), the
+    timings session traces are built from, the dashboard's loss points"""
+    request_history_retention_bytes: int = Field(1 << 30, ge=0)
+    """bytes of the database request history may hold; beyond it the oldest goes first (a result not yet fetched
+    goes only by age)"""
+    audit_retention_s: float = Field(365 * 24 * 3600.0, ge=0)
+    """how long the audit log keeps an entry"""
+    retention_sweep_s: float = Field(60.0, gt=0)
+    """how often the data dir is measured (/metrics, the dashboard) and the retention settings applied"""
     telemetry_max_bytes: int = Field(64 << 20, ge=1 << 20)
     """size at which the data dir's telemetry.jsonl (the SDK's telemetry batches) is rotated; one previous file
     is kept"""
-    compress_fwdbwd: bool = False
-    """ask the SDK to zstd-compress forward_backward bodies (saves bandwidth to remote clients)"""
+
+
+class VllmSettings(BaseModel):
+    """Sampling on vLLM: launched as a child process, or one already running."""
+
+    model_config = GROUP
+
     vllm: bool = False
     """sample on vLLM: launch its OpenAI server as a supervised child process (in its own Python environment,
     --vllm-python) with LoRA on; every adapter version is synced to it after each optim_step (docs/vllm.md)"""
@@ -299,55 +397,10 @@ class ServerConfig(BaseSettings):
     """with --vllm: serve adapters that train lm_head (Tinker's default, train_unembed) on vLLM; prompt logprobs
     then run on the built-in engine. Off: vLLM computes prompt logprobs and adapters with an lm_head part are
     sampled by the built-in engine"""
-    log_level: Literal[LOG_LEVELS] = "info"  # type: ignore[valid-type]
-    """least severe log records shown"""
-    log_format: Literal["text", "json"] = "text"
-    """text: one line per record; json: one JSON object per record (uvicorn's too)"""
-
-    @property
-    def served_models(self) -> list[ModelEntry]:
-        """The base models to serve, in the order given, each with its device."""
-        return [ModelEntry(name, device or self.device, device is not None)
-                for name, device in map(split_model_entry, self.base_model)]
 
     @property
     def samples_on_vllm(self) -> bool:
         return self.vllm or self.vllm_url is not None
-
-    @field_validator("device")
-    @classmethod
-    def _device_name(cls, value: str) -> str:
-        if not _DEVICE_RE.match(value):
-            raise ValueError(f"{value!r} is not a device: {_DEVICE_HELP}")
-        return value
-
-    @field_validator("base_model", "admin_users", mode="before")
-    @classmethod
-    def _comma_separated(cls, value: Any) -> Any:
-        """A string (a variable, a file's scalar) or list items may each be a comma-separated list."""
-        if not isinstance(value, (str, list)):
-            return value  # pydantic says what is wrong with it
-        entries = []
-        for item in [value] if isinstance(value, str) else value:
-            entries += [p.strip() for p in item.split(",") if p.strip()] if isinstance(item, str) else [item]
-        return entries
-
-    @field_validator("base_model")
-    @classmethod
-    def _each_model_once(cls, value: list[str]) -> list[str]:
-        names = [split_model_entry(entry)[0] for entry in value]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
-            raise ValueError(f"{', '.join(map(repr, twice))} given more than once: each base model is served once")
-        return value
-
-    @field_validator("cpu_threads", mode="before")
-    @classmethod
-    def _auto_or_count(cls, value: Any) -> Any:
-        text = str(value).strip().lower()
-        if text != "auto" and not (text.isdigit() and int(text) >= 1):
-            raise ValueError(f"{value!r} is not a thread count: use auto or a whole number of at least 1")
-        return text if text == "auto" else str(int(text))
 
     @field_validator("vllm_python", "vllm_devices")
     @classmethod
@@ -369,33 +422,42 @@ class ServerConfig(BaseSettings):
             raise ValueError(f"{value!r} is not an http(s) URL: use e.g. http://127.0.0.1:8001")
         return value.rstrip("/")
 
-    @field_validator("log_level", "log_format", "dtype", mode="before")
-    @classmethod
-    def _lower(cls, value: Any) -> Any:
-        return value.lower() if isinstance(value, str) else value
 
-    @field_validator("activation_checkpointing", "cuda_graphs", mode="before")
-    @classmethod
-    def _on_off(cls, value: Any) -> Any:
-        # YAML reads a bare `on` / `off` as a boolean.
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        return value.lower() if isinstance(value, str) else value
+class LoggingSettings(BaseModel):
+    """What the server logs, and how."""
+
+    model_config = GROUP
+
+    log_level: Literal[LOG_LEVELS] = "info"  # type: ignore[valid-type]
+    """least severe log records shown"""
+    log_format: Literal["text", "json"] = "text"
+    """text: one line per record; json: one JSON object per record (uvicorn's too)"""
+
+    _lower_log = field_validator("log_level", "log_format", mode="before")(_lowercase)
+
+
+# The groups, listed last first: pydantic puts a later base class's settings first, so `--help` lists them
+# from ServingSettings down to LoggingSettings.
+class ServerConfig(LoggingSettings, VllmSettings, DataRetentionSettings, TeamSettings, RequestSettings,
+                   ImageSettings, SamplingSettings, TrainingSettings, WorkerPoolSettings, ServingSettings,
+                   BaseSettings):
+    """Settings of `hosted-tinker serve`. The docstring under a setting is its description (`--help`)."""
+
+    # allow_inf_nan=False: every number is finite (an `inf` timeout or window passed start-up, then broke the
+    # device loop's wait: threading's timeouts overflow).
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, allow_inf_nan=False,
+                                      cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True,
+                                      cli_shortcuts={"base-model": "model"},  # vLLM's --model
+                                      use_attribute_docstrings=True)  # a setting's description: its docstring
+
+    # Old setting names this configuration used (RENAMED).
+    _deprecations: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _renamed_settings(self) -> "ServerConfig":
         """A setting given by its old name (`RENAMED`) sets the new one, and is listed in `deprecations`
         for the start-up log; both names at once is a mistake."""
-        self._deprecations = []
-        for old, new in RENAMED.items():
-            value = getattr(self, old)
-            if value is None:
-                continue
-            if new in self.model_fields_set:
-                raise ValueError(f"{old} is the old name of {new}: give only {new}")
-            setattr(self, new, value)
-            self._deprecations.append(f"{flag(old)} (${ENV_PREFIX}{old.upper()}, {old} in a config file) is deprecated "
-                                     f"and goes in the next release: use {flag(new)}")
+        self._deprecations = apply_renamed(self, RENAMED)
         return self
 
     @property
@@ -406,77 +468,14 @@ class ServerConfig(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
-        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+        return init_settings, env_settings, ConfigFileSource(settings_cls)
 
-    # -- the command line -------------------------------------------------------------------------------
     @classmethod
     def cli_source(cls, parser: argparse.ArgumentParser) -> CliSettingsSource:
         """Add a flag per setting to `parser`; call the source with `parsed_args=` to read them."""
-        return CliSettingsSource(cls, root_parser=parser, cli_show_env_vars=True)
+        return cli_source(cls, parser)
 
     @classmethod
     def from_cli(cls, source: CliSettingsSource, args: argparse.Namespace) -> "ServerConfig":
         """Settings from the parsed flags, the environment and the config file; raises `SettingsError`."""
-        try:
-            return cls(_cli_settings_source=source(parsed_args=args))
-        except ValidationError as e:
-            raise SettingsError([_explain(err, args) for err in e.errors()]) from None
-
-
-class SettingsError(ValueError):
-    """Invalid settings: one line per mistake, each naming where the value came from and what is expected."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _explain(err: dict, args: argparse.Namespace) -> str:
-    field = str(err["loc"][0]) if err["loc"] else ""
-    if err["type"] == "extra_forbidden":
-        return f"config file: unknown setting {field!r} (see hosted-tinker serve --help for the settings)"
-    env = ENV_PREFIX + field.upper()
-    if getattr(args, field, None) is not None:
-        # A list setting's item names the one value that is wrong; the list as a whole, all of them.
-        given = err["input"] if len(err["loc"]) > 1 else getattr(args, field)
-        if isinstance(given, list):
-            given = " ".join(map(str, given))
-        where = f"{flag(field)} {given!s}"
-    elif env in os.environ:
-        where = f"${env}={os.environ[env]}"
-    else:
-        where = f"{field} in the config file"
-    message = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "literal_error":  # pydantic's "Input should be 'a', 'b' or 'c'"
-        message = "expected one of " + ", ".join(str(c) for c in err["ctx"]["expected"].replace("'", "").replace(
-            " or ", ", ").split(", "))
-    return f"{where}: {message}"
-
-
-class _ConfigFileSource(PydanticBaseSettingsSource):
-    """The file named by the `config` setting (from the flag or the environment, read before this source)."""
-
-    def get_field_value(self, field, field_name):  # required by the base class; __call__ does the work
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        path = self.current_state.get("config")
-        if path is None:
-            return {}
-        path = Path(path)
-        if not path.is_file():
-            raise SettingsError([f"{flag('config')} {path}: no such file"])
-        readers = {".yaml": YamlConfigSettingsSource, ".yml": YamlConfigSettingsSource,
-                   ".toml": TomlConfigSettingsSource}
-        reader = readers.get(path.suffix.lower())
-        if reader is None:
-            raise SettingsError([f"{flag('config')} {path}: expected a .yaml, .yml or .toml file"])
-        try:
-            data = reader(self.settings_cls, path)()
-        except Exception as e:  # a syntax error in the file (the parser's message says where)
-            raise SettingsError([f"{flag('config')} {path}: cannot parse it: {' '.join(str(e).split())}"]) from None
-        return {str(k).replace("-", "_"): v for k, v in data.items()}
+        return settings_from_cli(cls, source, args)

@@ -192,7 +192,7 @@ class Server:
         self.accounting.start()
 
     def audit_checkpoint(self, event: str, actor: str, row: CheckpointRecord, **details) -> None:
-        """An audit log entry about checkpoint `row` (accounting.AUDIT_EVENTS names the events)."""
+        """An audit log entry about checkpoint `row` (audit_log.AUDIT_EVENTS names the events)."""
         self.accounting.audit(event, actor, tinker_path=str(TinkerPath.of_record(row.model_id, row.checkpoint_id)),
                               model_id=row.model_id, owner=row.owner, **details)
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from . import __version__
 from .auth import ENV_VAR, KeyConfigError, KeyRing
 from .auth_tokens import TOKEN_KEY_FILE
-from .config import ModelEntry, ServerConfig, flag
+from .config import ModelEntry, ServerConfig
+from .config_sources import flag
 from .model_loading import ModelUnavailable, check_model_available, local_config
 from .rate_card import RateCardError, load_rate_card
 from .runtime.projections import coverage

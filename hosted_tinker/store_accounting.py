@@ -1,7 +1,7 @@
 """The accounting tables: hourly usage, the audit log and per-request timings (session traces).
 
-What the server counts as it runs is kept in memory and written here in batches (`Accounting.flush`,
-accounting.py): one transaction per training cycle and per flush interval, never one per request.
+What the server counts as it runs is kept in memory and written here in batches (`AccountingWriter`,
+accounting_writer.py): one transaction per training cycle and per flush interval, never one per request.
 Usage rows add up: a batch's quantities are added to the row of their (hour, model, owner, session,
 kind), so a row is exact however many batches it took.
 """

@@ -22,7 +22,8 @@ from pydantic import ValidationError
 import torch
 
 from helpers import assert_one_line_error, database, serve
-from hosted_tinker.config import ServerConfig, flag
+from hosted_tinker.config import ServerConfig
+from hosted_tinker.config_sources import flag
 from hosted_tinker.model_loading import DTYPES
 from hosted_tinker.sampling.vllm_sidecar import vllm_child_devices
 from hosted_tinker.startup import bind_port
@@ -69,8 +70,9 @@ def test_help_lists_every_setting_dtype_and_env_var():
     out = subprocess.run([sys.executable, "-m", "hosted_tinker", "serve", "--help"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "COLUMNS": "400"})
     assert out.returncode == 0
+    text = " ".join(out.stdout.split())  # a description longer than COLUMNS wraps, its env tag too
     for name, field in ServerConfig.model_fields.items():
-        assert flag(name) in out.stdout and f"[env: HOSTED_TINKER_{name.upper()}]" in out.stdout, name
+        assert flag(name) in text and f"[env: HOSTED_TINKER_{name.upper()}]" in text, name
         assert field.description, f"{name} has no description: --help says nothing of what it is"
     assert "{" + ",".join(["auto", *DTYPES]) + "}" in out.stdout  # every accepted dtype, aliases included
     assert "--base-model MODEL[@DEVICE], --model MODEL[@DEVICE]" in out.stdout  # vLLM's name for it too

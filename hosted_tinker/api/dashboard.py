@@ -24,7 +24,7 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from ..accounting import AUDIT_EVENTS
+from ..audit_log import AUDIT_EVENTS
 from ..auth import InvalidCredential
 from ..checkpoints.paths import TinkerPath
 from ..errors import Forbidden, UserError

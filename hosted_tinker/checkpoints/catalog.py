@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from .. import faults
+from ..periodic import Periodic
 from ..store import Store
 from ..store_records import CheckpointRecord
 from .encryption import ENCRYPTED_FILES
@@ -150,21 +151,13 @@ class ExpirySweeper:
                  on_removed: Callable[[CheckpointRecord], None] = lambda row: None):
         self.catalog = catalog
         self.on_removed = on_removed  # the audit log hears of each checkpoint removed
-        self.every_s = every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="checkpoint-expiry", daemon=True)
+        self._sweeps = Periodic("checkpoint-expiry", every_s, self._sweep, "expired checkpoint sweep failed", log)
 
     def start(self) -> None:
-        self._thread.start()
+        self._sweeps.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        self._sweeps.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            try:
-                self.catalog.sweep_expired(on_removed=self.on_removed)
-            except Exception:  # a disk error must not end the sweeping for good
-                log.exception("expired checkpoint sweep failed")
+    def _sweep(self) -> None:
+        self.catalog.sweep_expired(on_removed=self.on_removed)

@@ -13,12 +13,13 @@ anything waits for it.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import psutil
+
+from .store_json import StoreJson
 
 INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 LOOPBACK_FALLBACK = "127.0.0.1"  # gloo's, where the hostname resolves to no address it can bind
@@ -29,7 +30,7 @@ class NoSuchInterface(ValueError):
 
 
 @dataclass(frozen=True)
-class Advertised:
+class Advertised(StoreJson):
     address: str
     source: str  # how gloo picks it: "interface eth0", "hostname node-b", "hostname node-b does not resolve"
     host: str  # the machine's hostname
@@ -40,13 +41,6 @@ class Advertised:
 
     def __str__(self) -> str:
         return f"{self.address} ({self.source})"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: bytes | str) -> "Advertised":
-        return cls(**json.loads(text))
 
 
 def use_interface(name: str) -> None:

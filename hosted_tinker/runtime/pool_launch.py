@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from .pool_address import Advertised, address_problem, advertised_address, loopback_line, use_interface
 from .rank_group import PoolBroken, RankGroup
+from .store_json import StoreJson
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ REJOIN_WAIT_S = 600.0
 
 
 @dataclass(frozen=True)
-class PoolSettings:
+class PoolSettings(StoreJson):
     """What every rank must agree on; rank 0 publishes it in the store, the others read it there."""
 
     base_model: str
@@ -94,13 +95,6 @@ class PoolSettings:
         if self.device_type == "cpu":
             return torch.device("cpu")
         return torch.device(self.device_type, local_rank + (1 if node_rank == 0 else 0))
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: bytes | str) -> "PoolSettings":
-        return cls(**json.loads(text))
 
 
 def cpu_threads_per_rank(ranks_on_this_machine: int) -> int:
