@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -60,7 +61,16 @@ def _serve(config: ServerConfig) -> int:
         srv = Server(config, observer=metrics)  # the data-dir lock first, then the store, then the model load
     except (DataDirInUse, StoreUnavailable, MissingPackage, PoolUnavailable) as e:
         checked.sock.close()
-        return _fail("serve", [str(e)])
+        code = _fail("serve", [str(e)])
+        if isinstance(e, PoolUnavailable):
+            # A group join that timed out can still be blocked inside torch.distributed's C++ on its
+            # daemon thread (pool_launch.GroupJoin); finalizing the interpreter under it aborts the
+            # process ("terminate called without an active exception", exit -6) after the one line.
+            # This machine's ranks were already stopped; nothing else is left to close.
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:
     # uvicorn's records go through the handler configure_logging set up, in the same format.
     server = uvicorn.Server(uvicorn.Config(create_app(config, srv, metrics), log_config=None,
