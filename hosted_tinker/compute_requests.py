@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from . import faults
 from .cycle_plan import Request
 from .futures import FutureStore
-from .isolation import MachineFault, Quarantine, run_isolating
+from .errors import MachineFault
+from .isolation import Quarantine, run_isolating
 from .model_runtime import ModelRuntime
 from .request_failures import answer_or_fail, is_users_fault, only_loaded
 from .request_parts import LaunchedGradients, PartsLedger

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .request_types import Failure
+from .errors import Failure
 from .store import Store
 
 

@@ -28,16 +28,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from .errors import MachineFault
+
 log = logging.getLogger(__name__)
 
 W = TypeVar("W")  # one request's work, as the pass takes it
 O = TypeVar("O")  # its outcome
 
 QUARANTINE_PASSES = 8  # clean passes a key runs apart after one of its requests failed a pass alone
-
-
-class MachineFault(RuntimeError):
-    """A pass failed for a reason of the machine's, not of any of its requests: nothing is rerun."""
 
 
 @dataclass

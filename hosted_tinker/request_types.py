@@ -19,7 +19,6 @@ speak to the worker through these types alone.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -258,15 +257,3 @@ class FutureRef:
 
     def to_wire(self) -> dict:
         return set_fields(self)
-
-
-@dataclass(frozen=True)
-class Failure:
-    """The body of a failed future. category: "user" (the request asked for the impossible) or
-    "server" (retry it, or report it)."""
-
-    error: str
-    category: str
-
-    def to_wire(self) -> bytes:
-        return json.dumps({"error": self.error, "category": self.category}).encode()

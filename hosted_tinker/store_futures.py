@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlite3
 import time
 
-from .request_types import Failure
+from .errors import Failure
 from .store_records import FutureRecord, Table
 
 

@@ -4,7 +4,8 @@ it holds a poisoned one (the real passes: tests/test_failure_isolation.py)."""
 
 from __future__ import annotations
 
-from hosted_tinker.isolation import MachineFault, Quarantine, run_isolating
+from hosted_tinker.errors import MachineFault
+from hosted_tinker.isolation import Quarantine, run_isolating
 
 
 class Passes:

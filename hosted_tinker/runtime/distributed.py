@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .. import faults
-from ..isolation import MachineFault
+from ..errors import MachineFault
 from .adamw import PendingSteps
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, zero_grads
 from .invariance import FusionPolicy
