@@ -19,18 +19,18 @@ from transformers import AutoModelForCausalLM
 
 from hosted_tinker.checkpoints.catalog import CheckpointCatalog
 from hosted_tinker.checkpoints.paths import TinkerPath
-from hosted_tinker.embedded_model import ensure_embedded_model
-from hosted_tinker.futures import FutureStore
-from hosted_tinker.request_types import DatumWork, FBWork, LoadSpec, RequestKind, SaveSpec
+from hosted_tinker.models.embedded import ensure_embedded_model
+from hosted_tinker.requests.futures import FutureStore
+from hosted_tinker.requests.kinds import DatumWork, FBWork, LoadSpec, RequestKind, SaveSpec
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.losses import resolve_loss_config
 from hosted_tinker.runtime.step_audit import SyncAudit
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import SamplingBackend
-from hosted_tinker.cycle_plan import CyclePlan, Request
-from hosted_tinker.store import Store
-from hosted_tinker.vision import ImageError, Pixels
-from hosted_tinker.worker import TrainingWorker
+from hosted_tinker.training.cycle_plan import CyclePlan, Request
+from hosted_tinker.store.tables import Store
+from hosted_tinker.models.vision import ImageError, Pixels
+from hosted_tinker.training.worker import TrainingWorker
 
 
 class NewWeightsRecorder(SamplingBackend):

@@ -50,7 +50,7 @@ from .rank_group import PoolBroken, RankGroup
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from .sharding import ShardedBase, root_unsharded, shard_base, transplant_lora_layers
 from .packing import bucket_width
-from ..request_types import FBOutcome, FBWork
+from ..requests.kinds import FBOutcome, FBWork
 from .pass_io import ReadyPass
 from .pool_messages import Mirror, PassShare, ShareResult, Stop, Sync, flat_tensors, unflatten_into
 from .trainer import PassStats, TrainingRuntime
