@@ -27,11 +27,7 @@ from .tail_requests import TailRequests
 class TrainingWorker:
     def __init__(self, runtime: ModelRuntime, futures: FutureStore, store: Store, checkpoints: CheckpointCatalog,
                  sampling: SamplingBackend):
-        self.runtime = runtime
-        self.futures = futures
-        self.store = store
-        self.checkpoints = checkpoints
-        self.sampling = sampling  # told when a model's weights change
+        self.runtime, self.futures = runtime, futures  # the one wait; the cycle's answers in one transaction
         self.compute = ComputeRequests(runtime, futures, store)
         self.tail = TailRequests(runtime, futures, store, checkpoints, sampling)
         self.optim = OptimSteps(runtime, futures, self.compute.launched, new_weights=self.tail.new_weights)
