@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hosted_tinker.embedded_model import SPEC_PRESETS, TinyModelSpec, build_tiny_model
+from hosted_tinker.models.embedded import SPEC_PRESETS, TinyModelSpec, build_tiny_model
 
 SIZES: dict[str, TinyModelSpec] = {
     "tiny": SPEC_PRESETS["tiny"],

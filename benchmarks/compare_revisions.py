@@ -154,7 +154,7 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
     from tinker import types
 
     from bench_common import fb_work
-    from hosted_tinker.embedded_model import TinyModelSpec, build_tiny_model
+    from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model
     from overhead import API_KEY, LR, RANK, make_batch
     from server_process import ServerProcess
 
@@ -303,7 +303,7 @@ def sampling_engines(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from hosted_tinker.embedded_model import SPEC_PRESETS, build_tiny_model
+    from hosted_tinker.models.embedded import SPEC_PRESETS, build_tiny_model
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

@@ -5,7 +5,7 @@ was kept 24 h with every result in it. Each variant here is a server process (it
 code, its own data dir) on the embedded model, with `--tenants` SDK training clients each taking
 `--steps` steps (forward_backward + optim_step, and every `--sample-every` steps a
 save_weights_and_get_sampling_client and one sample, as an RL loop does). The data dir is measured
-by kind (hosted_tinker/data_dir_usage.py: the database's pages in use by table group, from SQLite's
+by kind (hosted_tinker/store/data_dir_usage.py: the database's pages in use by table group, from SQLite's
 dbstat; checkpoints; snapshots; ...) once a third of the steps are done and again at the end, each
 time after the tenants have idled `--settle-s` (what a server keeps only for a while, a result
 fetched less than 30 s ago, is then gone, as it is from a server that runs for hours); the growth
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import numpy as np  # noqa: E402
 
-from hosted_tinker.data_dir_usage import database_bytes, files_bytes  # noqa: E402
+from hosted_tinker.store.data_dir_usage import database_bytes, files_bytes  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 API_KEY = "tml-bench-data-dir"

@@ -44,7 +44,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from bench_common import cpu_stall_us  # noqa: E402
-from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME  # noqa: E402
+from hosted_tinker.models.embedded import EMBEDDED_MODEL_NAME  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 warnings.filterwarnings("ignore", category=tinker.ExperimentalWarning)  # search_sessions says so on every call

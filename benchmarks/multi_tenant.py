@@ -63,8 +63,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
-from hosted_tinker.request_types import FBWork  # noqa: E402
+from hosted_tinker.models.loading import pick_device, pick_dtype  # noqa: E402
+from hosted_tinker.requests.kinds import FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from bodies import LABELS, MOE, SIZES, build_models  # noqa: E402

@@ -44,9 +44,9 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from hosted_tinker.embedded_model import TinyModelSpec, build_tiny_model  # noqa: E402
-from hosted_tinker.model_loading import load_base_model, pick_device, pick_dtype  # noqa: E402
-from hosted_tinker.request_types import DatumWork, FBWork  # noqa: E402
+from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model  # noqa: E402
+from hosted_tinker.models.loading import load_base_model, pick_device, pick_dtype  # noqa: E402
+from hosted_tinker.requests.kinds import DatumWork, FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402

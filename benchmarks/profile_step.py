@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
+from hosted_tinker.models.loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.step_audit import SyncAudit  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402

@@ -64,9 +64,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hosted_tinker.checkpoints.adapter_io import save_checkpoint  # noqa: E402
-from hosted_tinker.embedded_model import SPEC_PRESETS, build_tiny_model  # noqa: E402
-from hosted_tinker.model_loading import pick_device, pick_dtype  # noqa: E402
-from hosted_tinker.request_types import DatumWork, FBWork  # noqa: E402
+from hosted_tinker.models.embedded import SPEC_PRESETS, build_tiny_model  # noqa: E402
+from hosted_tinker.models.loading import pick_device, pick_dtype  # noqa: E402
+from hosted_tinker.requests.kinds import DatumWork, FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from hosted_tinker.sampling.engine import SamplingEngine  # noqa: E402

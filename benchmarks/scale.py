@@ -44,12 +44,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from hosted_tinker.config import ServerConfig  # noqa: E402
-from hosted_tinker.embedded_model import SPEC_PRESETS, build_tiny_model  # noqa: E402
-from hosted_tinker.model_loading import load_base_model  # noqa: E402
+from hosted_tinker.config.settings import ServerConfig  # noqa: E402
+from hosted_tinker.models.embedded import SPEC_PRESETS, build_tiny_model  # noqa: E402
+from hosted_tinker.models.loading import load_base_model  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
-from hosted_tinker.served_models import make_runtime  # noqa: E402
+from hosted_tinker.server.served_models import make_runtime  # noqa: E402
 from bench_common import cpu_stall_us, fb_work, paired_ratio, tenant_rows  # noqa: E402
 
 LORA = LoRAConfig(rank=16, train_unembed=False)

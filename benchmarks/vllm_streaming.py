@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from compare_revisions import OLD_PACKAGE, checkout  # noqa: E402
-from hosted_tinker.embedded_model import SPEC_PRESETS, TinyModelSpec, build_tiny_model  # noqa: E402
+from hosted_tinker.models.embedded import SPEC_PRESETS, TinyModelSpec, build_tiny_model  # noqa: E402
 from hosted_tinker.sampling import jobs as new_jobs  # noqa: E402
 from hosted_tinker.sampling import vllm_adapters as new_adapters  # noqa: E402
 from hosted_tinker.sampling import vllm_backend as new_backend  # noqa: E402

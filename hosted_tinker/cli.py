@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Callable
 
 from .checkpoints.paths import KINDS, SCHEME
-from .config import ServerConfig
-from .config_sources import SettingsError
+from .config.settings import ServerConfig
+from .config.sources import SettingsError
 
 log = logging.getLogger("hosted_tinker")
 
@@ -24,7 +24,7 @@ def _fail(command: str, problems: list[str]) -> int:
 
 
 def _serve(config: ServerConfig) -> int:
-    from .logs import configure_logging
+    from .observability.logs import configure_logging
     from .runtime.cpu_threads import choose_threads, set_threads
 
     configure_logging(config.log_level, config.log_format)
@@ -34,7 +34,7 @@ def _serve(config: ServerConfig) -> int:
     if threads is not None:  # a worker pool gives each rank cores / N (served_models.py)
         set_threads(threads)  # before anything imports torch (preflight does)
         config = config.model_copy(update={"cpu_threads": str(threads.threads)})
-    from .startup import StartupError, preflight
+    from .server.startup import StartupError, preflight
 
     try:
         checked = preflight(config)  # before anything slow: the model loads only once all of this passed
@@ -50,11 +50,11 @@ def _serve(config: ServerConfig) -> int:
 
     from .api.app import create_app
     from .api.metrics import Metrics
-    from .data_dir_lock import DataDirInUse
-    from .server import Server
+    from .store.data_dir_lock import DataDirInUse
+    from .server.core import Server
     from .runtime.pool_launch import PoolUnavailable
-    from .sqlite_db import StoreUnavailable
-    from .vision import MissingPackage
+    from .store.database import StoreUnavailable
+    from .models.vision import MissingPackage
 
     metrics = Metrics()
     try:
@@ -101,8 +101,8 @@ class _ProgressBar:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import export_checkpoint
-    from .logs import configure_logging
+    from .checkpoints.export import export_checkpoint
+    from .observability.logs import configure_logging
 
     configure_logging("info", "text")  # --merged loads the base model: its stages are logged
     return _with_progress("export", "checkpoint", lambda bar: export_checkpoint(
@@ -111,7 +111,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from .export import import_adapter
+    from .checkpoints.export import import_adapter
 
     return _with_progress("import", "upload", lambda bar: import_adapter(
         args.adapter_dir, name=args.name, base_url=args.base_url, api_key=args.api_key,
@@ -121,7 +121,7 @@ def _import(args: argparse.Namespace) -> int:
 def _with_progress(command: str, label: str, work: Callable[[_ProgressBar], str]) -> int:
     """Runs `work` beside a progress bar and prints what it answers; an ExportError is the
     user's (a message on stderr, exit status 1). The bar is closed before anything is printed."""
-    from .export import ExportError
+    from .checkpoints.export import ExportError
 
     bar = _ProgressBar(label)
     try:
@@ -136,7 +136,7 @@ def _with_progress(command: str, label: str, work: Callable[[_ProgressBar], str]
 
 
 def _rotate_token_key(args: argparse.Namespace) -> int:
-    from .auth_tokens import rotate_token_key
+    from .accounts.tokens import rotate_token_key
 
     if not args.data_dir.is_dir():
         print(f"hosted-tinker rotate-token-key: {args.data_dir} is not a directory: give the server's --data-dir",
@@ -149,7 +149,7 @@ def _rotate_token_key(args: argparse.Namespace) -> int:
 
 
 def _pool_node(args: argparse.Namespace) -> int:
-    from .logs import configure_logging
+    from .observability.logs import configure_logging
     from .runtime.pool_launch import PoolUnavailable
     from .runtime.pool_node import NodeArgs, run_node
 

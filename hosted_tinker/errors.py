@@ -13,6 +13,9 @@ alone maps each class to a status code (`UserError` 400, `Forbidden` 403, `NotFo
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
 
 class UserError(Exception):
     """Raised only by validation code; its message is shown to the user as is."""
@@ -38,3 +41,19 @@ class Busy(UserError):
 class QueryTooSlow(UserError):
     """A query this key shaped (a search, a listing's page) ran past the server's time budget for one
     query and was stopped; asking again the same way would too, so it is no back-pressure to retry."""
+
+
+class MachineFault(RuntimeError):
+    """A pass failed for a reason of the machine's, not of any of its requests: nothing is rerun."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The body of a failed future. category: "user" (the request asked for the impossible) or
+    "server" (retry it, or report it)."""
+
+    error: str
+    category: str
+
+    def to_wire(self) -> bytes:
+        return json.dumps({"error": self.error, "category": self.category}).encode()

@@ -22,13 +22,13 @@ import torch
 from safetensors.torch import load_file
 
 from hosted_tinker.checkpoints.paths import TinkerPath
-from hosted_tinker.request_types import DatumWork, FBWork
+from hosted_tinker.requests.kinds import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.graphs import Entry
 from hosted_tinker.runtime.losses import LOSSES, prepare_inputs, resolve_loss_config
 from hosted_tinker.runtime.trainer import TrainingRuntime
-from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME, ensure_embedded_model
-from hosted_tinker.store import db_path
+from hosted_tinker.models.embedded import EMBEDDED_MODEL_NAME, ensure_embedded_model
+from hosted_tinker.store.tables import db_path
 from server_process import free_port
 
 BASE_MODEL = EMBEDDED_MODEL_NAME

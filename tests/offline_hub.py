@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hosted_tinker.embedded_model import TinyModelSpec, ensure_embedded_model
+from hosted_tinker.models.embedded import TinyModelSpec, ensure_embedded_model
 
 __all__ = [
     "flavor_for_repo",

@@ -17,7 +17,7 @@ import tinker
 from tinker import types
 
 from helpers import BASE_MODEL, database, sft_batch
-from hosted_tinker.auth import anonymous_owner
+from hosted_tinker.accounts.auth import anonymous_owner
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e

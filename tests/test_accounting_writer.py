@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from hosted_tinker.accounting_writer import AccountingWriter
-from hosted_tinker.audit_log import AuditLog
-from hosted_tinker.request_timings import RequestTimings
-from hosted_tinker.store import Store
-from hosted_tinker.store_accounting import SCHEMA, AccountingTables
-from hosted_tinker.usage_meter import PREFILL, SAMPLE, Payer, UsageMeter
+from hosted_tinker.accounts.accounting_writer import AccountingWriter
+from hosted_tinker.accounts.audit_log import AuditLog
+from hosted_tinker.accounts.request_timings import RequestTimings
+from hosted_tinker.store.tables import Store
+from hosted_tinker.store.accounting import SCHEMA, AccountingTables
+from hosted_tinker.accounts.usage_meter import PREFILL, SAMPLE, Payer, UsageMeter
 
 HOUR = 3600 * 500_000  # the start of a UTC hour
 

@@ -1,12 +1,12 @@
 """Structural facts about the package, read from its source (no import of it runs).
 
-The house has floors, top to bottom:
-`cli → api/ → services/ → server → served_models → device_loop → worker (compute_requests, optim_steps,
-tail_requests, request_failures, request_parts) → sampling/ → checkpoints/ → runtime/ → the ground
-floor (config, store, scheduler, errors, vision, wire, …)`.
-A module imports only from its own floor or below, and no two modules import each other, even
-through others or from inside a function. The API and the services see requests and their
-answers only through typed values, never a device-side module; HTTP stays in `api/`.
+The floors of the house -- imports point down, never up; no two modules or packages import each
+other; HTTP stays in `api/`; the API and the services see the device only through typed values;
+the scheduler plans without the device; the two samplers know nothing of each other -- are
+import-linter contracts in pyproject.toml (`[tool.importlinter]`), which `lint-imports` checks
+here. What the tool cannot say is checked by hand below: module and function length, private
+names, dispatch on strings, `tinker://` paths built in one module, limits that name themselves,
+test modules that import each other.
 
 Each `KNOWN_*` set lists what still breaks a rule: a ratchet. A new break fails, and so does
 a listed one that is gone (take it off the list), so the lists only shrink.
@@ -15,10 +15,14 @@ a listed one that is gone (take it off the list), so the lists only shrink.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 from functools import cache
+
+import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hosted_tinker"
 TESTS = pathlib.Path(__file__).resolve().parent
@@ -26,31 +30,6 @@ GENERATED = {"hosted_tinker.wire.tinker_wire_pb2"}
 MAX_LINES = 500
 MAX_FUNCTION_LINES = 60  # a function a reader follows without scrolling
 
-# Floors, from the top down; a module's floor is that of its longest listed prefix.
-FLOORS = [
-    ("hosted_tinker.__main__", "hosted_tinker.cli", "hosted_tinker.export"),
-    ("hosted_tinker.api",),
-    ("hosted_tinker.services",),
-    ("hosted_tinker.server", "hosted_tinker.startup", "hosted_tinker.access", "hosted_tinker.accounting"),
-    ("hosted_tinker.served_models",),
-    ("hosted_tinker.device_loop",),
-    ("hosted_tinker.worker", "hosted_tinker.compute_requests", "hosted_tinker.optim_steps",
-     "hosted_tinker.tail_requests", "hosted_tinker.request_failures", "hosted_tinker.request_parts"),
-    ("hosted_tinker.sampling",),
-    ("hosted_tinker.checkpoints", "hosted_tinker.model_runtime"),
-    ("hosted_tinker.runtime",),
-    ("hosted_tinker",),  # the ground floor: everything not named above
-]
-# What the API and the services may not import: the modules that run on the device.
-DEVICE_SIDE = ("hosted_tinker.worker", "hosted_tinker.compute_requests", "hosted_tinker.optim_steps",
-               "hosted_tinker.tail_requests", "hosted_tinker.device_loop", "hosted_tinker.runtime.trainer",
-               "hosted_tinker.runtime.distributed", "hosted_tinker.runtime.multi_lora",
-               "hosted_tinker.runtime.moe_lora", "hosted_tinker.sampling.engine")
-
-KNOWN_CIRCLES: set[frozenset[str]] = set()
-KNOWN_ARROWS_UP: set[tuple[str, str]] = set()
-KNOWN_DEVICE_IMPORTS: set[tuple[str, str]] = set()
-KNOWN_HTTP_OUTSIDE_API: set[str] = set()
 KNOWN_LONG_MODULES: set[str] = set()
 KNOWN_STRING_DISPATCH: set[str] = set()
 KNOWN_PRIVATE_IMPORTS: set[tuple[str, str]] = set()
@@ -114,47 +93,6 @@ def imports() -> dict[str, set[tuple[str, str | None]]]:
     return out
 
 
-def edges() -> dict[str, set[str]]:
-    return {m: {t for t, _ in targets} for m, targets in imports().items()}
-
-
-def floor(name: str) -> int:
-    best = max((len(p), i) for i, prefixes in enumerate(FLOORS) for p in prefixes
-               if name == p or name.startswith(p + "."))
-    return best[1]
-
-
-def circles() -> set[frozenset[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    graph, index, low, stack, on, found = edges(), {}, {}, [], set(), set()
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = set()
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                component.add(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.add(frozenset(short(m) for m in component))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return found
-
-
 def docstrings(module: ast.Module) -> set[int]:
     nodes = [module] + [n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                       ast.ClassDef))]
@@ -162,32 +100,41 @@ def docstrings(module: ast.Module) -> set[int]:
             if n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
 
 
-def test_no_import_circles():
-    assert circles() == KNOWN_CIRCLES
+def lint_imports(root: pathlib.Path) -> subprocess.CompletedProcess:
+    """`lint-imports` over the package under `root`, with `root`'s pyproject.toml contracts."""
+    command = pathlib.Path(sys.executable).with_name("lint-imports")
+    return subprocess.run([str(command), "--no-cache"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
 
 
-def test_no_arrow_points_up_a_floor():
-    up = {(short(m), short(t)) for m, ts in edges().items() for t in ts if floor(t) < floor(m)}
-    assert up == KNOWN_ARROWS_UP
+def test_the_import_contracts_hold():
+    """Every `[tool.importlinter]` contract of pyproject.toml is kept (the floors, no cycles, HTTP at
+    the edge, typed values between the services and the device, the planner and the samplers apart)."""
+    run = lint_imports(PACKAGE.parent)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "broken" in run.stdout and " 0 broken" in run.stdout, run.stdout
 
 
-def test_api_and_services_import_no_device_side_module():
-    found = {(short(m), short(t)) for m, ts in edges().items() for t in ts
-             if short(m).split(".")[0] in ("api", "services") and t.startswith(DEVICE_SIDE)}
-    assert found == KNOWN_DEVICE_IMPORTS
-
-
-def test_http_stays_in_api():
-    found = set()
-    for name in modules():
-        if short(name).startswith("api"):
-            continue
-        for node in ast.walk(tree(name)):
-            roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            if any(r.split(".")[0] in ("fastapi", "starlette", "sse_starlette") for r in roots):
-                found.add(short(name))
-    assert found == KNOWN_HTTP_OUTSIDE_API
+@pytest.mark.parametrize("module, line, contract", [
+    # the store, near the ground, reaching up to the HTTP edge
+    ("store/records.py", "from ..api import app  # noqa: F401", "Imports point down the floors, never up"),
+    # the runtime speaking HTTP itself
+    ("runtime/packing.py", "import fastapi  # noqa: F401", "HTTP stays at the edge"),
+    # the scheduler reaching for the worker it plans for
+    ("training/fair_share.py", "from . import worker  # noqa: F401", "The scheduler plans without the device"),
+])
+def test_a_contract_breaks_when_an_import_breaks_it(tmp_path, module, line, contract):
+    """The contracts are not vacuous: in a copy of the package, one import that breaks a rule makes
+    `lint-imports` fail, naming that contract and the import."""
+    shutil.copytree(PACKAGE, tmp_path / "hosted_tinker", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PACKAGE.parent / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "hosted_tinker" / module
+    target.write_text(target.read_text() + "\n" + line + "\n")
+    run = lint_imports(tmp_path)
+    assert run.returncode != 0, run.stdout
+    broken = run.stdout.split("Broken contracts")[-1]
+    importer = "hosted_tinker." + module.removesuffix(".py").replace("/", ".")
+    assert contract in broken and importer in broken, run.stdout
 
 
 def test_no_module_is_over_500_lines():
@@ -264,14 +211,14 @@ def strings_of(name: str) -> str:
 def test_every_limit_is_refused_by_name_and_tested():
     """Each `max_*` setting is either named by a refusal's message (so the user knows which setting
     refused them) and that name appears in a test, or is listed above with what it does instead."""
-    config = tree("hosted_tinker.config")
+    config = tree("hosted_tinker.config.settings")
     settings = {node.target.id for node in ast.walk(config)
                 if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     renamed = {t.value for node in ast.walk(config) if isinstance(node, ast.Assign)
                and any(isinstance(t, ast.Name) and t.id == "RENAMED" for t in node.targets)
                for t in node.value.keys}  # old names, which set the new one
     limits = {s for s in settings if s.startswith("max_")} - set(LIMITS_THAT_REFUSE_NOTHING) - renamed
-    messages = "\n".join(strings_of(m) for m in modules() if m not in ("hosted_tinker.config", "hosted_tinker.startup"))
+    messages = "\n".join(strings_of(m) for m in modules() if m not in ("hosted_tinker.config.settings", "hosted_tinker.server.startup"))
     tests = "\n".join(p.read_text() for p in TESTS.glob("test_*.py") if p.name != pathlib.Path(__file__).name)
     assert sorted(s for s in limits if s not in messages) == [], "refusals that do not name their setting"
     assert sorted(s for s in limits if s not in tests) == [], "limits whose refusal no test shows"

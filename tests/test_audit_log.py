@@ -20,8 +20,8 @@ import pytest
 import tinker
 
 from helpers import BASE_MODEL, TEAM
-from hosted_tinker.sqlite_db import SQLiteDB
-from hosted_tinker.store_accounting import AccountingTables, AuditEntry
+from hosted_tinker.store.database import SQLiteDB
+from hosted_tinker.store.accounting import AccountingTables, AuditEntry
 
 FLOOD = 300  # TTL changes on one checkpoint
 PAGE = 100

@@ -13,10 +13,10 @@ import pytest
 from tinker import types
 
 from helpers import BASE_MODEL, database, sft_batch
-from hosted_tinker.auth import Authenticator, InvalidCredential, KeyConfigError, KeyRing, anonymous_owner, redact
-from hosted_tinker.auth_tokens import TokenSigner
+from hosted_tinker.accounts.auth import Authenticator, InvalidCredential, KeyConfigError, KeyRing, anonymous_owner, redact
+from hosted_tinker.accounts.tokens import TokenSigner
 from hosted_tinker.errors import Forbidden
-from hosted_tinker.revoked_keys import RevokedKeys
+from hosted_tinker.accounts.revoked_keys import RevokedKeys
 from server_process import ServerProcess
 
 

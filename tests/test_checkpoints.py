@@ -328,7 +328,7 @@ def test_an_encrypted_export_survives_recovery_and_leaves_no_plaintext(trained, 
     from hosted_tinker.checkpoints.catalog import CheckpointCatalog
     from hosted_tinker.checkpoints.encryption import parse_recipients, save_encrypted
     from hosted_tinker.checkpoints.recovery import recover
-    from hosted_tinker.store import Store
+    from hosted_tinker.store.tables import Store
 
     store = Store(tmp_path / "db.sqlite")
     store.sessions.create("s", "alice", [], {}, None, None)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 from hosted_tinker.api.schemas import CreateSessionRequest
 from hosted_tinker.api.service import create_session
-from hosted_tinker.store import Store
+from hosted_tinker.store.tables import Store
 
 
 def test_concurrent_creates_with_one_idempotency_key_get_one_session(tmp_path):

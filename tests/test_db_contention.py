@@ -27,8 +27,8 @@ from tinker import types
 
 from helpers import BASE_MODEL, TEAM, WAIT, open_gate, sft_batch
 from hosted_tinker import faults
-from hosted_tinker.store import Store
-from hosted_tinker.store_search import SessionFilter, SessionSearch
+from hosted_tinker.store.tables import Store
+from hosted_tinker.store.search import SessionFilter, SessionSearch
 from server_process import ServerProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::FutureWarning")]  # search is "experimental"

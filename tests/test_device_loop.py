@@ -14,12 +14,12 @@ import threading
 
 import pytest
 
-from hosted_tinker.device_loop import UNANSWERED, DeviceLoop
-from hosted_tinker.futures import FutureStore
-from hosted_tinker.request_types import RequestKind
+from hosted_tinker.training.device_loop import UNANSWERED, DeviceLoop
+from hosted_tinker.requests.futures import FutureStore
+from hosted_tinker.requests.kinds import RequestKind
 from hosted_tinker.sampling.backend import SamplingBackend
-from hosted_tinker.scheduler import ClockCycleScheduler, CyclePlan, Request
-from hosted_tinker.store import Store
+from hosted_tinker.training.scheduler import ClockCycleScheduler, CyclePlan, Request
+from hosted_tinker.store.tables import Store
 
 WAIT = 120.0  # hang guard on anything that should happen at once; never reached when all is well
 

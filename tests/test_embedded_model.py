@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hosted_tinker.embedded_model import (
+from hosted_tinker.models.embedded import (
     ADDED_NON_SPECIAL_TOKENS,
     SPECIAL_TOKENS,
     TinyModelSpec,
@@ -62,7 +62,7 @@ def test_build_is_deterministic(model_dir, tmp_path):
 def test_tokenizer_is_deterministic_across_processes(model_dir):
     # The BPE trainer runs in Rust with per-process randomly seeded hash maps, so the
     # comparison that matters is with another process (only `tokenizers` is imported there).
-    code = ("import sys; from hosted_tinker.embedded_model import build_tokenizer; "
+    code = ("import sys; from hosted_tinker.models.embedded import build_tokenizer; "
             "sys.stdout.write(build_tokenizer().to_str(pretty=True))")
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,

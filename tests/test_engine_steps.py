@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from helpers import RerunCapture
-from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.models.embedded import ensure_embedded_model
 from hosted_tinker.runtime.adapters import LoRAConfig
 from hosted_tinker.runtime.graphs import StepGraphs
 from hosted_tinker.runtime.trainer import TrainingRuntime

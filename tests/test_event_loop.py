@@ -20,8 +20,8 @@ from tinker import types
 
 from helpers import BASE_MODEL, sft_batch
 from hosted_tinker.api.app import create_app
-from hosted_tinker.config import ServerConfig
-from hosted_tinker.server import Server
+from hosted_tinker.config.settings import ServerConfig
+from hosted_tinker.server.core import Server
 from server_process import free_port
 
 pytestmark = pytest.mark.e2e

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from tinker import types
 
 from helpers import BASE_MODEL, database, logprobs_of, model_dir, sft_batch, tar_bytes
-from hosted_tinker.export import ExportError, export_checkpoint, import_adapter, merge_adapter
+from hosted_tinker.checkpoints.export import ExportError, export_checkpoint, import_adapter, merge_adapter
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e

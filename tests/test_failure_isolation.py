@@ -2,11 +2,11 @@
 keys file gives each tenant its own key (two keys share every pass here), through the real SDK.
 
 - A fused pass that raises is rerun in halves until the request that made it raise fails alone
-  (hosted_tinker/isolation.py); the requests it shared the pass with get exactly their solo bits
+  (hosted_tinker/training/isolation.py); the requests it shared the pass with get exactly their solo bits
   (results, gradient norm, weights), for forward_backward and forward alike. The key whose request
   failed alone then runs apart, so its next failures never rerun anyone else's requests.
 - A request that runs in parts (over `max_tokens_per_cycle`) applies all of its gradients or none
-  (hosted_tinker/request_parts.py): a later part that fails, by its own datum or with the cycle
+  (hosted_tinker/training/request_parts.py): a later part that fails, by its own datum or with the cycle
   around it, puts back the gradients it found; a retry counts its parts once; the model unloaded
   or saved between the parts is answered sanely.
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from hosted_tinker.futures import FutureStore, KnownFuture
-from hosted_tinker.store import Store
+from hosted_tinker.requests.futures import FutureStore, KnownFuture
+from hosted_tinker.store.tables import Store
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from helpers import BASE_MODEL, TEAM, sft_batch
-from hosted_tinker.auth import anonymous_owner
-from hosted_tinker.auth_tokens import user_urn
+from hosted_tinker.accounts.auth import anonymous_owner
+from hosted_tinker.accounts.tokens import user_urn
 from server_process import ServerProcess
 
 # The SDK's own encoder warns when a hostile float does not fit in float32; that is the point.

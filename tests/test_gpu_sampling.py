@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hosted_tinker.embedded_model import SPEC_PRESETS, ensure_embedded_model
-from hosted_tinker.request_types import DatumWork, FBWork
+from hosted_tinker.models.embedded import SPEC_PRESETS, ensure_embedded_model
+from hosted_tinker.requests.kinds import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.engine import SamplingEngine

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hosted_tinker.embedded_model import SPEC_PRESETS, ensure_embedded_model
+from hosted_tinker.models.embedded import SPEC_PRESETS, ensure_embedded_model
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.invariance import same_bits
 from hosted_tinker.runtime.trainer import TrainingRuntime

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.models.embedded import ensure_embedded_model
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.graphs import StepGraphs
 from hosted_tinker.runtime.invariance import same_bits

@@ -15,8 +15,8 @@ import pytest
 import tinker
 
 from helpers import BASE_MODEL, TEAM, write_team_keys
-from hosted_tinker.auth_tokens import TOKEN_KEY_FILE, user_urn
-from hosted_tinker.secret_files import read_secret
+from hosted_tinker.accounts.tokens import TOKEN_KEY_FILE, user_urn
+from hosted_tinker.store.secret_files import read_secret
 from server_process import REPO_ROOT, ServerProcess
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""`ImageDecodes` (hosted_tinker/image_decodes.py): where and how many image decodes run, with a
+"""`ImageDecodes` (hosted_tinker/models/image_decodes.py): where and how many image decodes run, with a
 stand-in encoder whose processing waits on an event the test sets (no PIL, no model: what is
 tested is the pool's order and bounds, not the images).
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hosted_tinker.errors import Busy
-from hosted_tinker.image_decodes import ImageDecodes
-from hosted_tinker.vision import ImageError, Pixels
+from hosted_tinker.models.image_decodes import ImageDecodes
+from hosted_tinker.models.vision import ImageError, Pixels
 
 WAIT = 60.0
 

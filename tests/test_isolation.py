@@ -1,10 +1,11 @@
-"""Unit tests of `run_isolating` and `Quarantine` (hosted_tinker/isolation.py): which passes are
+"""Unit tests of `run_isolating` and `Quarantine` (hosted_tinker/training/isolation.py): which passes are
 rerun after a fused pass raises, with plain values for requests and a pass that raises where
 it holds a poisoned one (the real passes: tests/test_failure_isolation.py)."""
 
 from __future__ import annotations
 
-from hosted_tinker.isolation import MachineFault, Quarantine, run_isolating
+from hosted_tinker.errors import MachineFault
+from hosted_tinker.training.isolation import Quarantine, run_isolating
 
 
 class Passes:

@@ -18,7 +18,7 @@ from tinker.types.forward_backward_input import ForwardBackwardInput
 from tinker.types.forward_backward_request import ForwardBackwardRequest
 
 from helpers import BASE_MODEL, database, logprobs_of, sft_batch
-from hosted_tinker.auth import anonymous_owner
+from hosted_tinker.accounts.auth import anonymous_owner
 
 pytestmark = pytest.mark.e2e
 A, B = "tml-isolation-alice", "tml-isolation-bob"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hosted_tinker.config import DEFAULT_KV_TOKENS
-from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.config.settings import DEFAULT_KV_TOKENS
+from hosted_tinker.models.embedded import ensure_embedded_model
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.engine import SamplingEngine
 from hosted_tinker.sampling.jobs import SampleJob

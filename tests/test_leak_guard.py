@@ -10,8 +10,8 @@ import pytest
 import tinker
 
 import leak_guard
-from hosted_tinker.auth import anonymous_owner
-from hosted_tinker.auth_tokens import user_urn
+from hosted_tinker.accounts.auth import anonymous_owner
+from hosted_tinker.accounts.tokens import user_urn
 from helpers import BASE_MODEL
 from server_process import ServerProcess
 

@@ -43,8 +43,8 @@ from safetensors.torch import load_file
 
 from family_models import configs, save_family_model
 from helpers import checkpoint_dir, logprobs_of, read_adapter, sft_datum, tar_bytes
-from hosted_tinker.embedded_model import ensure_embedded_model
-from hosted_tinker.export import export_checkpoint
+from hosted_tinker.models.embedded import ensure_embedded_model
+from hosted_tinker.checkpoints.export import export_checkpoint
 from hosted_tinker.runtime.projections import discover, tinker_name
 from server_process import ServerProcess
 from tinker_layout import rewrite_in_tinker_layout, split_fused, tinker_adapter_config

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker.request_types import DatumWork, FBWork
+from hosted_tinker.requests.kinds import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig, SkippedStep
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from tiny_model import CPU, TINY_VOCAB as VOCAB, ce_work, grads, logits, one_torch_thread, random_seqs, randomize_b, \

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hosted_tinker.embedded_model import SPEC_PRESETS, ensure_embedded_model
-from hosted_tinker.request_types import FBWork
+from hosted_tinker.models.embedded import SPEC_PRESETS, ensure_embedded_model
+from hosted_tinker.requests.kinds import FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from helpers import TENANTS, TOPK_TENANTS, assert_each_tenant_matches_solo, random_work, train_tenants

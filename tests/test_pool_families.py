@@ -21,7 +21,7 @@ from tinker.types.request_error_category import RequestErrorCategory
 
 from family_models import save_family_model
 from helpers import logprobs_of, read_adapter
-from hosted_tinker.embedded_model import ensure_embedded_model
+from hosted_tinker.models.embedded import ensure_embedded_model
 from server_process import ServerProcess
 from tiny_vl_model import build_tiny_vl_model, png
 

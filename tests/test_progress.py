@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tinker import types
 
-from hosted_tinker.export import export_checkpoint, import_adapter
+from hosted_tinker.checkpoints.export import export_checkpoint, import_adapter
 from helpers import BASE_MODEL, sft_batch
 
 import pytest

@@ -22,7 +22,7 @@ from tinker import types
 from tinker_cookbook import weights
 
 from helpers import BASE_MODEL, checkpoint_dir, database, logprobs_of, read_adapter, sft_batch, wait_until
-from hosted_tinker.auth import anonymous_owner
+from hosted_tinker.accounts.auth import anonymous_owner
 from hosted_tinker.checkpoints.paths import TinkerPath
 from hosted_tinker.checkpoints.transfer import DownloadGrant, UrlSigner
 

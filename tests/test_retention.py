@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from hosted_tinker.futures import FutureStore
-from hosted_tinker.retention import DELIVERED_GRACE_S, Retention, RetentionSettings
-from hosted_tinker.store import Store, db_path
-from hosted_tinker.store_accounting import AccountingTables, AuditEntry, RequestTiming
+from hosted_tinker.requests.futures import FutureStore
+from hosted_tinker.server.retention import DELIVERED_GRACE_S, Retention, RetentionSettings
+from hosted_tinker.store.tables import Store, db_path
+from hosted_tinker.store.accounting import AccountingTables, AuditEntry, RequestTiming
 
 DAY = 86400.0
 T0 = 1_800_000_000.0

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hosted_tinker.embedded_model import ensure_embedded_model
-from hosted_tinker.request_types import DatumWork, FBWork
+from hosted_tinker.models.embedded import ensure_embedded_model
+from hosted_tinker.requests.kinds import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.losses import prepare_inputs, resolve_loss_config
 from hosted_tinker.runtime.trainer import TrainingRuntime

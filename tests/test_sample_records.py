@@ -9,7 +9,7 @@ import pytest
 
 from hosted_tinker.sampling.jobs import SampleJob, SampleResult, SequenceResult
 from hosted_tinker.sampling.records import DAY_S, SampleRecord, SampleRecords, Unusable, sequence_ids
-from hosted_tinker.store import Store
+from hosted_tinker.store.tables import Store
 
 SS = "sess-1:sample:0"
 

@@ -7,11 +7,11 @@ import pytest
 
 from hosted_tinker.api.app import http_error_of
 from hosted_tinker.errors import Busy
-from hosted_tinker.image_decodes import ImageDecodes
+from hosted_tinker.models.image_decodes import ImageDecodes
 from hosted_tinker.sampling.jobs import SampleJob
 from hosted_tinker.services.images import ImagePixelBudget
 from hosted_tinker.services.sampling import SamplingAllowance
-from hosted_tinker.vision import Pixels, SizedImage
+from hosted_tinker.models.vision import Pixels, SizedImage
 
 
 def job(num_samples: int = 2, max_tokens: int = 10) -> SampleJob:

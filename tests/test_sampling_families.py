@@ -20,7 +20,7 @@ import torch
 import transformers as T
 
 from family_models import SMALL, configs, family_model
-from hosted_tinker.request_types import DatumWork, FBWork
+from hosted_tinker.requests.kinds import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.engine import SamplingEngine

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker import run_queues
-from hosted_tinker.request_types import DatumWork, FBWork, RequestKind
-from hosted_tinker.scheduler import ClockCycleScheduler, CyclePlan, Request
-from hosted_tinker.vision import Pixels
+from hosted_tinker.training import run_queues
+from hosted_tinker.requests.kinds import DatumWork, FBWork, RequestKind
+from hosted_tinker.training.scheduler import ClockCycleScheduler, CyclePlan, Request
+from hosted_tinker.models.vision import Pixels
 
 GAP = 60.0
 WINDOW = 0.05

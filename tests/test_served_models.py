@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hosted_tinker.errors import UserError
-from hosted_tinker.served_models import ModelRegistry, ServedModel
+from hosted_tinker.server.served_models import ModelRegistry, ServedModel
 
 
 def served(name: str) -> ServedModel:

@@ -31,7 +31,7 @@ import tinker
 import torch
 
 from helpers import checkpoint_dir, logprobs_of, sft_datum, tar_bytes
-from hosted_tinker.embedded_model import TinyModelSpec
+from hosted_tinker.models.embedded import TinyModelSpec
 from offline_hub import install_fake_dataset, install_fake_hub_model, offline_env
 from server_process import ServerProcess
 

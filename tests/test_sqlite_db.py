@@ -23,7 +23,7 @@ import pytest
 from helpers import WAIT, wait_until
 from hosted_tinker import faults
 from hosted_tinker.errors import QueryTooSlow
-from hosted_tinker.sqlite_db import SQLiteDB
+from hosted_tinker.store.database import SQLiteDB
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENDLESS = "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT x FROM n WHERE x < 0"
@@ -113,7 +113,7 @@ def test_writes_queued_behind_the_writer_commit_together_and_fail_alone(db):
 WRITER = """
 import sys, threading
 from pathlib import Path
-from hosted_tinker.sqlite_db import SQLiteDB
+from hosted_tinker.store.database import SQLiteDB
 
 db = SQLiteDB(Path(sys.argv[1]))
 db.create("CREATE TABLE IF NOT EXISTS t (id TEXT PRIMARY KEY);")

@@ -22,11 +22,11 @@ from pydantic import ValidationError
 import torch
 
 from helpers import assert_one_line_error, database, serve
-from hosted_tinker.config import ServerConfig
-from hosted_tinker.config_sources import flag
-from hosted_tinker.model_loading import DTYPES
+from hosted_tinker.config.settings import ServerConfig
+from hosted_tinker.config.sources import flag
+from hosted_tinker.models.loading import DTYPES
 from hosted_tinker.sampling.vllm_sidecar import vllm_child_devices
-from hosted_tinker.startup import bind_port
+from hosted_tinker.server.startup import bind_port
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e

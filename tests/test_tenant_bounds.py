@@ -87,8 +87,8 @@ def test_an_operator_can_trust_request_templates(tmp_path):
 
     from hosted_tinker.api.openai_compat.schemas import ChatBody
     from hosted_tinker.api.openai_compat.template import render_chat
-    from hosted_tinker.config import ServerConfig
-    from hosted_tinker.embedded_model import ensure_embedded_model
+    from hosted_tinker.config.settings import ServerConfig
+    from hosted_tinker.models.embedded import ensure_embedded_model
 
     served = SimpleNamespace(name=BASE_MODEL, tokenizer=AutoTokenizer.from_pretrained(
         str(ensure_embedded_model(tmp_path))))

@@ -21,7 +21,7 @@ from tinker import types
 
 from helpers import BASE_MODEL, WAIT, sampling_metrics, wait_until, write_team_keys
 from hosted_tinker import faults
-from hosted_tinker.rate_card import MAX_RATE_USD
+from hosted_tinker.accounts.rate_card import MAX_RATE_USD
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.e2e

@@ -18,8 +18,8 @@ import torch
 from tinker import types
 
 from helpers import answered, forward_backward_body, logprobs_of
-from hosted_tinker.embedded_model import EMBEDDED_MODEL_NAME
-from hosted_tinker.export import export_checkpoint
+from hosted_tinker.models.embedded import EMBEDDED_MODEL_NAME
+from hosted_tinker.checkpoints.export import export_checkpoint
 from server_process import ServerProcess
 from tiny_vl_model import build_tiny_vl_model, png
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from hosted_tinker.checkpoints.adapter_io import save_adapter
 from hosted_tinker.checkpoints.format import ADAPTER_WEIGHTS
-from hosted_tinker.model_loading import load_base_model
+from hosted_tinker.models.loading import load_base_model
 from hosted_tinker.runtime.adapters import LoRAAdapter, LoRAConfig
 from hosted_tinker.runtime.multi_lora import EXPERT_TARGETS
 from hosted_tinker.runtime.trainer import TrainingRuntime

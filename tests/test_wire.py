@@ -29,7 +29,7 @@ from hosted_tinker.wire import (
     encode_forward_backward_output,
     encode_sample_response,
 )
-from hosted_tinker.vision import ImageIn
+from hosted_tinker.models.vision import ImageIn
 from hosted_tinker.wire import tinker_wire_pb2 as pb
 
 

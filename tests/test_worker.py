@@ -19,18 +19,18 @@ from transformers import AutoModelForCausalLM
 
 from hosted_tinker.checkpoints.catalog import CheckpointCatalog
 from hosted_tinker.checkpoints.paths import TinkerPath
-from hosted_tinker.embedded_model import ensure_embedded_model
-from hosted_tinker.futures import FutureStore
-from hosted_tinker.request_types import DatumWork, FBWork, LoadSpec, RequestKind, SaveSpec
+from hosted_tinker.models.embedded import ensure_embedded_model
+from hosted_tinker.requests.futures import FutureStore
+from hosted_tinker.requests.kinds import DatumWork, FBWork, LoadSpec, RequestKind, SaveSpec
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.losses import resolve_loss_config
 from hosted_tinker.runtime.step_audit import SyncAudit
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.backend import SamplingBackend
-from hosted_tinker.cycle_plan import CyclePlan, Request
-from hosted_tinker.store import Store
-from hosted_tinker.vision import ImageError, Pixels
-from hosted_tinker.worker import TrainingWorker
+from hosted_tinker.training.cycle_plan import CyclePlan, Request
+from hosted_tinker.store.tables import Store
+from hosted_tinker.models.vision import ImageError, Pixels
+from hosted_tinker.training.worker import TrainingWorker
 
 
 class NewWeightsRecorder(SamplingBackend):
@@ -99,7 +99,7 @@ def answer(worker: TrainingWorker, rid: str) -> dict:
 
 
 def create(worker: TrainingWorker, model_id: str, **flags) -> dict:
-    worker.store.runs.create(model_id, "s", "alice", "embedded", {}, {}, {})
+    worker.tail.store.runs.create(model_id, "s", "alice", "embedded", {}, {}, {})
     c = Cycle(worker)
     rid = c.add("tail", model_id, RequestKind.CREATE_MODEL, LoRAConfig(rank=4, **flags))
     c.run()
@@ -122,7 +122,7 @@ def test_a_server_bug_is_a_server_error_whatever_its_exception_class(worker, mon
     def broken_write(*args, **kwargs):
         raise KeyError("checkpoints")
 
-    monkeypatch.setattr(worker.store.checkpoints, "upsert", broken_write)
+    monkeypatch.setattr(worker.tail.store.checkpoints, "upsert", broken_write)
     c = Cycle(worker)
     rid = c.add("tail", "m", RequestKind.SAVE_WEIGHTS, SaveSpec(kind="weights", name="s1", owner="alice"))
     c.run()
@@ -158,7 +158,7 @@ def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, 
     load, the backend is told, once each, and of an unload; compute answers are announced before
     the optimizer steps."""
     assert not create(worker, "m")["failed"]
-    assert worker.sampling.updates == [("m", None)]  # a new adapter is a version of its weights too
+    assert worker.tail.sampling.updates == [("m", None)]  # a new adapter is a version of its weights too
     c = Cycle(worker)
     fb_id = c.add("compute", "m", RequestKind.FORWARD_BACKWARD, fb("m"))
     opt_id = c.add("optim", "m", RequestKind.OPTIM_STEP, AdamParams(learning_rate=1e-3))
@@ -168,20 +168,20 @@ def test_the_sampling_backend_hears_of_every_new_version_of_the_weights(worker, 
     assert answered == [{"m"}]
     assert not any(answer(worker, r)["failed"] for r in (fb_id, opt_id, save_id))
     saved = tmp_path / "checkpoints" / "m" / "sampler_weights" / "v1"
-    assert worker.sampling.updates == [("m", None), ("m", None), ("m", saved)]
+    assert worker.tail.sampling.updates == [("m", None), ("m", None), ("m", saved)]
 
     c = Cycle(worker)
     load_id = c.add("tail", "m", RequestKind.LOAD_WEIGHTS, LoadSpec(
         checkpoint_dir=saved, with_optimizer=False, path=str(TinkerPath("m", "sampler_weights", "v1")), max_rank=8))
     c.run()
     assert not answer(worker, load_id)["failed"]
-    assert worker.sampling.updates[-1] == ("m", None)
+    assert worker.tail.sampling.updates[-1] == ("m", None)
 
     c = Cycle(worker)
     unload_id = c.add("tail", "m", RequestKind.UNLOAD_MODEL)
     c.run()
     assert not answer(worker, unload_id)["failed"]
-    assert worker.sampling.updates[-1] == ("m", "removed")
+    assert worker.tail.sampling.updates[-1] == ("m", "removed")
 
 
 def test_the_scheduler_hears_of_compute_answers_before_any_is_visible(worker):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker.request_types import DatumWork, FBWork
+from hosted_tinker.requests.kinds import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import LoRAAdapter
 from hosted_tinker.runtime.trainer import TrainingRuntime
 

@@ -94,7 +94,7 @@ def build_tiny_vl_model(out_dir: Path, seed: int = 0, family: str = "qwen3_vl", 
     from tokenizers import AddedToken
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from hosted_tinker.embedded_model import ENDOFTEXT, TinyModelSpec, _tokenizer_config, _write_json, build_tokenizer
+    from hosted_tinker.models.embedded import ENDOFTEXT, TinyModelSpec, _tokenizer_config, _write_json, build_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = TinyModelSpec()

@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 import torch
 
-from hosted_tinker.embedded_model import TinyModelSpec, build_tiny_model
-from hosted_tinker.model_loading import load_base_model
-from hosted_tinker.request_types import DatumWork, FBWork
+from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model
+from hosted_tinker.models.loading import load_base_model
+from hosted_tinker.requests.kinds import DatumWork, FBWork
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig
 from hosted_tinker.runtime.trainer import TrainingRuntime
 from hosted_tinker.sampling.engine import SamplingEngine

@@ -78,7 +78,7 @@ def _wrap_sqlite() -> None:
 
 def _wrap_scheduler() -> None:
     sys.path.insert(0, os.getcwd())  # the server runs `python -m hosted_tinker` in its checkout
-    from hosted_tinker.scheduler import ClockCycleScheduler
+    from hosted_tinker.training.scheduler import ClockCycleScheduler
 
     plan, visit = ClockCycleScheduler._plan, ClockCycleScheduler._ready_prefix
 

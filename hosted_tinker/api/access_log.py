@@ -21,7 +21,7 @@ import uuid
 from . import hub
 from .metrics import Metrics
 
-log = logging.getLogger("hosted_tinker.access")
+log = logging.getLogger("hosted_tinker.accounts.access")
 # Polled or background routes: logged only at debug level unless they fail.
 QUIET_ROUTES = {"/api/v1/retrieve_future", "/api/v1/session_heartbeat", "/api/v1/telemetry", "/api/v1/healthz",
                 "/health", "/metrics", "/dashboard/api/cycles"}

@@ -10,14 +10,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 
-from ..access import Access
-from ..auth_tokens import user_urn
-from ..server import Server
+from ..accounts.access import Access
+from ..accounts.tokens import user_urn
+from ..server.core import Server
 from ..services.reports import (
     MAX_AUDIT_ENTRIES, AuditReport, StorageGroup, UsageEvent, audit_query, audit_report, session_metadata,
     storage_report, usage_report, usage_window,
 )
-from ..store_accounting import AuditEntry
+from ..store.accounting import AuditEntry
 from .deps import get_access, get_server, require_owner
 from .schemas import ShortText
 

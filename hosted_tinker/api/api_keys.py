@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 
-from ..auth import DEV_MODE, InvalidCredential, KeyInfo
-from ..auth_tokens import user_urn
-from ..server import Server
+from ..accounts.auth import DEV_MODE, InvalidCredential, KeyInfo
+from ..accounts.tokens import user_urn
+from ..server.core import Server
 from .deps import credential, get_server
 
 router = APIRouter()

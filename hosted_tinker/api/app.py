@@ -11,15 +11,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..access import Access
+from ..accounts.access import Access
 from ..checkpoints.paths import InvalidPath
-from ..config import ServerConfig
+from ..config.settings import ServerConfig
 from ..errors import Busy, Forbidden, NotFound, QueryTooSlow, UserError
-from ..server import Server
+from ..server.core import Server
 from ..services.images import ImagePixelBudget
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
-from ..startup import base_url, summary_lines
+from ..server.startup import base_url, summary_lines
 from . import admin, api_keys, dashboard, hub, openai_compat, ops, rest, sampling, service, sessions, training
 from .access_log import AccessLog
 from .limits import BodyLimit

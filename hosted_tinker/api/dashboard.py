@@ -24,11 +24,11 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from ..audit_log import AUDIT_EVENTS
-from ..auth import InvalidCredential
+from ..accounts.audit_log import AUDIT_EVENTS
+from ..accounts.auth import InvalidCredential
 from ..checkpoints.paths import TinkerPath
 from ..errors import Forbidden, UserError
-from ..server import Server
+from ..server.core import Server
 from ..services.reports import (
     AUDIT_EVENT_TYPES, DASHBOARD_DAYS, MAX_AUDIT_ENTRIES, audit_query, audit_report, usage_by_owner,
 )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from fastapi import Header, HTTPException, Request
 
-from ..access import Access
-from ..auth import InvalidCredential
-from ..server import Server
+from ..accounts.access import Access
+from ..accounts.auth import InvalidCredential
+from ..server.core import Server
 from ..services.sampling import SamplingRequests
 from ..services.training import TrainingRequests
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse, JSONResponse
 
-from ..model_loading import model_directory
-from ..server import Server
+from ..models.loading import model_directory
+from ..server.core import Server
 from .deps import get_server
 
 router = APIRouter()

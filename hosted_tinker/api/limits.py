@@ -17,7 +17,7 @@ from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..config import ServerConfig
+from ..config.settings import ServerConfig
 
 BINARY_ROUTES = frozenset({"/api/v1/forward_backward", "/api/v1/checkpoints/import"})
 # Stored JSON a user sends (user metadata, telemetry) may nest this deep: far more than any real

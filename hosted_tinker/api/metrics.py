@@ -31,9 +31,9 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from ..sampling.jobs import SampleJob, SampleResult
-    from ..served_models import ServedModel
-    from ..cycle_plan import CyclePlan
-    from ..server import Server
+    from ..server.served_models import ServedModel
+    from ..training.cycle_plan import CyclePlan
+    from ..server.core import Server
 
 # The *_created series would double the output for no reader we know of.
 disable_created_metrics()

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
-from ..server import Server
+from ..server.core import Server
 from .deps import get_server
 
 router = APIRouter()

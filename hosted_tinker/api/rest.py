@@ -35,7 +35,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..access import Access
+from ..accounts.access import Access
 from ..checkpoints.catalog import CheckpointExists, version_of
 from ..checkpoints.format import ADAPTER_CONFIG, MANIFEST, CheckpointError, read_json_object, read_manifest
 from ..checkpoints.paths import TinkerPath, check_run_id
@@ -43,9 +43,9 @@ from ..checkpoints.transfer import (
     SIGNED_URL_TTL_S, ArchiveTooLarge, DownloadGrant, extract_checkpoint_tar, prepare_import, tar_length, tar_stream,
     write_import,
 )
-from ..request_types import MAX_TTL_S
-from ..server import Server
-from ..served_models import ServedModel
+from ..requests.kinds import MAX_TTL_S
+from ..server.core import Server
+from ..server.served_models import ServedModel
 from ..services import copies
 from ..services.copies import check_copy_request
 from .deps import accessible_scope, get_access, get_server, require_owner

@@ -12,17 +12,17 @@ import numpy as np
 from fastapi import APIRouter, Depends, HTTPException
 from pydantic import Field
 
-from ..access import Access
+from ..accounts.access import Access
 from ..checkpoints.paths import TinkerPath
 from ..sampling.jobs import SampleJob
 from ..sampling.prompt_scoring import MAX_PROMPT_K, CsrLayout, PromptTargets
 from ..sampling.records import sequence_ids
-from ..server import Server
-from ..served_models import ServedModel
+from ..server.core import Server
+from ..server.served_models import ServedModel
 from ..services import served_model
 from ..services.sampling import SamplingRequests, sample_job
 from ..services.training import checkpoint_to_load
-from ..vision import ImageError, ImageIn, Pixels, no_images
+from ..models.vision import ImageError, ImageIn, Pixels, no_images
 from .deps import get_access, get_sampling, get_server, require_owner
 from .schemas import Body
 

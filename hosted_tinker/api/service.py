@@ -9,9 +9,9 @@ from typing import Any
 from fastapi import APIRouter, Body, Depends, Header, HTTPException, Query, Request
 from pydantic import BaseModel
 
-from ..access import Access
-from ..auth import InvalidCredential, redact
-from ..server import Server
+from ..accounts.access import Access
+from ..accounts.auth import InvalidCredential, redact
+from ..server.core import Server
 from .deps import accessible_scope, credential, get_access, get_server, require_owner
 from .limits import check_stored_json
 from .schemas import (

@@ -12,13 +12,13 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import AwareDatetime, Field
 
-from ..auth_tokens import user_urn
+from ..accounts.tokens import user_urn
 from ..errors import UserError
-from ..access import Access
-from ..server import Server
-from ..trace_exports import TRACE_URL_TTL_S, TraceGrant
+from ..accounts.access import Access
+from ..server.core import Server
+from ..observability.trace_exports import TRACE_URL_TTL_S, TraceGrant
 from ..services.session_search import EPOCH, CLIENT_FINISH_REASONS, SessionQuery, StatusQuery, search_sessions
-from ..store_search import DEFAULT_PROJECT, FoundSession, SessionSearch
+from ..store.search import DEFAULT_PROJECT, FoundSession, SessionSearch
 from .deps import get_access, get_server, require_owner
 from .schemas import Body, ShortText, str_dict
 

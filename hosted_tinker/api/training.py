@@ -9,13 +9,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import Field
 
-from ..access import Access, owned
+from ..accounts.access import Access, owned
 from ..checkpoints.encryption import parse_recipients
 from ..checkpoints.paths import check_name
-from ..request_types import SaveSpec
-from ..server import Server
+from ..requests.kinds import SaveSpec
+from ..server.core import Server
 from ..services.training import TrainingRequests, checkpoint_to_load
-from ..store_retention import SNAPSHOT_NAME
+from ..store.retention import SNAPSHOT_NAME
 from ..wire.codec import WireError, decode_forward_backward_request
 from .deps import get_access, get_server, get_training, require_owner
 from .schemas import (

@@ -6,4 +6,8 @@
 - `catalog`: a checkpoint's record and folder, created, found and deleted together; TTL expiry;
 - `recovery`: the start-up repair after a kill -9 at any point of a write;
 - `transfer`: archives out and in, signed download URLs, imports of adapters made elsewhere.
+
+Also `adapter_io` (a model's adapter saved and restored through its runtime), `merge`, `encryption`,
+`untrusted`, and `export` (the CLI's export and import). May import runtime/ (the `ModelRuntime`
+seam), models/, store/ and the ground floor.
 """

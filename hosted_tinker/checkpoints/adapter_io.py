@@ -23,7 +23,7 @@ from .format import (
 )
 
 if TYPE_CHECKING:  # the runtime's surface, for annotations only (it imports the whole trainer)
-    from ..model_runtime import ModelRuntime
+    from ..runtime.model_runtime import ModelRuntime
 
 
 def write_peft_files(folder: Path, tensors: dict[str, torch.Tensor], parts: dict[str, FusedPart],

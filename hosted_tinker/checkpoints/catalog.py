@@ -21,8 +21,8 @@ from typing import BinaryIO, Callable
 
 from .. import faults
 from ..periodic import Periodic
-from ..store import Store
-from ..store_records import CheckpointRecord
+from ..store.tables import Store
+from ..store.records import CheckpointRecord
 from .encryption import ENCRYPTED_FILES
 from .format import CHECKPOINT_FILES, CheckpointError
 from .paths import TinkerPath

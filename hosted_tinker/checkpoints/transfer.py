@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator, Literal, Protocol
 
 from ..runtime.multi_lora import FusedPart, MultiLoRALinear
-from ..secret_files import load_or_create_secret
+from ..store.secret_files import load_or_create_secret
 from .adapter_io import check_fits, write_peft_files
 from .catalog import OpenFile
 from .format import (

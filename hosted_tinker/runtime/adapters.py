@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..request_types import AdamParams, LoRAConfig  # noqa: F401 (AdamParams: the runtime's importers take it from here)
+from ..requests.kinds import AdamParams, LoRAConfig  # noqa: F401 (AdamParams: the runtime's importers take it from here)
 from .host_copies import device_constant
 from .lora_slots import LoRAWeights, SlotStack
 from .multi_lora import FusedPart, MultiLoRALinear, attach_adapter, detach_adapter

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .. import faults
-from ..isolation import MachineFault
+from ..errors import MachineFault
 from .adamw import PendingSteps
 from .adapters import AdamParams, GradientPass, LoRAAdapter, LoRAConfig, zero_grads
 from .invariance import FusionPolicy
@@ -50,7 +50,7 @@ from .rank_group import PoolBroken, RankGroup
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
 from .sharding import ShardedBase, root_unsharded, shard_base, transplant_lora_layers
 from .packing import bucket_width
-from ..request_types import FBOutcome, FBWork
+from ..requests.kinds import FBOutcome, FBWork
 from .pass_io import ReadyPass
 from .pool_messages import Mirror, PassShare, ShareResult, Stop, Sync, flat_tensors, unflatten_into
 from .trainer import PassStats, TrainingRuntime

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..request_types import FBOutcome, FBWork
+from ..requests.kinds import FBOutcome, FBWork
 from .adapters import GradientPass
 from .host_copies import Launched
 from .losses import LOSSES

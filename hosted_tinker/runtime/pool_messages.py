@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..request_types import FBOutcome, FBWork
+from ..requests.kinds import FBOutcome, FBWork
 from .adapters import LoRAConfig
 from .trainer import PassStats
 

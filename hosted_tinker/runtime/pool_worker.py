@@ -70,7 +70,7 @@ def _epoch_to_join(store: dist.Store, pool_id: str, rank: int, asked_after: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..logs import configure_logging
+    from ..observability.logs import configure_logging
     from .pool_launch import POOL_ID, REJOIN_WAIT_S, SETTINGS, PoolSettings
 
     args = _parse(argv)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load_model(settings, data_dir: Path, device: torch.device):
-    from ..model_loading import load_base_model, pick_dtype
+    from ..models.loading import load_base_model, pick_dtype
 
     # A sharded base is loaded on the CPU; fully_shard moves each rank's shards to its device.
     model, _ = load_base_model(settings.base_model, data_dir, torch.device("cpu") if settings.shard_base else device,

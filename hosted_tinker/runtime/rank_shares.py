@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zlib
 
-from ..request_types import FBOutcome, FBWork
+from ..requests.kinds import FBOutcome, FBWork
 from .losses import merge_metrics
 
 

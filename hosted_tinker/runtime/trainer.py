@@ -47,7 +47,7 @@ from .multi_lora import MultiLoRALinear, attach_multi_lora
 from .projections import discover
 from .packing import MicroBatch, PackingPlan, RequestShape, RowRange, pack, segments_of, shared_shapes
 from .recompute import RECOMPUTE_OFF, RecomputeChoice, recompute_activations
-from ..request_types import FBOutcome, FBWork
+from ..requests.kinds import FBOutcome, FBWork
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

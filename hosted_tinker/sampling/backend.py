@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..model_runtime import ModelRuntime
+from ..runtime.model_runtime import ModelRuntime
 from .engine import SamplingEngine
 from .jobs import SampleJob
 from .snapshots import SnapshotCache

@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import ServerConfig
-from ..model_loading import model_directory, pick_dtype
-from ..model_runtime import ModelRuntime
+from ..config.settings import ServerConfig
+from ..models.loading import model_directory, pick_dtype
+from ..runtime.model_runtime import ModelRuntime
 from .backend import EngineBackend, SamplingBackend
 from .engine import SamplingEngine
 from .jobs import SampleJob, SampleResult

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..vision import Pixels
+from ..models.vision import Pixels
 
 
 def prefill_inputs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

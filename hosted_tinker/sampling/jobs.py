@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..vision import Pixels
+from ..models.vision import Pixels
 from .prompt_scoring import PromptAlternatives, PromptTargets, ScoredTargets
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import DEFAULT_KV_TOKENS
+from ..config.settings import DEFAULT_KV_TOKENS
 
 if TYPE_CHECKING:
     from .jobs import SampleJob

@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..store import Store
+from ..store.tables import Store
 from .jobs import SampleJob, SampleResult
 
 DAY_S = 24 * 3600.0

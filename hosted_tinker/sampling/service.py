@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..futures import FutureStore
+from ..requests.futures import FutureStore
 from ..wire.codec import SampledSequenceOut, TensorOut, TopkOut, encode_sample_response
 from .backend import SamplingBackend
 from .jobs import SampleJob, SampleResult, UserFailure

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..model_runtime import ModelRuntime
+from ..runtime.model_runtime import ModelRuntime
 from ..runtime.adapters import LoRAConfig
 from .backend import EngineBackend, SamplingBackend, Series, samples_current_weights
 from .jobs import SampleJob, SampleResult

@@ -48,7 +48,7 @@ import httpx
 from ..runtime.batch_invariant import child_environment
 
 if TYPE_CHECKING:
-    from ..config import ServerConfig
+    from ..config.settings import ServerConfig
 
 log = logging.getLogger(__name__)
 

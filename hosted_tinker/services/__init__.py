@@ -7,13 +7,16 @@ and `api/app.py` gives it its status code.
 
 Each request goes to one served base model (`served_model`): the one it names, or the one its
 training model, sampling session or checkpoint was made on.
+
+May import server/, accounts/, the typed values of training/cycle_plan.py, requests/ and
+sampling/jobs.py, and every floor below; never a device-side module and never HTTP.
 """
 
 from pathlib import Path
 
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..errors import UserError
-from ..served_models import ServedModel
+from ..server.served_models import ServedModel
 
 
 def served_model(server, base_model: str) -> ServedModel:

@@ -17,12 +17,12 @@ import os
 import uuid
 from pathlib import Path
 
-from ..access import Access
+from ..accounts.access import Access
 from ..checkpoints.format import read_manifest, write_atomically
 from ..checkpoints.paths import TinkerPath
 from ..errors import UserError
-from ..request_types import MAX_TTL_S
-from ..server import Server
+from ..requests.kinds import MAX_TTL_S
+from ..server.core import Server
 from . import checkpoint_base_model
 from .training import training_run_id
 

@@ -25,8 +25,8 @@ import threading
 from collections.abc import Callable
 
 from ..errors import Busy, UserError
-from ..image_decodes import ImageDecodes
-from ..vision import ImageEncoder, Pixels
+from ..models.image_decodes import ImageDecodes
+from ..models.vision import ImageEncoder, Pixels
 
 
 class ImagePixelBudget:

@@ -18,15 +18,15 @@ from datetime import date, datetime, timedelta, timezone
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..access import Access
-from ..audit_log import AUDIT_EVENTS
-from ..auth_tokens import owner_of_urn
+from ..accounts.access import Access
+from ..accounts.audit_log import AUDIT_EVENTS
+from ..accounts.tokens import owner_of_urn
 from ..errors import UserError
-from ..rate_card import HOURS_PER_MONTH
-from ..server import Server
-from ..store_accounting import AuditEntry
-from ..store_records import SessionRecord
-from ..usage_meter import CHECKPOINT, STORAGE
+from ..accounts.rate_card import HOURS_PER_MONTH
+from ..server.core import Server
+from ..store.accounting import AuditEntry
+from ..store.records import SessionRecord
+from ..accounts.usage_meter import CHECKPOINT, STORAGE
 
 MAX_WINDOW = timedelta(days=14)
 MAX_AUDIT_ENTRIES = 10_000  # a page's most, and its size by default: the SDK's call (it cannot page) gets one

@@ -16,12 +16,12 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from ..access import Access
+from ..accounts.access import Access
 from ..errors import Busy, UserError
 from ..sampling.jobs import SampleJob, SampleResult
-from ..server import Server
-from ..served_models import ServedModel
-from ..vision import total_pixels
+from ..server.core import Server
+from ..server.served_models import ServedModel
+from ..models.vision import total_pixels
 from . import checkpoint_base_model, served_model
 from .images import ImagePixelBudget
 

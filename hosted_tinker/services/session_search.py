@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from ..auth_tokens import owner_of_urn
+from ..accounts.tokens import owner_of_urn
 from ..errors import NotFound, UserError
-from ..store_search import FoundSession, SessionFilter, SessionSearch, micros
+from ..store.search import FoundSession, SessionFilter, SessionSearch, micros
 
 CLIENT_FINISH_REASONS = ("success", "errored", "interrupted")
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)

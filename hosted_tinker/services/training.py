@@ -14,18 +14,18 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from ..access import Access
+from ..accounts.access import Access
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..checkpoints.paths import TinkerPath
 from ..errors import Busy, NotFound, UserError
-from ..request_types import (AdamParams, DatumWork, FBWork, FutureRef, LoadSpec, LoRAConfig, Payload, RequestKind,
+from ..requests.kinds import (AdamParams, DatumWork, FBWork, FutureRef, LoadSpec, LoRAConfig, Payload, RequestKind,
                              SaveSpec, targets_per_position)
 from ..runtime.losses import LOSSES, LossInputError, check_one_targets_shape, resolve_loss_config, validate_datum
 from ..runtime.projections import refusal
-from ..cycle_plan import Request
-from ..server import Server
-from ..served_models import ServedModel
-from ..vision import Pixels, no_images, total_pixels
+from ..training.cycle_plan import Request
+from ..server.core import Server
+from ..server.served_models import ServedModel
+from ..models.vision import Pixels, no_images, total_pixels
 from ..wire.codec import ForwardBackwardCall, WireDatum
 from . import checkpoint_base_model, served_model
 from .images import ImagePixelBudget

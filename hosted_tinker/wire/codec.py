@@ -43,7 +43,7 @@ import numpy as np
 import zstandard
 
 from . import tinker_wire_pb2 as pb
-from ..vision import ImageIn
+from ..models.vision import ImageIn
 
 __all__ = [
     "TOPK_EMPTY_LOGPROB",

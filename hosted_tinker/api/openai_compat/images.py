@@ -17,8 +17,8 @@ import re
 import numpy as np
 from fastapi import HTTPException
 
-from ...served_models import ServedModel
-from ...vision import ImageError, ImageIn, Pixels, no_images
+from ...server.served_models import ServedModel
+from ...models.vision import ImageError, ImageIn, Pixels, no_images
 
 
 def check_takes_images(served: ServedModel) -> None:

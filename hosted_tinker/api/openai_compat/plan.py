@@ -11,16 +11,16 @@ from typing import Any, Literal
 
 from fastapi import HTTPException
 
-from ...access import Access
+from ...accounts.access import Access
 from ...checkpoints.paths import SCHEME
 from ...errors import NotFound
 from ...sampling.jobs import SampleJob
-from ...server import Server
-from ...served_models import ServedModel
+from ...server.core import Server
+from ...server.served_models import ServedModel
 from ...services import checkpoint_base_model, served_model
 from ...services.sampling import sample_job
 from ...services.training import checkpoint_to_load
-from ...vision import Pixels
+from ...models.vision import Pixels
 from .images import check_takes_images, expand_images, image_part
 from .schemas import ChatBody, CompletionBody, SamplingBody
 from .template import render_chat

@@ -16,11 +16,11 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from ...access import Access
+from ...accounts.access import Access
 from ...checkpoints.paths import TinkerPath
 from ...errors import UserError
 from ...sampling.jobs import UserFailure
-from ...server import Server
+from ...server.core import Server
 from ...services.sampling import SamplingRequests
 from ..deps import get_access, get_sampling, get_server, require_owner
 from .answer import Answer

@@ -20,8 +20,8 @@ from fastapi import HTTPException
 from jinja2 import TemplateSyntaxError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ...config import ServerConfig
-from ...served_models import ServedModel
+from ...config.settings import ServerConfig
+from ...server.served_models import ServedModel
 from .schemas import ChatBody
 
 # Variables the template gets from the server, not from a request (besides apply_chat_template's
