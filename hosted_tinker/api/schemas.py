@@ -62,14 +62,19 @@ class ClientConfigRequest(Body):
 
 
 class CreateSessionRequest(Body):
-    tags: Tags = Field(default_factory=list)
-    user_metadata: UserMetadata = Field(default_factory=dict)
+    """POST /api/v1/create_session: what a ServiceClient says of itself and its run (project_id and
+    display_name are private to the owner; tags and user_metadata too, see store/sessions.py)."""
+
     sdk_version: str | None = None
     project_id: ShortText | None = None
     display_name: ShortText | None = None
+    tags: Tags = Field(default_factory=list)
+    user_metadata: UserMetadata = Field(default_factory=dict)
 
 
 class SessionHeartbeatRequest(Body):
+    """POST /api/v1/session_heartbeat: the SDK's heartbeat thread keeps its session alive."""
+
     session_id: str
 
 
@@ -83,6 +88,8 @@ class FinishSessionRequest(Body):
 
 
 class LoraConfigIn(Body):
+    """The SDK's LoraConfig: which parts of the model the adapter trains, at which rank."""
+
     rank: int = Field(32, ge=1)
     seed: int | None = None
     train_unembed: bool = True
@@ -91,6 +98,8 @@ class LoraConfigIn(Body):
 
 
 class CreateModelRequest(Body):
+    """POST /api/v1/create_model: a training run of a session (model_seq_id orders it among the session's)."""
+
     session_id: str
     model_seq_id: int = Field(ge=0)
     base_model: str
@@ -100,6 +109,8 @@ class CreateModelRequest(Body):
 
 
 class ModelRef(Body):
+    """The body of the requests that name only a run (get_info, unload_model, ...)."""
+
     model_id: str
 
 
