@@ -29,8 +29,9 @@ HERE = Path(__file__).parent
 
 
 def run_client(base_url: str, resume: str, start: int, out: Path) -> subprocess.Popen:
-    # helpers.py imports hosted_tinker: keep the PYTHONPATH that chose which checkout that is
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    # helpers.py imports hosted_tinker: this checkout's, as the server runs (a script's own folder, not the
+    # working directory, starts its path: without it the editable install's checkout would be imported)
+    pythonpath = os.pathsep.join(p for p in (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": pythonpath, "TINKER_TELEMETRY": "0"}
     return subprocess.Popen([sys.executable, str(HERE / "crash_client.py"), base_url, resume, str(start), str(TOTAL),
                              str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -42,24 +43,21 @@ def records(out: Path) -> list[dict]:
 
 def test_ten_random_kills(tmp_path):
     rng = random.Random(7)
-    # the uninterrupted reference
-    ref_srv = ServerProcess(tmp_path / "ref").start()
-    try:
-        ref_out = tmp_path / "ref.jsonl"
-        assert run_client(ref_srv.base_url, "-", 0, ref_out).wait(600) == 0
-    finally:
-        ref_srv.stop()
-    reference = {r["step"]: r["loss"] for r in records(ref_out) if "step" in r}
-    assert len(reference) == TOTAL
-
-    srv = ServerProcess(tmp_path / "crashy")
+    srv = ServerProcess(tmp_path / "crashy").start()
     out = tmp_path / "crashy.jsonl"
     acknowledged: list[tuple[str, int]] = []
     losses: dict[int, list[float]] = {}
     kills = 0
     try:
+        # the uninterrupted reference, on the first of the server's processes (a model of its own: its
+        # losses do not depend on what else the server trained)
+        ref_out = tmp_path / "ref.jsonl"
+        assert run_client(srv.base_url, "-", 0, ref_out).wait(600) == 0
+        reference = {r["step"]: r["loss"] for r in records(ref_out) if "step" in r}
+        assert len(reference) == TOTAL
         while True:
-            srv.start()
+            if not srv.alive():
+                srv.start()
             with sqlite3.connect(database(srv.data_dir)) as db:
                 assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
             resume, start = acknowledged[-1] if acknowledged else ("-", 0)

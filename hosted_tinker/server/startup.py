@@ -30,9 +30,10 @@ from ..config.settings import ModelEntry, ServerConfig
 from ..config.sources import flag
 from ..models.loading import ModelUnavailable, check_model_available, local_config
 from ..accounts.rate_card import RateCardError, load_rate_card
-from ..runtime.projections import coverage
-from ..sampling.vllm_sidecar import VLLM_LORA_RANKS, vllm_python
-from ..models.vision import MissingPackage, require_pillow
+
+# torch and transformers are imported only where a check needs them (vision, vLLM) and by the
+# summary, once the server is up: a start refused by a check answers in a fraction of a second
+# instead of after ~3 s of imports.
 
 
 class StartupError(RuntimeError):
@@ -106,10 +107,16 @@ def _check_models(config: ServerConfig) -> dict[str, str]:
     for entry in config.served_models:
         try:
             sources[entry.name] = check_model_available(entry.name)
-            if "vision_config" in (local_config(entry.name) or {}):  # a download is checked as it loads
-                require_pillow(entry.name)
-        except (ModelUnavailable, MissingPackage) as e:
+        except ModelUnavailable as e:
             problems.append(str(e))
+            continue
+        if "vision_config" in (local_config(entry.name) or {}):  # a download is checked as it loads
+            from ..models.vision import MissingPackage, require_pillow
+
+            try:
+                require_pillow(entry.name)
+            except MissingPackage as e:
+                problems.append(str(e))
     if problems:
         raise StartupError(*problems)
     return sources
@@ -174,6 +181,8 @@ def _pool_address_problem(config: ServerConfig) -> str | None:
 def _check_vllm(config: ServerConfig) -> Path | None:
     """--vllm / --vllm-url: one base model, a LoRA rank vLLM holds; --vllm: its devices are not
     training's, and its Python has vLLM. The interpreter that launches vLLM (None: attached)."""
+    from ..sampling.vllm_sidecar import VLLM_LORA_RANKS, vllm_python
+
     models = config.served_models
     if len(models) > 1:
         option = flag("vllm") if config.vllm else flag("vllm_url")
@@ -306,6 +315,8 @@ def base_url(host: str, port: int) -> str:
 
 
 def _sampling_line(config: ServerConfig) -> str:
+    from ..sampling.vllm_sidecar import vllm_python
+
     if config.vllm_url is not None:
         return f"vLLM at {config.vllm_url} (attached); the built-in engine for what vLLM refuses"
     if config.vllm:
@@ -327,6 +338,8 @@ def _model_line(served) -> str:
 
 def summary_lines(server, config: ServerConfig, url: str) -> list[str]:
     """What an operator needs to know once the server is up (also what it accepts from whom)."""
+    from ..runtime.projections import coverage
+
     data_dir = Path(config.data_dir).resolve()
     if server.keyring.dev_mode:
         auth = f"DEV MODE: any key starting with 'tml-' is accepted (set ${ENV_VAR} or {flag('api_keys_file')})"
