@@ -143,6 +143,15 @@ def test_a_missing_model_is_one_line_before_anything_loads(tmp_path, model, env,
     assert_one_line_error(out, pattern)
 
 
+def test_a_start_refused_by_a_check_imports_neither_torch_nor_transformers(tmp_path):
+    """The checks before the model loads need neither (they were ~3 CPU-s of imports before each
+    refusal): the summary, the vLLM and the vision checks import what they use themselves."""
+    out = serve(tmp_path, "--base-model", "./no/such/model", env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert_one_line_error(out, r"--base-model ./no/such/model: no such directory")
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "hosted_tinker.startup" in imported and not {"torch", "transformers"} & imported
+
+
 def test_a_vision_language_model_without_pillow_is_one_line_before_it_loads(tmp_path):
     """A vision-language model's images need Pillow: where it is missing (here a stand-in `PIL` that
     fails to import, first on the path), serve says what to install in one line before the model
