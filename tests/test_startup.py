@@ -143,11 +143,15 @@ def test_a_missing_model_is_one_line_before_anything_loads(tmp_path, model, env,
     assert_one_line_error(out, pattern)
 
 
-def test_a_start_refused_by_a_check_imports_neither_torch_nor_transformers(tmp_path):
+@pytest.mark.parametrize("args, pattern", [
+    (("--base-model", "./no/such/model"), r"--base-model ./no/such/model: no such directory"),
+    (("--vllm", "--max-lora-rank", "1024"), r"--max-lora-rank 1024: vLLM serves LoRA ranks up to 512; lower it .*"),
+])
+def test_a_start_refused_by_a_check_imports_neither_torch_nor_transformers(tmp_path, args, pattern):
     """The checks before the model loads need neither (they were ~3 CPU-s of imports before each
-    refusal): the summary, the vLLM and the vision checks import what they use themselves."""
-    out = serve(tmp_path, "--base-model", "./no/such/model", env={"PYTHONPROFILEIMPORTTIME": "1"})
-    assert_one_line_error(out, r"--base-model ./no/such/model: no such directory")
+    refusal): the summary, the vLLM sidecar's launch and the vision check import what they use."""
+    out = serve(tmp_path, *args, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert_one_line_error(out, pattern)
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "hosted_tinker.startup" in imported and not {"torch", "transformers"} & imported
 

@@ -45,8 +45,6 @@ from typing import TYPE_CHECKING, Callable
 
 import httpx
 
-from ..runtime.batch_invariant import child_environment
-
 if TYPE_CHECKING:
     from ..config.settings import ServerConfig
 
@@ -200,7 +198,10 @@ class VLLMLaunch:
 
     def environment(self) -> dict[str, str]:
         # Without the cuBLAS settings the trainer put in this process's environment: vLLM picks its
-        # own GEMMs (runtime/batch_invariant.py).
+        # own GEMMs (runtime/batch_invariant.py, imported here: it imports torch, which the start-up
+        # checks that read this module's settings do not need).
+        from ..runtime.batch_invariant import child_environment
+
         env = {k: v for k, v in child_environment(dict(os.environ)).items()
                if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
