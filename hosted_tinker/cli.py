@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -25,21 +26,22 @@ def _fail(command: str, problems: list[str]) -> int:
 
 def _serve(config: ServerConfig) -> int:
     from .observability.logs import configure_logging
-    from .runtime.cpu_threads import choose_threads, set_threads
+    from .runtime.cpu_threads import apply_threads, choose_threads, threads_in_environment
+    from .server.startup import StartupError, preflight
 
     configure_logging(config.log_level, config.log_format)
     for line in config.deprecations:
         log.warning("%s", line)
     threads = choose_threads(config.cpu_threads) if config.workers * config.nnodes == 1 else None
-    if threads is not None:  # a worker pool gives each rank cores / N (served_models.py)
-        set_threads(threads)  # before anything imports torch (preflight does)
-        config = config.model_copy(update={"cpu_threads": str(threads.threads)})
-    from .server.startup import StartupError, preflight
-
-    try:
-        checked = preflight(config)  # before anything slow: the model loads only once all of this passed
-    except StartupError as e:
-        return _fail("serve", e.problems)
+    # a worker pool gives each rank cores / N (served_models.py)
+    with threads_in_environment(threads) if threads is not None else contextlib.nullcontext():
+        try:  # before anything slow: the model loads only once all of this passed (and torch is not loaded for a refusal)
+            checked = preflight(config)
+        except StartupError as e:
+            return _fail("serve", e.problems)
+        if threads is not None:  # torch loads (if no check loaded it) with the count in the environment
+            apply_threads(threads.threads)
+            config = config.model_copy(update={"cpu_threads": str(threads.threads)})
     for name, source in checked.model_sources.items():
         log.info("base model %s will be loaded from %s", name, source)
     if threads is not None:

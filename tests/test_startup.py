@@ -153,7 +153,7 @@ def test_a_start_refused_by_a_check_imports_neither_torch_nor_transformers(tmp_p
     out = serve(tmp_path, *args, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert_one_line_error(out, pattern)
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    assert "hosted_tinker.startup" in imported and not {"torch", "transformers"} & imported
+    assert "hosted_tinker.server.startup" in imported and not {"torch", "transformers"} & imported
 
 
 def test_a_vision_language_model_without_pillow_is_one_line_before_it_loads(tmp_path):

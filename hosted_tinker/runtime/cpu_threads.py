@@ -27,13 +27,13 @@ $OMP_NUM_THREADS when it loads), and with `torch.set_num_threads` after.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -88,18 +88,17 @@ def choose_threads(setting: str, environ: dict[str, str] | None = None, cpus: in
                                  f"{'one' if cpus > 1 else 'none'} kept for the server's other threads)")
 
 
-def set_threads(choice: ThreadChoice) -> None:
-    """Give torch `choice.threads` CPU threads. Before torch is imported, the count is in the
-    environment while it loads (libgomp sizes its first teams from $OMP_NUM_THREADS then), and the
-    environment is put back after, so child processes (a vLLM sidecar, a pool's ranks) choose their
-    own; `torch.set_num_threads` does the rest (every thread takes the count at its first parallel op)."""
-    if "torch" in sys.modules:
-        apply_threads(choice.threads)
-        return
+@contextlib.contextmanager
+def threads_in_environment(choice: ThreadChoice) -> Iterator[None]:
+    """`choice.threads` in the environment while the block runs, then the environment put back:
+    libgomp sizes its first teams from $OMP_NUM_THREADS when torch loads, so torch should load
+    inside (and `apply_threads` then does the rest); child processes started after (a vLLM sidecar,
+    a pool's ranks) choose their own. Nothing here imports torch: a start that a check refuses
+    inside the block answers without the seconds torch takes to load."""
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update(dict.fromkeys(saved, str(choice.threads)))
     try:
-        apply_threads(choice.threads)
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
