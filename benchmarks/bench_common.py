@@ -51,16 +51,28 @@ def tenant_rows(n_tenants: int, rows: int, seq_len: int, vocab: int, seed: int =
     return [rng.integers(0, vocab, (rows, seq_len + 1)) for _ in range(n_tenants)]
 
 
+def first_module(package: str, *names: str):
+    """The first of `package`'s modules `names` that this revision has (modules moved between
+    revisions: compare_revisions.py imports an older one under another name)."""
+    import importlib
+
+    for name in names:
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name is None or not f"{package}.{name}".startswith(e.name):
+                raise  # the module is there but something it imports is not
+    raise ModuleNotFoundError(f"{package} has none of {', '.join(names)}")
+
+
 def fb_work(model_id: str, seqs: np.ndarray, package: str = "hosted_tinker"):
     """One tenant's cross_entropy request over `seqs` (rows of tenant_rows), as the runtime takes it.
 
     `package`: the runtime's package (compare_revisions.py imports an older revision under another name)."""
     import importlib
 
-    try:  # where this revision declares the request types (older ones: in the trainer)
-        request_types = importlib.import_module(f"{package}.request_types")
-    except ModuleNotFoundError:
-        request_types = importlib.import_module(f"{package}.runtime.trainer")
+    # where this revision declares the request types (older ones: at the package root, or in the trainer)
+    request_types = first_module(package, "requests.kinds", "request_types", "runtime.trainer")
     losses = importlib.import_module(f"{package}.runtime.losses")
     cfg = losses.resolve_loss_config("cross_entropy", {})
     data = [request_types.DatumWork(np.ascontiguousarray(s[:-1], dtype=np.int64),

@@ -66,6 +66,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from bench_common import first_module  # noqa: E402
 
 PACKAGE = "hosted_tinker"
 OLD_PACKAGE = "hosted_tinker_at_old_revision"
@@ -89,8 +90,8 @@ def checkout(rev: str, tmp: Path) -> Path:
 
 
 def modules(package: str):
-    names = ("runtime.trainer", "runtime.adapters", "model_loading")
-    return [importlib.import_module(f"{package}.{n}") for n in names]
+    return [importlib.import_module(f"{package}.runtime.trainer"), importlib.import_module(f"{package}.runtime.adapters"),
+            first_module(package, "models.loading", "model_loading")]  # the model loader moved in 43's layout
 
 
 REVISIONS = (("old", OLD_PACKAGE), ("new", PACKAGE))
