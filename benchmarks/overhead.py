@@ -100,6 +100,12 @@ def main() -> int:
                     help="extra argument for `hosted_tinker serve`, repeatable, e.g. "
                          "--server-arg=--gather-window-s=0 (default: none, the server's defaults)")
     args = ap.parse_args()
+    # (a) computes on as many threads as the server's device loop (--cpu-threads, default auto: the
+    # CPUs less one), so that the difference is the HTTP/SDK path and not the thread count.
+    from hosted_tinker.runtime.cpu_threads import choose_threads
+
+    given = [a.split("=", 1)[1] for a in args.server_arg if a.startswith("--cpu-threads=")]
+    torch.set_num_threads(choose_threads(given[-1] if given else "auto").threads)
 
     tmp = Path(tempfile.mkdtemp(prefix="ht-overhead-"))
     head_dim = 64 if args.hidden >= 256 else 16
