@@ -60,6 +60,7 @@ BASE_MODEL = "hosted-tinker/tiny-qwen3-embedded"
 HOOK_DIR = ROOT / "benchmarks" / "control_plane_hook"
 TOKENS = 8  # per datum, one datum per forward_backward: the host's share is what is measured
 HEARTBEAT_S = 10.0  # the SDK's session heartbeat period
+CLIENTS_PER_POOL = 25  # raw clients sharing one httpx pool (HttpPools)
 PROTO = {"Content-Type": "application/x-protobuf"}
 
 
@@ -86,6 +87,29 @@ def fb_body(model_id: str, seq_id: int, seed: int) -> bytes:
     request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=(
         types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")))
     return forward_backward_request_to_proto(request).SerializeToString()
+
+
+class HttpPools:
+    """httpx clients for many RawClients, CLIENTS_PER_POOL each. httpcore assigns every request by
+    scanning each connection of its pool: one pool of 1,000 long-polling connections made this
+    benchmark's own process the bottleneck (a core at 100 %, the server at 5 %; N=1000 never ended)."""
+
+    def __init__(self, base_url: str):
+        self.base_url, self.pools, self.handed = base_url, [], 0
+
+    def next(self) -> httpx.AsyncClient:
+        if self.handed % CLIENTS_PER_POOL == 0:
+            self.pools.append(httpx.AsyncClient(base_url=self.base_url, timeout=600,
+                                                limits=httpx.Limits(max_connections=None)))
+        self.handed += 1
+        return self.pools[-1]
+
+    async def __aenter__(self) -> "HttpPools":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for pool in self.pools:
+            await pool.aclose()
 
 
 class RawClient:
@@ -256,13 +280,12 @@ async def route_costs(srv: Server, clients: list[RawClient], count: int) -> dict
 
 async def measure_n(args, tmp: Path, n: int) -> dict:
     srv = Server(tmp, f"n{n}", args.checkout, args.server_arg)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=4096)
     try:
-        async with httpx.AsyncClient(base_url=srv.proc.base_url, timeout=600, limits=limits) as http:
+        async with HttpPools(srv.proc.base_url) as http:
             k_sdk = min(n, args.sdk_clients)
             sdk = await gather_limited([asyncio.to_thread(SDKClient, srv.proc, f"tml-cp-sdk-{i}")
                                         for i in range(k_sdk)], limit=4)
-            raw = [RawClient(http, f"tml-cp-{n}-{i}") for i in range(n - k_sdk)]
+            raw = [RawClient(http.next(), f"tml-cp-{n}-{i}") for i in range(n - k_sdk)]
             await gather_limited([c.open() for c in raw])
             await step_rounds(raw, sdk, 1)  # warm-up
             before = srv.hook()
@@ -270,7 +293,7 @@ async def measure_n(args, tmp: Path, n: int) -> dict:
             out = cycle_numbers(before, srv.hook(before["plan_count"]))
             out.update(sdk_p50=1000 * pct(sdk_t, 0.5), sdk_p99=1000 * pct(sdk_t, 0.99),
                        raw_p50=1000 * pct(raw_t, 0.5), raw_p99=1000 * pct(raw_t, 0.99), steps=len(sdk_t) + len(raw_t))
-            extra = [RawClient(http, f"tml-cp-{n}-route-{i}") for i in range(max(0, 10 - len(raw)))]
+            extra = [RawClient(http.next(), f"tml-cp-{n}-route-{i}") for i in range(max(0, 10 - len(raw)))]
             await gather_limited([c.open() for c in extra])
             await step_rounds(extra, [], 1)  # each has a finished request to retrieve
             out["routes"] = await route_costs(srv, raw + extra, args.route_requests)
@@ -304,12 +327,11 @@ async def idle_client(c: RawClient, stop: asyncio.Event) -> None:
 
 async def measure_idle(args, tmp: Path) -> dict:
     srv = Server(tmp, "idle", args.checkout, args.server_arg)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=4096)
     out: dict = {}
     try:
-        async with httpx.AsyncClient(base_url=srv.proc.base_url, timeout=600, limits=limits) as http:
+        async with HttpPools(srv.proc.base_url) as http:
             sdk = [await asyncio.to_thread(SDKClient, srv.proc, f"tml-cp-idle-sdk-{i}") for i in range(2)]
-            active = [RawClient(http, f"tml-cp-active-{i}") for i in range(8)]
+            active = [RawClient(http.next(), f"tml-cp-active-{i}") for i in range(8)]
             await gather_limited([c.open() for c in active])
             await step_rounds(active, sdk, 1)
             before = srv.hook()
@@ -317,7 +339,7 @@ async def measure_idle(args, tmp: Path) -> dict:
             out["without"] = cycle_numbers(before, srv.hook(before["plan_count"]))
             out["without"].update(sdk_p50=1000 * pct(sdk_t, 0.5), sdk_p99=1000 * pct(sdk_t, 0.99))
             rss0, threads0 = srv.ps.memory_info().rss, srv.ps.num_threads()
-            idle = [RawClient(http, f"tml-cp-idle-{i}") for i in range(args.idle)]
+            idle = [RawClient(http.next(), f"tml-cp-idle-{i}") for i in range(args.idle)]
             await gather_limited([c.open(with_run=False) for c in idle])
             rss1 = srv.ps.memory_info().rss
             await gather_limited([c.create_run() for c in idle])
