@@ -32,10 +32,10 @@ def _serve(config: ServerConfig) -> int:
     configure_logging(config.log_level, config.log_format)
     for line in config.deprecations:
         log.warning("%s", line)
-    threads = choose_threads(config.cpu_threads) if config.workers * config.nnodes == 1 else None
     # a worker pool gives each rank cores / N (served_models.py)
+    threads = choose_threads(config.cpu_threads) if config.workers * config.nnodes == 1 else None
     with threads_in_environment(threads) if threads is not None else contextlib.nullcontext():
-        try:  # before anything slow: the model loads only once all of this passed (and torch is not loaded for a refusal)
+        try:  # before anything slow (the model loads only once all of this passed; a refusal never loads torch)
             checked = preflight(config)
         except StartupError as e:
             return _fail("serve", e.problems)
