@@ -7,6 +7,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -146,3 +147,30 @@ def test_server_with_configured_keys(tmp_path):
 @pytest.mark.e2e
 def test_dev_mode_is_announced(server):
     assert "DEV MODE" in server.log_path.read_text()
+
+
+def test_a_verified_token_is_decoded_once_and_still_refused_when_expired_or_rotated(tmp_path, monkeypatch):
+    """The SDK sends one token on every request: its signature is checked once, not per request
+    (it was ~10 % of the event loop's busy time); expiry and key rotation still refuse it at once."""
+    import jwt
+
+    from hosted_tinker.accounts.tokens import InvalidToken, rotate_token_key
+
+    now = [time.time()]
+    signer = TokenSigner(tmp_path, 60, clock=lambda: now[0])
+    token = signer.issue("alice", "mark")
+    decodes = []
+    real_decode = jwt.decode
+    monkeypatch.setattr(jwt, "decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    claims = signer.verify(token)
+    assert [signer.verify(token) for _ in range(5)] == [claims] * 5 and len(decodes) == 1
+    now[0] += 61
+    with pytest.raises(InvalidToken, match="it has expired"):
+        signer.verify(token)
+    now[0] -= 61
+    assert signer.verify(token) == claims
+    rotate_token_key(tmp_path)
+    with pytest.raises(InvalidToken, match="not signed with this server's current key"):
+        signer.verify(token)
+    with pytest.raises(InvalidToken):  # a refusal is not kept as verified
+        signer.verify(token)
