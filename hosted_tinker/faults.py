@@ -116,11 +116,22 @@ def _parse(spec: str) -> dict[str, _Armed]:
     return armed
 
 
-_armed = _parse(os.environ.get(ENV_VAR, ""))
 HOLDS = {"device_loop.before_plan", "image.before_processing"}  # the points that hold(): they need the gate dir
-if HOLDS & set(_armed) and not os.environ.get(GATES_VAR):
-    raise RuntimeError(f"{ENV_VAR} arms {sorted(HOLDS & set(_armed))}: set {GATES_VAR} to the test's gate dir")
+_armed: dict[str, _Armed] = {}
 _lock = threading.Lock()
+
+
+def arm_from_environment() -> None:
+    """Arm the points $HOSTED_TINKER_FAULTS names: at import, and again in a process forked after
+    the import with an environment of its own (the tests' servers: tests/server_process.py)."""
+    global _armed
+    armed = _parse(os.environ.get(ENV_VAR, ""))
+    if HOLDS & set(armed) and not os.environ.get(GATES_VAR):
+        raise RuntimeError(f"{ENV_VAR} arms {sorted(HOLDS & set(armed))}: set {GATES_VAR} to the test's gate dir")
+    _armed = armed
+
+
+arm_from_environment()
 
 
 def _fires(point: str) -> bool:

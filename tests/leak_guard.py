@@ -57,13 +57,14 @@ def forget_rest_clients_keyed_by_environment() -> int:
 
 
 def child_processes() -> list[psutil.Process]:
-    """This process's live descendants, less multiprocessing's resource tracker: the interpreter
-    starts that one itself the first time anything (torch's shared memory, a semaphore) needs it,
-    keeps it for its whole life and ends it at exit, so it is nobody's leak."""
+    """This process's live descendants, less multiprocessing's resource tracker and fork server:
+    the interpreter starts the tracker itself the first time anything (torch's shared memory, a
+    semaphore) needs it, and server_process.py the fork server on the first server it forks; both
+    live as long as this process and end with it, so they are nobody's leak."""
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and not is_resource_tracker(p):
+            if p.status() != psutil.STATUS_ZOMBIE and not is_resource_tracker(p) and not is_fork_server(p):
                 out.append(p)
         except psutil.NoSuchProcess:
             pass
@@ -78,6 +79,17 @@ def is_resource_tracker(p: psutil.Process) -> bool:
         return False
 
 
+def is_fork_server(p: psutil.Process) -> bool:
+    """multiprocessing's fork server of this very interpreter (its direct child), which forks servers."""
+    try:
+        return p.ppid() == psutil.Process().pid and _FORK_SERVER in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+_FORK_SERVER = "multiprocessing.forkserver"
+
+
 def describe(p: psutil.Process) -> str:
     try:
         return f"pid {p.pid}: {' '.join(p.cmdline())[:200]}"
@@ -86,12 +98,14 @@ def describe(p: psutil.Process) -> str:
 
 
 def is_server(p: psutil.Process) -> bool:
-    """A hosted-tinker server (`python -m hosted_tinker serve ...`)."""
+    """A hosted-tinker server: `python -m hosted_tinker serve ...`, or one forked by the fork server
+    (it has the fork server's command line; the fork server forks nothing else)."""
     try:
         cmd = p.cmdline()
+        forked = _FORK_SERVER in " ".join(cmd) and p.ppid() != psutil.Process().pid
     except psutil.Error:
         return False
-    return "hosted_tinker" in cmd and "serve" in cmd
+    return forked or ("hosted_tinker" in cmd and "serve" in cmd)
 
 
 def end(processes: list[psutil.Process]) -> None:

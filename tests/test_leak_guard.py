@@ -3,9 +3,11 @@ and ServerProcess closing its clients: what they rely on, checked against the re
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 import tinker
 
@@ -79,3 +81,44 @@ def test_multiprocessings_resource_tracker_is_not_a_leak():
     tracker_pid = resource_tracker._resource_tracker._pid  # noqa: SLF001 (no public accessor)
     assert tracker_pid is not None
     assert tracker_pid not in {p.pid for p in leak_guard.child_processes()}
+
+
+# -- servers forked from the pre-imported parent (server_process._forked_start) ---------------------
+
+def test_a_forked_server_is_a_server_and_its_fork_parent_is_nobodys_leak(tmp_path):
+    from multiprocessing import forkserver
+
+    srv = ServerProcess(tmp_path / "srv")
+    assert srv.forked
+    srv.start()
+    try:
+        children = {p.pid: p for p in leak_guard.child_processes()}
+        assert leak_guard.is_server(children[srv.proc.pid])
+        parent = psutil.Process(forkserver._forkserver._forkserver_pid)
+        assert leak_guard.is_fork_server(parent) and parent.pid not in children
+        assert parent.pid in {p.ppid() for p in children.values()}  # the server is the parent's child
+    finally:
+        srv.stop()
+
+
+def test_a_forked_server_reads_its_own_settings_and_dies_by_kill9_as_a_process(tmp_path):
+    srv = ServerProcess(tmp_path / "srv", env={"HOSTED_TINKER_MAX_NUM_SAMPLES": "7"})
+    assert srv.forked
+    srv.start()
+    try:
+        assert "7 samples per request" in srv.log(tail=None)  # the start-up summary of its limits
+        srv.kill9()
+        assert srv.proc.returncode == -signal.SIGKILL and not srv.alive()
+    finally:
+        srv.stop()
+
+
+def test_a_server_is_forked_only_where_the_parent_can_stand_for_it(tmp_path):
+    """Variables read at import time (torch's, the hub's) and other checkouts or wrapped commands
+    get the real command line."""
+    assert ServerProcess(tmp_path, env={"HOSTED_TINKER_MAX_QUERY_S": "3"}).forked
+    assert ServerProcess(tmp_path, env={"HOSTED_TINKER_FAULTS": "after_forward_backward:1"}).forked
+    assert not ServerProcess(tmp_path, env={"ATEN_CPU_CAPABILITY": "default"}).forked
+    assert not ServerProcess(tmp_path, env={"HF_HUB_OFFLINE": "1"}).forked
+    assert not ServerProcess(tmp_path, wrap=lambda cmd: cmd).forked
+    assert not ServerProcess(tmp_path, checkout=tmp_path).forked
