@@ -11,7 +11,8 @@ transformers and the server's modules once (multiprocessing's forkserver, `_fork
 It is still its own process, started by `hosted_tinker.cli` as `python -m hosted_tinker serve`
 starts it, and killed -9 like any. A start the fork parent cannot stand for runs the real
 command line instead: another checkout, a wrapped command, or an environment that differs from
-the parent's in a variable read at import time (`forkable_env`).
+the parent's in a variable read at import time (`forkable_env`). Only the test suite forks
+(`FORK_STARTS`, set by conftest.py): a benchmark times a server started as users start it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ _PRELOAD = ["torch", "transformers", "uvicorn", "uvicorn.loops.auto", "uvicorn.p
             "uvicorn.loops.asyncio", "tokenizers.trainers", "transformers.convert_slow_tokenizer",
             "transformers.models.auto.tokenization_auto", "transformers.models.qwen2.tokenization_qwen2"]
 _FORK = multiprocessing.get_context("forkserver")
+# The test suite forks (conftest.py turns this on); a benchmark starts the real command line, so that
+# what it times is a server as users start it.
+FORK_STARTS = False
 _fork_lock = threading.Lock()
 _fork_ready = False
 
@@ -98,7 +102,7 @@ class ServerProcess:
     @property
     def forked(self) -> bool:
         """Whether `start` forks this server from the pre-imported parent (see the module's docstring)."""
-        return self.wrap is None and self.checkout == REPO_ROOT and forkable_env(self.env)
+        return FORK_STARTS and self.wrap is None and self.checkout == REPO_ROOT and forkable_env(self.env)
 
     def start(self, timeout: float = START_WITHIN) -> "ServerProcess":
         self.data_dir.mkdir(parents=True, exist_ok=True)
