@@ -51,6 +51,7 @@ def _serve(config: ServerConfig) -> int:
     import uvicorn
 
     from .api.app import create_app
+    from .api.http_protocol import HttpProtocol
     from .api.metrics import Metrics
     from .store.data_dir_lock import DataDirInUse
     from .server.core import Server
@@ -75,7 +76,7 @@ def _serve(config: ServerConfig) -> int:
         return code
     # Our own access log (api/access_log.py) carries request ids; uvicorn's would duplicate it. log_config=None:
     # uvicorn's records go through the handler configure_logging set up, in the same format.
-    server = uvicorn.Server(uvicorn.Config(create_app(config, srv, metrics), log_config=None,
+    server = uvicorn.Server(uvicorn.Config(create_app(config, srv, metrics), http=HttpProtocol, log_config=None,
                                            log_level=config.log_level, timeout_graceful_shutdown=60,
                                            access_log=False))
     server.run(sockets=[checked.sock])

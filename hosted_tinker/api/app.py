@@ -22,6 +22,7 @@ from ..services.training import TrainingRequests
 from ..server.startup import base_url, summary_lines
 from . import admin, api_keys, dashboard, hub, openai_compat, ops, rest, sampling, service, sessions, training
 from .access_log import AccessLog
+from .hot_routes import HotRoutes
 from .limits import BodyLimit
 from .metrics import Metrics
 from .openai_compat import OpenAIErrorRoute, openai_error
@@ -53,6 +54,7 @@ def create_app(config: ServerConfig, server: Server | None = None, metrics: Metr
     is built at start-up."""
     app = FastAPI(title="hosted-tinker", version="0.1.0", lifespan=_lifespan(config, server))
     app.state.metrics = metrics or Metrics()
+    app.add_middleware(HotRoutes)  # the training step's requests, served without FastAPI's routing
     app.add_middleware(BodyLimit, config=config)  # inside the access log, which sees its 413s too
     app.add_middleware(AccessLog, metrics=app.state.metrics)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -73,12 +73,20 @@ def unload_model(body: ModelRef, owner: str = Depends(require_owner),
 async def forward_backward(request: Request, owner: str = Depends(require_owner),
                            content_encoding: str | None = Header(default=None),
                            training: TrainingRequests = Depends(get_training)):
-    ctype = request.headers.get("content-type", "")
-    if "protobuf" not in ctype:
+    check_protobuf(request.headers.get("content-type", ""))
+    body = await request.body()  # bounded by the body limit (api/limits.py)
+    return await submit_forward_backward(training, owner, body, content_encoding)
+
+
+def check_protobuf(content_type: str) -> None:
+    if "protobuf" not in content_type:
         raise HTTPException(415, "forward_backward takes a protobuf ForwardBackwardRequest "
                                  "(Content-Type: application/x-protobuf), as sent by tinker>=0.25")
-    body = await request.body()  # bounded by the body limit (api/limits.py)
 
+
+async def submit_forward_backward(training: TrainingRequests, owner: str, body: bytes,
+                                  content_encoding: str | None) -> dict:
+    """The route's work, shared with its fast path (hot_routes.py)."""
     def decode_and_submit() -> dict:
         # One trip to the thread pool, not one to decode and another to submit: the request is on
         # the critical path of every training step (a pipelining client posts optim_step after it).
@@ -97,6 +105,11 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
 @router.post("/api/v1/optim_step")
 def optim_step(body: OptimStepRequest, owner: str = Depends(require_owner),
                training: TrainingRequests = Depends(get_training)):
+    return submit_optim_step(training, owner, body)
+
+
+def submit_optim_step(training: TrainingRequests, owner: str, body: OptimStepRequest) -> dict:
+    """The route's work, shared with its fast path (hot_routes.py). Writes SQLite: off the event loop."""
     adam = body.adam_params.model_dump() if body.adam_params is not None else None
     return training.optim_step(owner, body.model_id, body.seq_id, adam, (body.optimizer_params or {}).get("type"))
 
@@ -173,6 +186,12 @@ def load_weights(body: LoadWeightsRequest, owner: str = Depends(require_owner),
 @router.post("/api/v1/retrieve_future")
 async def retrieve_future(body: RetrieveFutureRequest, owner: str = Depends(require_owner),
                           access: Access = Depends(get_access), server: Server = Depends(get_server)):
+    return await answer_future(server, access, owner, body)
+
+
+async def answer_future(server: Server, access: Access, owner: str, body: RetrieveFutureRequest) -> Response | dict:
+    """The route's work, shared with its fast path (hot_routes.py): the result, or `try_again` after
+    the long-poll window."""
     futures = server.futures
     known = futures.known(body.request_id)  # this process's requests: checked and answered from memory
     if known is not None:
