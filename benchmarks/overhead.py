@@ -81,6 +81,38 @@ def scrape(base_url: str) -> dict[str, float]:
     return out
 
 
+class SdkRequestClock:
+    """When each HTTP request of the SDK left and its answer was in (httpx.AsyncClient.send, which
+    every SDK request goes through), to split a step into the SDK's own time and the rest: the SDK
+    builds and sends the first request, and after the last answer parses it and hands the result to
+    the caller; no server can take those off a step."""
+
+    def __init__(self):
+        self.sent: list[tuple[float, float]] = []  # (left, answered), perf_counter seconds
+        self._send = httpx.AsyncClient.send
+        clock = self
+
+        async def timed_send(client, request, *args, **kwargs):
+            left = time.perf_counter()
+            try:
+                return await clock._send(client, request, *args, **kwargs)
+            finally:
+                if request.url.path in STEP_ROUTES:
+                    clock.sent.append((left, time.perf_counter()))
+
+        httpx.AsyncClient.send = timed_send
+
+    def own_time(self, start: float, end: float) -> tuple[float, float] | None:
+        """(before the first request left, after the last answer came) of a step from start to end."""
+        inside = [(a, b) for a, b in self.sent if start <= a and b <= end]
+        if not inside:
+            return None
+        return min(a for a, _ in inside) - start, end - max(b for _, b in inside)
+
+
+STEP_ROUTES = {"/api/v1/forward_backward", "/api/v1/optim_step", "/api/v1/retrieve_future"}
+
+
 def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, seq_len + 1).tolist() for _ in range(batch)]
@@ -160,6 +192,7 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
     # ---- (b) the real SDK over loopback ----
     # One training client (one adapter) per SDK mode: the server adapts to how a client posts
     # (it learns that a model pipelines), so the naive loop gets a model of its own.
+    sdk_clock = SdkRequestClock()
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     tc_pipe = sc.create_lora_training_client(base_model=base_model, rank=RANK, seed=0).result()
     tc_naive = sc.create_lora_training_client(base_model=base_model, rank=RANK, seed=0).result()
@@ -182,7 +215,19 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
         tc_naive.optim_step(sdk_adam).result()
         return time.perf_counter() - t
 
-    modes = {"a": step_a, "pipelined": step_pipelined, "naive": step_naive}
+    sdk_own: dict[str, list[tuple[float, float]]] = {"pipelined": [], "naive": []}
+
+    def sdk_timed(step, mode):
+        def timed() -> float:
+            start = time.perf_counter()
+            seconds = step()
+            own = sdk_clock.own_time(start, start + seconds)
+            if own is not None:
+                sdk_own[mode].append(own)
+            return seconds
+        return timed
+
+    modes = {"a": step_a, "pipelined": sdk_timed(step_pipelined, "pipelined"), "naive": sdk_timed(step_naive, "naive")}
     times: dict[str, list[float]] = {m: [] for m in modes}
     # Per measured SDK step: (cycles, seconds in cycles, {route: http seconds}) from /metrics,
     # scraped between steps (outside the timed region).
@@ -225,7 +270,9 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
             print("WARNING: the machine was busy with other work; these timings are not reliable, "
                   "run again when it is idle")
 
-    report(args, times, server_steps, busy)
+    for m in sdk_own:  # the warm-up's steps are not measured
+        sdk_own[m] = sdk_own[m][-len(times[m]):] if times[m] else []
+    report(args, times, server_steps, sdk_own, busy)
     return 0
 
 
@@ -239,7 +286,7 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> tuple[float, fl
     return d("hosted_tinker_cycles_total"), d("hosted_tinker_cycle_seconds_total"), http
 
 
-def report(args, times: dict[str, list[float]], server_steps, busy: bool) -> None:
+def report(args, times: dict[str, list[float]], server_steps, sdk_own, busy: bool) -> None:
     ms = {m: [1000 * t for t in ts] for m, ts in times.items()}
     med_a = statistics.median(ms["a"])
     print()
@@ -259,7 +306,8 @@ def report(args, times: dict[str, list[float]], server_steps, busy: bool) -> Non
 
     print()
     print("where (b)'s time goes, per step, medians over steps (server /metrics scraped between steps):")
-    print(f"{'mode':<22}{'cycles':>8}{'in cycles':>11}{'- (a)':>8}{'outside':>9}{'fb http':>9}{'optim http':>12}")
+    print(f"{'mode':<22}{'cycles':>8}{'in cycles':>11}{'- (a)':>8}{'outside':>9}{'fb http':>9}{'optim http':>12}"
+          f"{'SDK first':>11}{'SDK last':>10}")
     for label, m in rows[1:]:
         steps = server_steps[m]
         if not steps:
@@ -270,8 +318,11 @@ def report(args, times: dict[str, list[float]], server_steps, busy: bool) -> Non
         fb = statistics.median(1000 * h.get("/api/v1/forward_backward", 0.0) for _, _, h in steps)
         op = statistics.median(1000 * h.get("/api/v1/optim_step", 0.0) for _, _, h in steps)
         med_in = statistics.median(in_cyc)
+        own = sdk_own.get(m) or [(float("nan"), float("nan"))]
+        first = statistics.median(1000 * a for a, _ in own)
+        last = statistics.median(1000 * b for _, b in own)
         print(f"{label:<22}{cycles:>8.2f}{med_in:>11.1f}{med_in - med_a:>+8.1f}{statistics.median(outside):>9.1f}"
-              f"{fb:>9.1f}{op:>12.1f}")
+              f"{fb:>9.1f}{op:>12.1f}{first:>11.1f}{last:>10.1f}")
     print("  cycles: scheduler cycles per step (1 = fb and optim fused into one cycle)")
     print("  in cycles: server time inside clock cycles (fused fb + optim + resolving futures);"
           " '- (a)': minus (a)'s median")
@@ -279,6 +330,8 @@ def report(args, times: dict[str, list[float]], server_steps, busy: bool) -> Non
           " before a cycle starts, long-poll wake-up)")
     print("  fb/optim http: server time answering those POSTs (decode, validate, enqueue); targets: <= 0.5 ms each,"
           " '- (a)' <= 1 ms")
+    print("  SDK first / last: the SDK's own time before its first request leaves and after its last answer is in"
+          " (part of 'outside' that no server removes)")
 
 
 if __name__ == "__main__":
