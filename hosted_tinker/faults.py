@@ -49,6 +49,8 @@ HOLD_AT_MOST_S = 600.0  # a gate the test never opens lets go after this: a stuc
 POINTS = {
     # check(): raises InjectedFault
     "after_forward_backward": "the fused pass done, its results not yet answered",
+    "create_model.between_rows": "a new training run's row written, its first request's future not yet (one "
+                                 "transaction: neither stands)",
     # check_poisoned(): raises InjectedFault where a datum holds the point's POISONED ids
     "pass.poisoned_datum": "a micro-batch (of any rank) holding a poisoned datum, in a forward or forward_backward "
                            "pass, after the pass's earlier micro-batches added their gradients",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sqlite3
 
+import httpx
+
 import pytest
 import tinker
 from tinker import types
@@ -39,3 +41,31 @@ def test_a_fault_after_the_fused_pass_fails_that_request_and_the_server_goes_on(
         srv.stop()
     with sqlite3.connect(database(srv.data_dir)) as db:
         assert db.execute("SELECT COUNT(*) FROM futures WHERE status='pending'").fetchone()[0] == 0
+
+
+def test_a_create_that_fails_between_its_two_rows_leaves_neither_and_its_retry_creates_the_run(tmp_path):
+    """create_model writes the run's row and its first request's future. A failure between the two
+    (here injected; in life a SQLite error on the second write) used to leave the row without the
+    future, and every retry of the create was a 500 IntegrityError: the run could never be made.
+    The two rows are one transaction now: the failed create leaves nothing, its retry makes the run."""
+    srv = ServerProcess(tmp_path / "srv", env={"HOSTED_TINKER_FAULTS": "create_model.between_rows:1"}).start()
+    try:
+        # A new connection per request: after a 500 the server closes its connection, as uvicorn does.
+        with httpx.Client(base_url=srv.base_url, headers={"X-API-Key": "tml-create-fault", "Connection": "close"},
+                          timeout=60) as http:
+            session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+            create = {"session_id": session, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 4}}
+            failed = http.post("/api/v1/create_model", json=create)
+            assert failed.status_code == 500 and "InjectedFault" in failed.json()["detail"], failed.text
+            with sqlite3.connect(database(srv.data_dir)) as db:
+                assert db.execute("SELECT COUNT(*) FROM models").fetchone()[0] == 0
+            retried = http.post("/api/v1/create_model", json=create)
+            assert retried.status_code == 200, retried.text
+            answer = {"type": "try_again"}
+            while answer.get("type") == "try_again":
+                answer = http.post("/api/v1/retrieve_future", json={"request_id": retried.json()["request_id"]}).json()
+            model_id = retried.json()["model_id"]
+            assert answer["model_id"] == model_id, answer
+            assert http.post("/api/v1/get_info", json={"model_id": model_id}).status_code == 200
+    finally:
+        srv.stop()

@@ -68,11 +68,12 @@ class FutureStore:
 
     # -- creation / resolution (any thread) ----------------------------------------------------
     def create(self, owner: str, kind: str, model_id: str | None = None, seq_id: int | None = None,
-               on_finish: Callable[[], None] | None = None) -> tuple[str, bool]:
+               on_finish: Callable[[], None] | None = None, with_write=None) -> tuple[str, bool]:
         """Return (request_id, is_new). A repeated (model_id, seq_id) returns the first id. A new
-        request calls `on_finish` once, when it is resolved or failed; a repeated one never does."""
+        request calls `on_finish` once, when it is resolved or failed; a repeated one never does.
+        `with_write(connection)`, for a new request, is written in the future's own transaction."""
         request_id = f"req-{uuid.uuid4().hex}"
-        got = self.store.futures.insert(request_id, owner, kind, model_id, seq_id)
+        got = self.store.futures.insert(request_id, owner, kind, model_id, seq_id, with_write)
         if got == request_id:
             with self._lock:
                 self._pending_owner[request_id] = owner

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+from .. import faults
 from ..accounts.access import Access
 from ..checkpoints.format import CheckpointError, read_manifest
 from ..checkpoints.paths import TinkerPath
@@ -103,9 +104,16 @@ class TrainingRequests:
         if live >= self.config.max_training_runs_per_key:
             raise UserError(f"this API key already has {live} live training runs (max_training_runs_per_key = "
                             f"{self.config.max_training_runs_per_key}); unload one before creating another")
-        self.store.runs.create(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
+        run_row = self.store.runs.creation(model_id, session_id, owner, served.name, lora, optimizer, user_metadata)
+
+        def run_then_fault(c) -> None:
+            run_row(c)
+            faults.check("create_model.between_rows")
+
+        # The run's row and its first request's future in one transaction: a failure between them
+        # would leave a run whose creation no retry can finish (the row there, no future to return).
+        request_id, is_new = self.futures.create(owner, kind, model_id, 0, with_write=run_then_fault)
         served.scheduler.open_model(model_id, 0)
-        request_id, is_new = self.futures.create(owner, kind, model_id, 0)
         if is_new:
             served.scheduler.submit(Request(request_id, kind, model_id, 0, payload))
         return future_ref(request_id, model_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable
 
 from ..errors import Failure
 from .records import FutureRecord, Table
@@ -38,14 +39,18 @@ CREATE UNIQUE INDEX IF NOT EXISTS futures_model_seq ON futures(model_id, seq_id)
             "WHERE status='pending'", (body, time.time()))
         return cur.rowcount
 
-    def insert(self, request_id: str, owner: str, kind: str, model_id: str | None, seq_id: int | None) -> str:
-        """Insert a pending future; for a (model_id, seq_id) seen before, return its request id."""
+    def insert(self, request_id: str, owner: str, kind: str, model_id: str | None, seq_id: int | None,
+               with_write: Callable[[sqlite3.Connection], None] | None = None) -> str:
+        """Insert a pending future; for a (model_id, seq_id) seen before, return its request id.
+        `with_write` (a new future only) is written in the same transaction: both stand or neither."""
         def insert(c: sqlite3.Connection) -> str:
             if seq_id is not None:
                 row = c.execute("SELECT request_id FROM futures WHERE model_id=? AND seq_id=?",
                                 (model_id, seq_id)).fetchone()
                 if row is not None:
                     return row[0]
+            if with_write is not None:
+                with_write(c)
             c.execute("INSERT INTO futures(request_id, owner, kind, model_id, seq_id, status, created_at)"
                       " VALUES (?,?,?,?,?, 'pending', ?)", (request_id, owner, kind, model_id, seq_id, time.time()))
             return request_id

@@ -7,7 +7,9 @@ in that cycle's one transaction.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
+from collections.abc import Callable
 
 from .checkpoints import LIVE
 from .records import ModelRecord, Table
@@ -34,12 +36,21 @@ CREATE INDEX IF NOT EXISTS models_session ON models(session_id);
 
     def create(self, model_id: str, session_id: str, owner: str, base_model: str,
                lora_config: dict, optimizer_config: dict, user_metadata: dict) -> None:
+        self.db.write(self.creation(model_id, session_id, owner, base_model, lora_config, optimizer_config,
+                                    user_metadata))
+
+    def creation(self, model_id: str, session_id: str, owner: str, base_model: str, lora_config: dict,
+                 optimizer_config: dict, user_metadata: dict) -> Callable[[sqlite3.Connection], None]:
+        """The run's row as a write, for a transaction that writes more (its first request's future)."""
         now = time.time()
-        self.db.execute(
-            "INSERT INTO models(model_id, session_id, owner, base_model, lora_config, optimizer_config,"
-            " user_metadata, created_at, last_request_at) VALUES (?,?,?,?,?,?,?,?,?)",
-            (model_id, session_id, owner, base_model, json.dumps(lora_config), json.dumps(optimizer_config),
-             json.dumps(user_metadata), now, now))
+        row = (model_id, session_id, owner, base_model, json.dumps(lora_config), json.dumps(optimizer_config),
+               json.dumps(user_metadata), now, now)
+
+        def insert(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO models(model_id, session_id, owner, base_model, lora_config, optimizer_config,"
+                      " user_metadata, created_at, last_request_at) VALUES (?,?,?,?,?,?,?,?,?)", row)
+
+        return insert
 
     def get(self, model_id: str) -> ModelRecord | None:
         return self._record(ModelRecord, "SELECT * FROM models WHERE model_id=?", (model_id,))
