@@ -93,11 +93,10 @@ class HotRoutes:
         scope["route"] = ROUTES[scope["path"]]  # FastAPI's routing sets it again for a request handed on
         try:
             body = await request.body()  # bounded by the body limit outside (limits.py): a 413 is raised
-            try:
-                parsed = hot.parse(request, body)
-            except NotOurs:
-                return await self.app(scope, _replay(body, receive), send)
+            parsed = hot.parse(request, body)
             answer = await hot.run(request, await _owner(request), parsed)
+        except NotOurs:  # handed on outside the try: what FastAPI raises is not answered here a second time
+            return await self.app(scope, _replay(body, receive), send)
         except Exception as exc:
             handle = _handler_of(scope, exc)
             if handle is None:
