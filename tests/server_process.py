@@ -18,6 +18,7 @@ the parent's in a variable read at import time (`forkable_env`). Only the test s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -75,6 +76,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_process(server, config):
+    """`server` (a `hosted_tinker.server.core.Server` made from `config`) served by uvicorn on a thread of
+    this process, as `serve` runs it (httptools, `api/http_protocol.py`), for a test that must watch or
+    patch what the server's code does; its base URL. Stopped (the device loop too) when the block ends."""
+    import uvicorn
+
+    from hosted_tinker.api.app import create_app
+    from hosted_tinker.api.http_protocol import HttpProtocol
+
+    uv = uvicorn.Server(uvicorn.Config(create_app(config, server=server), port=config.port, http=HttpProtocol,
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        thread.join(0.05)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        uv.should_exit = True
+        thread.join(60)
 
 
 class ServerProcess:

@@ -10,19 +10,16 @@ telemetry, REST, OpenAI), no request may touch SQLite from the loop.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import openai
 import pytest
 import tinker
-import uvicorn
 from tinker import types
 
 from helpers import BASE_MODEL, sft_batch
-from hosted_tinker.api.app import create_app
 from hosted_tinker.config.settings import ServerConfig
 from hosted_tinker.server.core import Server
-from server_process import free_port
+from server_process import free_port, serve_in_process
 
 pytestmark = pytest.mark.e2e
 KEY = "tml-loop-watcher"
@@ -62,23 +59,14 @@ class WatchedLock:
 
 @pytest.fixture
 def watched_server(tmp_path):
-    port = free_port()
-    config = ServerConfig(data_dir=tmp_path, port=port)
+    config = ServerConfig(data_dir=tmp_path, port=free_port())
     srv = Server(config)
     db = srv.store.db  # every table module's
     db.lock = watched = WatchedLock(db.lock)
     db._reader = watched.reads(db._reader)
-    uv = uvicorn.Server(uvicorn.Config(create_app(config, server=srv), port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        thread.join(0.05)
-    watched.armed = True  # start-up (recovery) may use the store from the loop; requests may not
-    yield f"http://127.0.0.1:{port}", watched
-    uv.should_exit = True
-    thread.join(60)
+    with serve_in_process(srv, config) as url:
+        watched.armed = True  # start-up (recovery) may use the store from the loop; requests may not
+        yield url, watched
 
 
 def test_requests_never_touch_sqlite_on_the_event_loop(watched_server):

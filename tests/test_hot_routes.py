@@ -11,23 +11,19 @@ which the test reaches by letting `HotRoutes` pass every request on.
 from __future__ import annotations
 
 import json
-import threading
 
 import fastapi.routing
 import httpx
 import pytest
 import tinker
-import uvicorn
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from helpers import BASE_MODEL, sft_batch
 from hosted_tinker.api import hot_routes
-from hosted_tinker.api.app import create_app
-from hosted_tinker.api.http_protocol import HttpProtocol
 from hosted_tinker.config.settings import ServerConfig
 from hosted_tinker.server.core import Server
-from server_process import free_port
+from server_process import free_port, serve_in_process
 
 pytestmark = pytest.mark.e2e
 KEY, OTHER = "tml-hot-routes", "tml-hot-routes-other"
@@ -35,21 +31,9 @@ KEY, OTHER = "tml-hot-routes", "tml-hot-routes-other"
 
 @pytest.fixture
 def in_process_server(tmp_path):
-    port = free_port()
-    config = ServerConfig(data_dir=tmp_path, port=port, max_json_request_bytes=4096,
-                          api_keys_file=None)
-    srv = Server(config)
-    uv = uvicorn.Server(uvicorn.Config(create_app(config, server=srv), port=port, http=HttpProtocol,
-                                       log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        thread.join(0.05)
-    yield f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(60)
+    config = ServerConfig(data_dir=tmp_path, port=free_port(), max_json_request_bytes=4096)
+    with serve_in_process(Server(config), config) as url:
+        yield url
 
 
 def test_a_training_step_never_reaches_fastapis_dependency_solving(in_process_server, monkeypatch):

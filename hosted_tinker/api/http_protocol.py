@@ -20,8 +20,8 @@ class HttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         # Called in uvicorn's `except httptools.HttpParserError` (data_received): the error is the active one.
         error = sys.exc_info()[1]
-        detail = f"invalid HTTP request: {error}" if error is not None and str(error) else f"invalid HTTP request: {msg}"
-        body = json.dumps({"detail": detail}).encode()
+        reason = str(error) if error is not None else ""
+        body = json.dumps({"detail": f"invalid HTTP request: {reason or msg}"}).encode()
         head = [STATUS_LINE[400]]
         for name, value in self.server_state.default_headers:
             head += [name, b": ", value, b"\r\n"]

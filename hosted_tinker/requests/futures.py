@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import threading
 import time
 import uuid
@@ -68,7 +69,8 @@ class FutureStore:
 
     # -- creation / resolution (any thread) ----------------------------------------------------
     def create(self, owner: str, kind: str, model_id: str | None = None, seq_id: int | None = None,
-               on_finish: Callable[[], None] | None = None, with_write=None) -> tuple[str, bool]:
+               on_finish: Callable[[], None] | None = None,
+               with_write: Callable[[sqlite3.Connection], None] | None = None) -> tuple[str, bool]:
         """Return (request_id, is_new). A repeated (model_id, seq_id) returns the first id. A new
         request calls `on_finish` once, when it is resolved or failed; a repeated one never does.
         `with_write(connection)`, for a new request, is written in the future's own transaction."""
