@@ -9,7 +9,6 @@ from __future__ import annotations
 import sqlite3
 
 import httpx
-
 import pytest
 import tinker
 from tinker import types

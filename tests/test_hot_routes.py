@@ -11,6 +11,7 @@ which the test reaches by letting `HotRoutes` pass every request on.
 from __future__ import annotations
 
 import json
+import socket
 
 import fastapi.routing
 import httpx
@@ -152,8 +153,6 @@ def test_every_answer_of_the_fast_path_is_fastapis(in_process_server, monkeypatc
 
 def test_a_request_the_http_parser_refuses_is_a_json_400(in_process_server):
     """httptools refuses what it cannot parse before the app sees it; the refusal is JSON like every other."""
-    import socket
-
     host, port = in_process_server.removeprefix("http://").split(":")
     for raw in (b"GET /api/v1/healthz HTT/1.1\r\n\r\n", b"POST /api/v1/optim_step HTTP/1.1\r\nContent-Length: x\r\n\r\n",
                 b"GET /api/v1/audit?\x01 HTTP/1.1\r\nHost: x\r\n\r\n"):

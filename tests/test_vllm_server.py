@@ -64,6 +64,10 @@ PROMPT = [5, 77, 300, 12, 900, 40]
 CHAT = [{"role": "user", "content": "Tell me about the river."}]
 CHAT_TARGET = "A quiet river."
 SERVER_ARGS = ("--max-lora-rank", "8", "--max-live-adapters", "4", "--max-sampler-snapshots", "4")
+# Sequences of a job the tests cut short (a kill, a client leaving): 64 long ones are minutes on vLLM here,
+# so the cut lands long before the end even when the server reads vLLM's stream in bursts (a busy 2-core
+# host; 16 x 1000 tokens once ended before the test could see 40 of them).
+LONG_JOB_SEQUENCES = 64
 
 
 @pytest.fixture(scope="module")
@@ -417,8 +421,7 @@ def test_answers_and_errors_equal_the_builtin_engines(srv, builtin_srv, tok):
 
 def test_a_client_that_leaves_cancels_its_vllm_request(srv):
     cancelled = metric(srv, "hosted_tinker_vllm_requests_cancelled_total")
-    # 64 long sequences: minutes on vLLM here, so it is still running when the client leaves at its first line.
-    body = {"model": MODEL, "prompt": PROMPT, "n": 64, "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": PROMPT, "n": LONG_JOB_SEQUENCES, "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=WAIT,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as r:
@@ -438,9 +441,7 @@ def test_a_whole_completion_whose_client_leaves_is_charged_what_vllm_generated(s
     once. (Before, such a request was charged nothing: a whole answer says nothing until it is whole.)"""
     used, sampled = usage_of(srv, "charged"), metric(srv, SAMPLED)
     cancelled = metric(srv, "hosted_tinker_vllm_requests_cancelled_total")
-    # 64 long sequences: minutes on vLLM here, so it can leave long before the end even when the server reads
-    # vLLM's stream in bursts (a busy host).
-    body = {"model": MODEL, "prompt": PROMPT, "n": 64, "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": PROMPT, "n": LONG_JOB_SEQUENCES, "max_tokens": 3000, "temperature": 1.0, "ignore_eos": True}
     # It leaves once vLLM has generated some of its tokens.
     assert post_then_leave(srv, body, CHARGED_KEY, lambda: metric(srv, SAMPLED) >= sampled + 40), \
         "the whole answer came first: the server knew nothing of the request's tokens before its end"
@@ -448,7 +449,7 @@ def test_a_whole_completion_whose_client_leaves_is_charged_what_vllm_generated(s
     wait_until(lambda: metric(srv, "hosted_tinker_vllm_requests_in_flight") == 0, "the request ended", srv)
     assert metric(srv, "hosted_tinker_vllm_requests_cancelled_total") == cancelled + 1
     generated = int(metric(srv, SAMPLED) - sampled)
-    assert 40 <= generated < 64 * (1024 - len(PROMPT))  # cut short (vLLM's context is 1024)
+    assert 40 <= generated < LONG_JOB_SEQUENCES * (1024 - len(PROMPT))  # cut short (vLLM's context is 1024)
     charged = charged_since(srv, "charged", used)
     assert charged == {"sampling_prefill": len(PROMPT), "sampling_sample": generated}
     assert charged_since(srv, "charged", used) == charged  # once: a later report adds nothing
@@ -519,9 +520,8 @@ def test_kill9_of_vllm_is_recovered_without_user_action(srv, clients, tok):
     used, sampled = usage_of(srv, "vllm"), metric(srv, SAMPLED)
     (pid,) = vllm_processes(srv)
     pgid = os.getpgid(pid)
-    # 64 x 1000 tokens: minutes on vLLM here, so the kill lands long before its end. (16 x 1000 was not
-    # enough: on a busy 2-core host the server read vLLM's stream in bursts, the last with the end.)
-    running = snapshot.sample(prompt, 64, types.SamplingParams(max_tokens=1000, temperature=1.0, stop=[]))
+    running = snapshot.sample(prompt, LONG_JOB_SEQUENCES, types.SamplingParams(max_tokens=1000, temperature=1.0,
+                                                                                stop=[]))
     wait_until(lambda: metric(srv, SAMPLED) >= sampled + 40 or running.future().done(), "tokens generated", srv)
     assert not running.future().done(), "the whole answer came first: the server knew nothing of its tokens before its end"
     os.killpg(pgid, signal.SIGKILL)
@@ -529,7 +529,7 @@ def test_kill9_of_vllm_is_recovered_without_user_action(srv, clients, tok):
         running.result(timeout=WAIT)
     assert failed.value.category == RequestErrorCategory.Server and "vLLM" in str(failed.value)
     generated = int(metric(srv, SAMPLED) - sampled)
-    assert 40 <= generated < 64 * 1000
+    assert 40 <= generated < LONG_JOB_SEQUENCES * 1000
     assert charged_since(srv, "vllm", used) == {"sampling_prefill": len(PROMPT), "sampling_sample": generated}
 
     # During the outage a request waits for the restart or fails cleanly; it does not hang.
