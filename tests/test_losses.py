@@ -23,6 +23,7 @@ from hosted_tinker.runtime.losses import (
     resolve_loss_config,
     run_losses,
     topk_cross_entropy,
+    validate_data,
     validate_datum,
 )
 
@@ -119,7 +120,8 @@ def test_valid_datums_pass():
     check([1, 2, 3], inputs)
 
 
-@pytest.mark.parametrize("loss_fn, tokens, mutate, field_name, fragment", [
+# Each: an unusable datum (its loss, tokens, its inputs from the loss's good ones) and what its error names.
+DATUM_FAULTS = [
     ("cross_entropy", [], lambda d: {}, "model_input", "is empty"),
     ("cross_entropy", list(range(CTX + 1)), lambda d: ce_inputs(CTX + 1), "model_input", "above the model's context of 16"),
     ("cross_entropy", [1, V, 2], None, "model_input", f"token {V} at position 1 is outside the vocabulary [0, {V})"),
@@ -161,7 +163,10 @@ def test_valid_datums_pass():
      "has shape [3, 2], expected [3] (one target per model_input token): loss 'importance_sampling' needs the "
      "sampler's logprob of each position's one token; only cross_entropy takes [N, K] targets"),
     ("ppo", [1, 2, 3], lambda d: {**d, "target_tokens": np.ones((3, 2), np.int64)}, "target_tokens", "only cross_entropy"),
-])
+]
+
+
+@pytest.mark.parametrize("loss_fn, tokens, mutate, field_name, fragment", DATUM_FAULTS)
 def test_validate_datum_errors_name_datum_and_field(loss_fn, tokens, mutate, field_name, fragment):
     """Every validation failure is a LossInputError naming the datum index and the field."""
     base = ce_inputs(len(tokens)) if loss_fn == "cross_entropy" else rl_inputs(len(tokens))
@@ -171,6 +176,65 @@ def test_validate_datum_errors_name_datum_and_field(loss_fn, tokens, mutate, fie
     msg = str(exc.value)
     assert msg.startswith(f"datum {IDX}:"), msg
     assert field_name in msg and fragment in msg, msg
+
+
+def good_inputs(loss_fn: str, n: int) -> dict[str, np.ndarray]:
+    return ce_inputs(n) if loss_fn == "cross_entropy" else rl_inputs(n)
+
+
+@pytest.mark.parametrize("loss_fn, tokens, mutate, field_name, fragment", DATUM_FAULTS)
+def test_validate_data_gives_the_first_faulty_datums_error(loss_fn, tokens, mutate, field_name, fragment):
+    """A request's datums checked together (`validate_data`: values checked once over all of them)
+    fail with the very error `validate_datum` gives the faulty one, first, last or between good ones."""
+    inputs = good_inputs(loss_fn, len(tokens))
+    bad = (np.asarray(tokens, np.int64), inputs if mutate is None else mutate(inputs))
+    with pytest.raises(LossInputError) as alone:
+        validate_datum(IDX, *bad, loss_fn, V, CTX, MAX_K)
+    for at in (0, 1, 3):
+        data = [(np.arange(1, 4, dtype=np.int64), good_inputs(loss_fn, 3)) for _ in range(3)]
+        data.insert(at, bad)
+        with pytest.raises(LossInputError) as together:
+            validate_data(data, loss_fn, V, CTX, MAX_K)
+        assert str(together.value) == str(alone.value).replace(f"datum {IDX}:", f"datum {at}:", 1)
+
+
+def test_validate_data_finds_a_fault_in_any_datum_of_many():
+    """Seeded: requests of 1-40 good datums of mixed lengths (int and whole-float targets, K targets
+    alike) pass; one value spoiled anywhere (a token or target out of the vocabulary at either end,
+    a fractional or NaN float target, a non-finite float input) fails as `validate_datum` fails."""
+    rng = np.random.default_rng(5)
+    for case in range(300):
+        loss_fn = ("cross_entropy", "ppo", "importance_sampling")[case % 3]
+        k = int(rng.integers(1, MAX_K + 1)) if loss_fn == "cross_entropy" and case % 4 == 0 else 0
+        data = []
+        for _ in range(int(rng.integers(1, 41))):
+            n = int(rng.integers(1, CTX + 1))
+            inputs = good_inputs(loss_fn, n)
+            inputs["target_tokens"] = rng.integers(0, V, (n, k) if k else n)
+            if k:
+                inputs["weights"] = rng.standard_normal((n, k)).astype(np.float32)
+            if rng.random() < 0.3:  # sent as floats: whole numbers are fine
+                inputs["target_tokens"] = inputs["target_tokens"].astype(np.float32)
+            data.append((rng.integers(0, V, n), inputs))
+        validate_data(data, loss_fn, V, CTX, MAX_K)
+        i = int(rng.integers(len(data)))
+        tokens, inputs = data[i]
+        key = str(rng.choice(["tokens", "target_tokens", *(k for k in inputs if k != "target_tokens")]))
+        arr = tokens if key == "tokens" else inputs[key]
+        arr = arr.astype(np.float32) if key == "target_tokens" and rng.random() < 0.5 else arr.copy()
+        at = tuple(int(rng.integers(d)) for d in arr.shape)
+        if key == "tokens" or key == "target_tokens" and arr.dtype.kind == "i":
+            arr[at] = (-1, V, V + 10**6)[case % 3]
+        elif key == "target_tokens":
+            arr[at] = (0.5, np.nan, V)[case % 3]
+        else:
+            arr[at] = (np.nan, np.inf, -np.inf)[case % 3]
+        data[i] = (arr, inputs) if key == "tokens" else (tokens, {**inputs, key: arr})
+        with pytest.raises(LossInputError) as together:
+            validate_data(data, loss_fn, V, CTX, MAX_K)
+        with pytest.raises(LossInputError) as alone:
+            validate_datum(i, *data[i], loss_fn, V, CTX, MAX_K)
+        assert str(together.value) == str(alone.value)
 
 
 def test_one_targets_shape_per_request():

@@ -21,7 +21,7 @@ from ..checkpoints.paths import TinkerPath
 from ..errors import Busy, NotFound, UserError
 from ..requests.kinds import (AdamParams, DatumWork, FBWork, FutureRef, LoadSpec, LoRAConfig, Payload, RequestKind,
                              SaveSpec, targets_per_position)
-from ..runtime.losses import LOSSES, LossInputError, check_one_targets_shape, resolve_loss_config, validate_datum
+from ..runtime.losses import LOSSES, LossInputError, check_one_targets_shape, resolve_loss_config, validate_data
 from ..runtime.projections import refusal
 from ..training.cycle_plan import Request
 from ..server.core import Server
@@ -156,9 +156,8 @@ class TrainingRequests:
             config = resolve_loss_config(call.loss_fn, call.loss_fn_config)
             pixels = expand_images(served, call.data)
             self.images.check_size(total_pixels(pixels))
-            for i, d in enumerate(call.data):
-                validate_datum(i, d.tokens, d.loss_fn_inputs, call.loss_fn, runtime.vocab_size, runtime.max_context,
-                               self.config.max_targets_per_position)
+            validate_data([(d.tokens, d.loss_fn_inputs) for d in call.data], call.loss_fn, runtime.vocab_size,
+                          runtime.max_context, self.config.max_targets_per_position)
             check_one_targets_shape([targets_per_position(d.loss_fn_inputs) for d in call.data])
             budget = served.scheduler.max_tokens_per_cycle  # a request is split between datums, never inside one
             longest = max(range(len(call.data)), key=lambda i: len(call.data[i].tokens))

@@ -15,10 +15,11 @@ it is queued and prepares each datum's per-token inputs; `run.py` is the trainer
 from .builtin import KNOWN_UNSUPPORTED, LOSSES, STABLE_REINFORCE
 from .entry import DatumInputs, Loss, LossInputError, LossOut
 from .run import merge_metrics, per_token_loss, run_losses, topk_cross_entropy
-from .validation import (check_one_targets_shape, prepare_inputs, resolve_loss_config, validate_datum)
+from .validation import (check_one_targets_shape, prepare_inputs, resolve_loss_config, validate_data,
+                         validate_datum)
 
 __all__ = [
     "KNOWN_UNSUPPORTED", "LOSSES", "STABLE_REINFORCE", "DatumInputs", "Loss", "LossInputError", "LossOut",
     "check_one_targets_shape", "merge_metrics", "per_token_loss", "prepare_inputs", "resolve_loss_config",
-    "run_losses", "topk_cross_entropy", "validate_datum",
+    "run_losses", "topk_cross_entropy", "validate_data", "validate_datum",
 ]

@@ -4,6 +4,7 @@ a bad request), and each datum's per-token inputs prepared for the trainer from 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -87,6 +88,62 @@ def validate_datum(
         elif not np.all(np.isfinite(arr)):
             raise LossInputError(f"{where}: loss_fn_inputs[{key!r}] has a non-finite value at position "
                                  f"{_position(~np.isfinite(arr))}")
+
+
+def validate_data(data: Sequence[tuple[np.ndarray, dict[str, np.ndarray]]], loss_fn: str, vocab_size: int,
+                  max_length: int, max_targets: int) -> None:
+    """`validate_datum` of each (tokens, inputs) of a request in order: the first unusable datum is
+    the one named. Its value checks run once over every datum's values together, so a request of
+    many datums pays numpy's per-call cost a few times rather than a dozen times per datum (64
+    datums: ~1.7 ms of the host's work before the pass, issue 42); only a request that fails them
+    is checked datum by datum, which finds the first fault and says what it is."""
+    if not data or _all_valid(data, loss_fn, vocab_size, max_length, max_targets):
+        return
+    for i, (tokens, inputs) in enumerate(data):
+        validate_datum(i, tokens, inputs, loss_fn, vocab_size, max_length, max_targets)
+
+
+def _all_valid(data: Sequence[tuple[np.ndarray, dict[str, np.ndarray]]], loss_fn: str, vocab_size: int,
+               max_length: int, max_targets: int) -> bool:
+    """Whether `validate_datum` passes every datum: its checks, the shapes per datum, the values over
+    all datums at once (a value is out of range in one datum iff it is in all of them together)."""
+    required = LOSSES[loss_fn].required_inputs
+    float_keys = per_token_float_inputs()
+    tokens_seen, targets, targets_float, floats = [], [], [], []
+    for tokens, inputs in data:
+        n = int(tokens.shape[0])
+        if not 0 < n <= max_length or any(key not in inputs for key in required):
+            return False
+        try:
+            k = _check_targets_shape("", inputs.get("target_tokens"), n, loss_fn, max_targets)
+        except LossInputError:
+            return False
+        tokens_seen.append(tokens)
+        for key in (*TOKEN_INPUTS, *float_keys):
+            arr = inputs.get(key)
+            if arr is None:
+                continue
+            if arr.shape != ((n, k) if k and key in TOPK_KEYS else (n,)):
+                return False
+            if key not in TOKEN_INPUTS:
+                floats.append(arr.ravel())
+            elif np.issubdtype(arr.dtype, np.floating):
+                targets_float.append(arr.ravel())
+            else:
+                targets.append(arr.ravel())
+    every = np.concatenate(tokens_seen)
+    if every.min() < 0 or every.max() >= vocab_size:
+        return False
+    if targets_float:  # float target ids must be whole numbers (NaN is not)
+        every = np.concatenate(targets_float)
+        if not np.all(np.mod(every, 1) == 0):
+            return False
+        targets.append(every)
+    if targets:
+        every = np.concatenate(targets)  # int64 and float64 together: float64, exact for any id below 2**53
+        if every.min() < 0 or every.max() >= vocab_size:
+            return False
+    return not floats or bool(np.isfinite(np.concatenate(floats)).all())
 
 
 def per_token_float_inputs() -> tuple[str, ...]:
