@@ -20,6 +20,13 @@ Here both revisions' code runs in every round, in rotating order:
              4096 x 4096 PNGs over the key's image budget, 6 of them at once, and 64 such images
              over the model's context (with the budget raised). Prints, per revision and case, the
              status codes and the server process's CPU-seconds and peak-RSS growth.
+  requests   one server per revision (each runs its own checkout's code) on one model; a round
+             posts --per-round forward_backward bodies of each size to each server, queued behind
+             a seq_id never sent (so no pass runs: what is measured is the host's work before a
+             pass, HTTP, decoding, validation, the future's row, queueing), the servers in
+             rotating order. Prints, per body, each server process's CPU per request (user +
+             system, from its threads' schedstat; steadier than wall time on a shared box) and the median of per-round
+             new/old ratios. Bodies: overhead.py's (4 x 96 tokens) and an RL batch's (64 x 1000).
   sampling   one process holds both revisions' SamplingEngine, each on its own copy of one model
              (sampling.py's preset) with the same adapters; a round runs sampling.py's load
              (--requests concurrent x --new-tokens, 4 adapters of rank --rank, temperature 1, seeded)
@@ -33,6 +40,7 @@ Here both revisions' code runs in every round, in rotating order:
         [--tenants 1,2,4,8,16] [--rounds-scale 1.0] [--threads 1]
     .venv/bin/python benchmarks/compare_revisions.py overhead --old REV [--rounds 150]
     .venv/bin/python benchmarks/compare_revisions.py images --old REV
+    .venv/bin/python benchmarks/compare_revisions.py requests --old REV [--rounds 7] [--per-round 20]
     .venv/bin/python benchmarks/compare_revisions.py sampling --old REV [--rounds 5] [--preset small]
         [--requests 64] [--new-tokens 64] [--rank 16] [--threads 1]
 
@@ -294,6 +302,71 @@ def images(args, tmp: Path, old_tree: Path) -> None:
                 server.stop()
 
 
+# ---- requests -------------------------------------------------------------------------------------
+REQUEST_BODIES = ((4, 96), (64, 1000))  # (datums, tokens each): overhead.py's default body; an RL batch's
+
+
+def requests(args, tmp: Path, old_tree: Path) -> None:
+    import httpx
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from bench_common import process_cpu_ns
+    from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model
+    from overhead import API_KEY, RANK, make_batch
+    from server_process import ServerProcess
+
+    base_model = str(build_tiny_model(tmp / "model", TinyModelSpec()))
+    messages = {}  # one encoded request per body, its model_id and seq_id set before each post
+    for n, tokens in REQUEST_BODIES:
+        datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                              loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * tokens})
+                  for s in make_batch(n, tokens, 1000)]
+        messages[(n, tokens)] = forward_backward_request_to_proto(types.ForwardBackwardRequest(
+            model_id="", seq_id=0, forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn="cross_entropy")))
+    servers, targets = [], {}
+    try:
+        for tag, _ in REVISIONS:
+            server = ServerProcess(tmp / f"server-{tag}", base_model=base_model, args=("--gap-timeout-s", "3600"),
+                                   checkout=old_tree if tag == "old" else ROOT)
+            servers.append(server.start())
+            model_id = server.client(API_KEY).create_lora_training_client(  # closed by server.stop()
+                base_model=base_model, rank=RANK, seed=0).result().model_id
+            http = httpx.Client(base_url=server.base_url, timeout=60, headers={
+                "X-API-Key": API_KEY, "Content-Type": "application/x-protobuf"})
+            targets[tag] = (http, server.proc.pid, model_id)
+        seq = 1  # seq_id 1 is never sent: every request stays queued behind it
+        cpu: dict[tuple, list[float]] = {}
+        order = [tag for tag, _ in REVISIONS]
+        for _ in range(args.rounds + 1):  # the first round warms up and is not kept
+            for body, msg in messages.items():
+                for tag in order:
+                    http, pid, model_id = targets[tag]
+                    posts = []
+                    for _ in range(args.per_round):
+                        seq += 1
+                        msg.model_id, msg.seq_id = model_id, seq
+                        posts.append(msg.SerializeToString())
+                    ns = process_cpu_ns(pid)
+                    for content in posts:
+                        http.post("/api/v1/forward_backward", content=content).raise_for_status()
+                    cpu.setdefault((body, tag), []).append((process_cpu_ns(pid) - ns) / 1e6 / args.per_round)
+            order.reverse()
+    finally:
+        for http, _, _ in targets.values():
+            http.close()
+        for server in servers:
+            server.stop()
+    print(f"requests: old = {args.old}, new = this checkout; {args.rounds} rounds of {args.per_round} "
+          "forward_backward POSTs per body and server, queued (no pass runs)")
+    print(f"  {'body':<16}{'old CPU ms/req':>16}{'new CPU ms/req':>16}{'new/old':>9}")
+    for body in messages:
+        old, new = cpu[(body, "old")][1:], cpu[(body, "new")][1:]
+        ratio = statistics.median(b / a for a, b in zip(old, new))
+        print(f"  {f'{body[0]} x {body[1]}':<16}{statistics.median(old):>16.2f}{statistics.median(new):>16.2f}"
+              f"{ratio:>9.3f}")
+
+
 # ---- sampling -------------------------------------------------------------------------------------
 SAMPLING_ADAPTERS = 4
 
@@ -380,7 +453,7 @@ def report_sampling(args, runs: dict, first: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("training", "overhead", "images", "sampling"))
+    ap.add_argument("what", choices=("training", "overhead", "images", "requests", "sampling"))
     ap.add_argument("--old", required=True, help="the git revision to compare this checkout with")
     ap.add_argument("--sizes", default="tiny,small,medium",
                     help="training: sizes of multi_tenant.py (benchmarks/bodies.py; moe and tiny-moe too)")
@@ -388,7 +461,9 @@ def main() -> int:
     ap.add_argument("--rounds-scale", type=float, default=1.0,
                     help="training: multi_tenant.py's CPU rounds (25/7/5) times this (default 1)")
     ap.add_argument("--threads", type=int, default=1, help="training, sampling: torch intra-op threads (default 1)")
-    ap.add_argument("--rounds", type=int, default=None, help="overhead (default 150), sampling (default 5): rounds")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="overhead (default 150), requests (default 7), sampling (default 5): rounds")
+    ap.add_argument("--per-round", type=int, default=20, help="requests: POSTs per body and server a round (default 20)")
     ap.add_argument("--preset", default="small", help="sampling: the model, a preset of embedded_model (default small)")
     ap.add_argument("--requests", type=int, default=64, help="sampling: concurrent requests (default 64)")
     ap.add_argument("--new-tokens", type=int, default=64, help="sampling: tokens per request (default 64)")
@@ -404,6 +479,9 @@ def main() -> int:
             overhead(args, tmp, old_tree)
         elif args.what == "images":
             images(args, tmp, old_tree)
+        elif args.what == "requests":
+            args.rounds = args.rounds or 7
+            requests(args, tmp, old_tree)
         else:
             args.rounds = args.rounds or 5
             sampling(args)
