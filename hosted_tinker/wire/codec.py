@@ -150,12 +150,15 @@ def decode_forward_backward_request(
         msg.ParseFromString(raw)
     except Exception as e:  # DecodeError from upb; the pure-Python parser also leaks e.g. UnicodeDecodeError
         raise WireError(f"body is not a valid ForwardBackwardRequest protobuf ({e})") from None
-    allowance = _Allowance(max_decompressed_bytes)
     try:
+        data = _decode_data_together(msg.data, max_decompressed_bytes)
+        if data is None:  # not the common shape, or something in it is wrong: datum by datum, which says what
+            allowance = _Allowance(max_decompressed_bytes)
+            data = [_decode_datum(f"data[{i}]", d, allowance) for i, d in enumerate(msg.data)]
         return ForwardBackwardCall(
             model_id=msg.model_id,
             seq_id=msg.seq_id,
-            data=[_decode_datum(f"data[{i}]", d, allowance) for i, d in enumerate(msg.data)],
+            data=data,
             loss_fn=msg.loss_fn,
             loss_fn_config=_decode_loss_fn_config(msg),
             forward_only=msg.forward_only,
@@ -239,6 +242,73 @@ def _decode_loss_fn_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | 
             raise WireError(f"loss_fn_config_v2[{key!r}]: has neither a number nor a text value")
         config[key] = getattr(value, kind)
     return config
+
+
+def _decode_data_together(data, max_bytes: int) -> list[WireDatum] | None:
+    """The datums of a request as the SDK sends them (text chunks, dense tensors), each field's
+    values of every datum turned into one array at once and handed out as per-datum views: a request
+    of many datums pays numpy's per-call cost per field, not per datum (64 datums x 1000 tokens:
+    ~2.4 ms of the host's work before the pass, issue 42). None for anything else (an image, a
+    sparse tensor, a size, shape or value that `_decode_datum` would refuse): that path decodes
+    such a request and names what is wrong, so every refusal stays the one it was."""
+    if not data:
+        return []
+    token_parts: list[np.ndarray] = []  # views of the body's bytes: one copy each, into the request's array
+    token_counts: list[int] = []
+    groups: dict[tuple[str, np.dtype], list[np.ndarray]] = {}  # one field's values, datum after datum
+    fields: list[list[tuple[str, tuple[str, np.dtype], list[int]]]] = []  # per datum: (name, group, shape)
+    spans: list[tuple[list[ProvenanceSpan], list[ProvenanceSpan]]] = []
+    nbytes = 0
+    for i, datum in enumerate(data):
+        count = 0
+        for chunk in datum.model_input:
+            if chunk.WhichOneof("chunk") != "encoded_text":
+                return None
+            buf = chunk.encoded_text.tokens
+            if len(buf) % 4:
+                return None
+            token_parts.append(np.frombuffer(buf, _I32))
+            count += len(buf) >> 2
+        token_counts.append(count)
+        nbytes += count * 8  # widened to int64
+        named = []
+        for name, tensor in datum.loss_fn_inputs.items():
+            dtype = _REQUEST_DTYPES.get(tensor.dtype)
+            if dtype is None or tensor.WhichOneof("encoding") == "sparse_csr":
+                return None
+            shape, buf = tensor.shape[:], tensor.dense
+            size, rest = divmod(len(buf), dtype.itemsize)
+            if rest or len(shape) > _MAX_NDIM or (shape and (min(shape) < 0 or math.prod(shape) != size)):
+                return None
+            groups.setdefault((name, dtype), []).append(np.frombuffer(buf, dtype))
+            named.append((name, (name, dtype), shape))
+            nbytes += len(buf)
+        fields.append(named)
+        try:
+            spans.append((_decode_spans(f"data[{i}].model_input_spans", datum.model_input_spans)
+                          if datum.model_input_spans else [],
+                          _decode_spans(f"data[{i}].loss_fn_input_spans", datum.loss_fn_input_spans)
+                          if datum.loss_fn_input_spans else []))
+        except WireError:
+            return None
+    if nbytes > max_bytes:
+        return None
+    tokens = np.concatenate(token_parts, dtype=np.int64) if token_parts else np.zeros(0, np.int64)
+    if tokens.size and tokens.min() < 0:
+        return None
+    per_datum_tokens = np.split(tokens, np.cumsum(token_counts[:-1], dtype=np.int64))
+    values = {(name, dtype): iter(np.split(np.concatenate(parts, dtype=dtype.newbyteorder("=")),
+                                           np.cumsum([p.size for p in parts[:-1]], dtype=np.int64)))
+              for (name, dtype), parts in groups.items()}
+    out = []
+    try:
+        for toks, named, (model_spans, input_spans) in zip(per_datum_tokens, fields, spans):
+            inputs = {name: next(values[key]).reshape(shape or [-1]) for name, key, shape in named}
+            out.append(WireDatum(tokens=toks, loss_fn_inputs=inputs, model_input_spans=model_spans,
+                                 loss_fn_input_spans=input_spans))
+    except ValueError:  # numpy refuses a shape such as [0, 2**62, 2**62]
+        return None
+    return out
 
 
 def _decode_datum(where: str, datum: pb.Datum, allowance: _Allowance) -> WireDatum:
