@@ -30,7 +30,7 @@ from hosted_tinker.wire import (
     encode_sample_response,
 )
 from hosted_tinker.models.vision import ImageIn
-from hosted_tinker.wire import codec
+from hosted_tinker.wire import datums
 from hosted_tinker.wire import tinker_wire_pb2 as pb
 
 
@@ -204,9 +204,9 @@ def test_sdk_requests_decode_together_as_datum_by_datum():
             data.append(d)
         msg = pb.ForwardBackwardRequest()
         msg.ParseFromString(sdk_post(data, "cross_entropy" if k or case % 3 != 1 else "ppo")[0])
-        together = codec._decode_data_together(msg.data, 1 << 30)
+        together = datums._decode_data_together(msg.data, 1 << 30)
         assert together is not None, f"case {case}: an SDK request left the many-datum path"
-        apart = [codec._decode_datum(f"data[{i}]", d, codec._Allowance(1 << 30)) for i, d in enumerate(msg.data)]
+        apart = [datums._decode_datum(f"data[{i}]", d, datums._Allowance(1 << 30)) for i, d in enumerate(msg.data)]
         _same_datums(together, apart)
 
 
@@ -214,8 +214,8 @@ def test_decode_together_leaves_what_it_does_not_take_to_the_datum_by_datum_path
     """An image chunk, a sparse tensor, a negative token id or a body over the limit is not decoded
     on the many-datum path: it goes datum by datum, which decodes it or names the fault."""
     msg = valid_request()
-    assert codec._decode_data_together(msg.data, 1 << 20) is not None
-    assert codec._decode_data_together(msg.data, 16) is None  # the limit
+    assert datums._decode_data_together(msg.data, 1 << 20) is not None
+    assert datums._decode_data_together(msg.data, 16) is None  # the limit
     image = valid_request()
     image.data[1].model_input.add().image.data = b"png"
     negative = valid_request()
@@ -223,7 +223,7 @@ def test_decode_together_leaves_what_it_does_not_take_to_the_datum_by_datum_path
     sparse = valid_request()
     _csr(sparse, [0, 1, 2], [0, 1], [1.0, 2.0])
     for m in (image, negative, sparse):
-        assert codec._decode_data_together(m.data, 1 << 20) is None
+        assert datums._decode_data_together(m.data, 1 << 20) is None
 
 
 def test_decode_image_chunks_at_their_place_among_the_tokens():

@@ -11,6 +11,7 @@ other exception type escapes. Memory is bounded by ``max_decompressed_bytes`` tw
 decompressed body (zstd frames need not declare their size, so the output is counted as it is
 produced, never trusted from the header) and for the decoded arrays (a sparse CSR tensor can declare
 a huge dense shape in a few bytes, and tokens double in size when widened).
+The datums themselves are decoded in datums.py (this module: the envelope, the config, results).
 
 Wire facts this relies on, all taken from the SDK's ``tinker/proto/{request,response}_conv.py``:
 
@@ -35,15 +36,14 @@ Wire facts this relies on, all taken from the SDK's ``tinker/proto/{request,resp
 
 from __future__ import annotations
 
-import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
 from . import tinker_wire_pb2 as pb
-from ..models.vision import ImageIn
+from .datums import ProvenanceSpan, WireDatum, WireError, decode_data, too_big
 
 __all__ = [
     "TOPK_EMPTY_LOGPROB",
@@ -62,40 +62,9 @@ __all__ = [
 TOPK_EMPTY_LOGPROB = -99999.0
 """Logprob of an empty top-k cell (its token id is 0); the SDK's ``MASK_LOGPROB``."""
 
-_I32, _I64, _F32 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")
-_REQUEST_DTYPES = {pb.DTYPE_FLOAT32: _F32, pb.DTYPE_INT64: _I64}
+_I32, _I64, _F32 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f4")  # the wire's little-endian values
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
-_MAX_NDIM = 32  # numpy's limit is 32 or 64 depending on version
 _ZSTD_INPUT_STEP = 1024  # one zstd block (>= 4 bytes) yields at most 128 KiB: <= 32 MiB per step
-
-
-class WireError(ValueError):
-    """A malformed request body; message says what is wrong (shown to the user as a 400)."""
-
-    # (model_id, seq_id) when the request's envelope parsed and only its data is malformed: the
-    # refusal can still count that seq_id as done (services/training.py `refused`).
-    request: tuple[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class ProvenanceSpan:
-    """One run of a datum field: `length` positions that are positions [offset, offset + length)
-    of the prompt (kind "prompt") or of the sampled tokens (kind "sampled") of `sequence_id`."""
-
-    kind: str  # "prompt" | "sampled"
-    sequence_id: str
-    offset: int
-    length: int
-
-
-@dataclass
-class WireDatum:
-    tokens: np.ndarray  # int64 [N], all encoded_text chunks concatenated
-    loss_fn_inputs: dict[str, np.ndarray]  # dense float32 or int64, in the declared shape (none: 1-D)
-    images: list[ImageIn] = field(default_factory=list)  # image chunks, each at its place among the tokens
-    # Runs tiling model_input / the rows of target_tokens; empty = no provenance.
-    model_input_spans: list[ProvenanceSpan] = field(default_factory=list)
-    loss_fn_input_spans: list[ProvenanceSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -151,14 +120,10 @@ def decode_forward_backward_request(
     except Exception as e:  # DecodeError from upb; the pure-Python parser also leaks e.g. UnicodeDecodeError
         raise WireError(f"body is not a valid ForwardBackwardRequest protobuf ({e})") from None
     try:
-        data = _decode_data_together(msg.data, max_decompressed_bytes)
-        if data is None:  # not the common shape, or something in it is wrong: datum by datum, which says what
-            allowance = _Allowance(max_decompressed_bytes)
-            data = [_decode_datum(f"data[{i}]", d, allowance) for i, d in enumerate(msg.data)]
         return ForwardBackwardCall(
             model_id=msg.model_id,
             seq_id=msg.seq_id,
-            data=data,
+            data=decode_data(msg.data, max_decompressed_bytes),
             loss_fn=msg.loss_fn,
             loss_fn_config=_decode_loss_fn_config(msg),
             forward_only=msg.forward_only,
@@ -166,18 +131,6 @@ def decode_forward_backward_request(
     except WireError as e:
         e.request = (msg.model_id, msg.seq_id)
         raise
-
-
-class _Allowance:
-    """What is left of the byte budget for decoded arrays."""
-
-    def __init__(self, nbytes: int):
-        self.left = nbytes
-
-    def take(self, nbytes: int, where: str) -> None:
-        self.left -= nbytes
-        if self.left < 0:
-            raise WireError(f"{where}: the decoded request is larger than the server's limit")
 
 
 def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
@@ -189,10 +142,6 @@ def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
     if encoding == "gzip":
         return _gunzip(body, limit)
     raise WireError(f"unsupported Content-Encoding {content_encoding!r} (use zstd, gzip or none)")
-
-
-def _too_big(limit: int) -> WireError:
-    return WireError(f"body decompresses to more than {limit} bytes")
 
 
 def _unzstd(body: bytes, limit: int) -> bytes:
@@ -208,7 +157,7 @@ def _unzstd(body: bytes, limit: int) -> bytes:
                 pos = end
                 total += len(piece)
                 if total > limit:
-                    raise _too_big(limit)
+                    raise too_big(limit)
                 out.append(piece)
             if not frame.eof:
                 raise WireError("zstd body is truncated")
@@ -226,7 +175,7 @@ def _gunzip(body: bytes, limit: int) -> bytes:
     except zlib.error as e:
         raise WireError(f"body is not valid gzip ({e})") from None
     if len(out) > limit:
-        raise _too_big(limit)
+        raise too_big(limit)
     if not d.eof or d.unused_data:
         raise WireError("gzip body is truncated or has trailing data")
     return out
@@ -242,175 +191,6 @@ def _decode_loss_fn_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | 
             raise WireError(f"loss_fn_config_v2[{key!r}]: has neither a number nor a text value")
         config[key] = getattr(value, kind)
     return config
-
-
-def _decode_data_together(data, max_bytes: int) -> list[WireDatum] | None:
-    """The datums of a request as the SDK sends them (text chunks, dense tensors), each field's
-    values of every datum turned into one array at once and handed out as per-datum views: a request
-    of many datums pays numpy's per-call cost per field, not per datum (64 datums x 1000 tokens:
-    ~2.4 ms of the host's work before the pass, issue 42). None for anything else (an image, a
-    sparse tensor, a size, shape or value that `_decode_datum` would refuse): that path decodes
-    such a request and names what is wrong, so every refusal stays the one it was."""
-    if not data:
-        return []
-    token_parts: list[np.ndarray] = []  # views of the body's bytes: one copy each, into the request's array
-    token_counts: list[int] = []
-    groups: dict[tuple[str, np.dtype], list[np.ndarray]] = {}  # one field's values, datum after datum
-    fields: list[list[tuple[str, tuple[str, np.dtype], list[int]]]] = []  # per datum: (name, group, shape)
-    spans: list[tuple[list[ProvenanceSpan], list[ProvenanceSpan]]] = []
-    nbytes = 0
-    for i, datum in enumerate(data):
-        count = 0
-        for chunk in datum.model_input:
-            if chunk.WhichOneof("chunk") != "encoded_text":
-                return None
-            buf = chunk.encoded_text.tokens
-            if len(buf) % 4:
-                return None
-            token_parts.append(np.frombuffer(buf, _I32))
-            count += len(buf) >> 2
-        token_counts.append(count)
-        nbytes += count * 8  # widened to int64
-        named = []
-        for name, tensor in datum.loss_fn_inputs.items():
-            dtype = _REQUEST_DTYPES.get(tensor.dtype)
-            if dtype is None or tensor.WhichOneof("encoding") == "sparse_csr":
-                return None
-            shape, buf = tensor.shape[:], tensor.dense
-            size, rest = divmod(len(buf), dtype.itemsize)
-            if rest or len(shape) > _MAX_NDIM or (shape and (min(shape) < 0 or math.prod(shape) != size)):
-                return None
-            groups.setdefault((name, dtype), []).append(np.frombuffer(buf, dtype))
-            named.append((name, (name, dtype), shape))
-            nbytes += len(buf)
-        fields.append(named)
-        try:
-            spans.append((_decode_spans(f"data[{i}].model_input_spans", datum.model_input_spans)
-                          if datum.model_input_spans else [],
-                          _decode_spans(f"data[{i}].loss_fn_input_spans", datum.loss_fn_input_spans)
-                          if datum.loss_fn_input_spans else []))
-        except WireError:
-            return None
-    if nbytes > max_bytes:
-        return None
-    tokens = np.concatenate(token_parts, dtype=np.int64) if token_parts else np.zeros(0, np.int64)
-    if tokens.size and tokens.min() < 0:
-        return None
-    per_datum_tokens = np.split(tokens, np.cumsum(token_counts[:-1], dtype=np.int64))
-    values = {(name, dtype): iter(np.split(np.concatenate(parts, dtype=dtype.newbyteorder("=")),
-                                           np.cumsum([p.size for p in parts[:-1]], dtype=np.int64)))
-              for (name, dtype), parts in groups.items()}
-    out = []
-    try:
-        for toks, named, (model_spans, input_spans) in zip(per_datum_tokens, fields, spans):
-            inputs = {name: next(values[key]).reshape(shape or [-1]) for name, key, shape in named}
-            out.append(WireDatum(tokens=toks, loss_fn_inputs=inputs, model_input_spans=model_spans,
-                                 loss_fn_input_spans=input_spans))
-    except ValueError:  # numpy refuses a shape such as [0, 2**62, 2**62]
-        return None
-    return out
-
-
-def _decode_datum(where: str, datum: pb.Datum, allowance: _Allowance) -> WireDatum:
-    parts, images = [], []
-    for j, chunk in enumerate(datum.model_input):
-        at = f"{where}.model_input[{j}]"
-        kind = chunk.WhichOneof("chunk")
-        if kind is None:
-            raise WireError(f"{at}: empty chunk")
-        if kind == "image":
-            allowance.take(len(chunk.image.data), f"{at}.image.data")
-            expected = chunk.image.expected_tokens if chunk.image.HasField("expected_tokens") else None
-            images.append(ImageIn(sum(p.size for p in parts), chunk.image.data, chunk.image.format, expected))
-            continue
-        if kind != "encoded_text":
-            raise WireError(f"{at}: {kind} chunks are not supported; this server takes text and image chunks")
-        parts.append(_from_bytes(chunk.encoded_text.tokens, _I32, f"{at}.encoded_text.tokens"))
-    n_tokens = sum(p.size for p in parts)
-    allowance.take(n_tokens * 8, f"{where}.model_input")
-    tokens = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    if n_tokens and tokens.min() < 0:
-        raise WireError(f"{where}.model_input: negative token id {tokens.min()}")
-    inputs = {
-        name: _decode_tensor(f"{where}.loss_fn_inputs[{name!r}]", tensor, allowance)
-        for name, tensor in datum.loss_fn_inputs.items()
-    }
-    return WireDatum(tokens=tokens, loss_fn_inputs=inputs, images=images,
-                     model_input_spans=_decode_spans(f"{where}.model_input_spans", datum.model_input_spans),
-                     loss_fn_input_spans=_decode_spans(f"{where}.loss_fn_input_spans", datum.loss_fn_input_spans))
-
-
-_SPAN_KINDS = {"prompt_tokens": "prompt", "sampled_tokens": "sampled"}
-
-
-def _decode_spans(where: str, spans) -> list[ProvenanceSpan]:
-    out = []
-    for j, span in enumerate(spans):
-        at = f"{where}[{j}]"
-        arm = span.WhichOneof("span")
-        if arm is None:
-            raise WireError(f"{at}: has neither prompt_tokens nor sampled_tokens")
-        run = getattr(span, arm)
-        if not run.sequence_id:
-            raise WireError(f"{at}.{arm}: sequence_id is empty")
-        if run.offset < 0 or run.length < 0:
-            raise WireError(f"{at}.{arm}: offset ({run.offset}) and length ({run.length}) must be >= 0")
-        out.append(ProvenanceSpan(_SPAN_KINDS[arm], run.sequence_id, run.offset, run.length))
-    return out
-
-
-def _from_bytes(buf: bytes, dtype: np.dtype, where: str) -> np.ndarray:
-    if len(buf) % dtype.itemsize:
-        raise WireError(f"{where}: {len(buf)} bytes is not a whole number of {dtype.name} values")
-    return np.frombuffer(buf, dtype)
-
-
-def _decode_tensor(where: str, tensor: pb.Tensor, allowance: _Allowance) -> np.ndarray:
-    dtype = _REQUEST_DTYPES.get(tensor.dtype)
-    if dtype is None:
-        name = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else tensor.dtype
-        raise WireError(f"{where}: unsupported dtype {name}; expected DTYPE_FLOAT32 or DTYPE_INT64")
-    shape = list(tensor.shape)
-    if any(s < 0 for s in shape) or len(shape) > _MAX_NDIM:
-        raise WireError(f"{where}: invalid shape {shape}")
-    if tensor.WhichOneof("encoding") == "sparse_csr":
-        return _densify(where, tensor.sparse_csr, dtype, shape, allowance)
-    # dense, or no encoding at all, which is how another encoder may write an empty dense tensor
-    values = _from_bytes(tensor.dense, dtype, f"{where}.dense")
-    if shape and math.prod(shape) != values.size:
-        raise WireError(f"{where}: shape {shape} needs {math.prod(shape)} values, dense has {values.size}")
-    allowance.take(values.nbytes, where)
-    try:
-        return values.astype(dtype.newbyteorder("="), copy=True).reshape(shape or [-1])
-    except ValueError:  # numpy refuses e.g. [0, 2**62, 2**62] although it holds nothing
-        raise WireError(f"{where}: invalid shape {shape}") from None
-
-
-def _densify(
-    where: str, csr: pb.SparseCsr, dtype: np.dtype, shape: list[int], allowance: _Allowance
-) -> np.ndarray:
-    if len(shape) != 2:
-        raise WireError(f"{where}: sparse_csr needs a 2-D shape, got {shape}")
-    rows, cols = shape
-    at = f"{where}.sparse_csr"
-    values = _from_bytes(csr.values, dtype, f"{at}.values")
-    crow = _from_bytes(csr.crow_indices, _I64, f"{at}.crow_indices")
-    col = _from_bytes(csr.col_indices, _I64, f"{at}.col_indices")
-    if crow.size != rows + 1:
-        raise WireError(f"{at}.crow_indices: has {crow.size} entries, shape {shape} needs {rows + 1}")
-    if col.size != values.size:
-        raise WireError(f"{at}: {col.size} col_indices for {values.size} values")
-    if crow[0] != 0 or crow[-1] != values.size or (crow[1:] < crow[:-1]).any():
-        raise WireError(f"{at}.crow_indices: must rise from 0 to the number of values ({values.size})")
-    if values.size and (col.min() < 0 or col.max() >= cols):
-        raise WireError(f"{at}.col_indices: out of range for {cols} columns")
-    row = np.repeat(np.arange(rows), np.diff(crow))
-    if ((row[1:] == row[:-1]) & (col[1:] <= col[:-1])).any():
-        raise WireError(f"{at}.col_indices: must be strictly increasing within each row")
-    allowance.take(rows * cols * dtype.itemsize, where)
-    dense = np.zeros((rows, cols), dtype.newbyteorder("="))
-    dense[row, col] = values
-    return dense
 
 
 # ---------------------------------------------------------------------------------------------
