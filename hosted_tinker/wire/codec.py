@@ -43,7 +43,7 @@ import numpy as np
 import zstandard
 
 from . import tinker_wire_pb2 as pb
-from .datums import ProvenanceSpan, WireDatum, WireError, decode_data, too_big
+from .datums import ProvenanceSpan, WireDatum, WireError, decode_data
 
 __all__ = [
     "TOPK_EMPTY_LOGPROB",
@@ -144,6 +144,10 @@ def _decompress(body: bytes, content_encoding: str | None, limit: int) -> bytes:
     raise WireError(f"unsupported Content-Encoding {content_encoding!r} (use zstd, gzip or none)")
 
 
+def _too_big(limit: int) -> WireError:
+    return WireError(f"body decompresses to more than {limit} bytes")
+
+
 def _unzstd(body: bytes, limit: int) -> bytes:
     # Feed the input in small steps so that no single call can expand far past the limit, frame by
     # frame so that a truncated frame is an error rather than silently short output.
@@ -157,7 +161,7 @@ def _unzstd(body: bytes, limit: int) -> bytes:
                 pos = end
                 total += len(piece)
                 if total > limit:
-                    raise too_big(limit)
+                    raise _too_big(limit)
                 out.append(piece)
             if not frame.eof:
                 raise WireError("zstd body is truncated")
@@ -175,7 +179,7 @@ def _gunzip(body: bytes, limit: int) -> bytes:
     except zlib.error as e:
         raise WireError(f"body is not valid gzip ({e})") from None
     if len(out) > limit:
-        raise too_big(limit)
+        raise _too_big(limit)
     if not d.eof or d.unused_data:
         raise WireError("gzip body is truncated or has trailing data")
     return out

@@ -51,10 +51,6 @@ class WireDatum:
     loss_fn_input_spans: list[ProvenanceSpan] = field(default_factory=list)
 
 
-def too_big(limit: int) -> WireError:
-    return WireError(f"body decompresses to more than {limit} bytes")
-
-
 def decode_data(data, max_bytes: int) -> list[WireDatum]:
     """The request's datums (its repeated `Datum` field), their arrays within `max_bytes` in all."""
     together = _decode_data_together(data, max_bytes)
@@ -97,7 +93,7 @@ class _Gathered:
         self.token_parts: list[np.ndarray] = []
         self.token_counts: list[int] = []  # per datum
         self.groups: dict[tuple[str, np.dtype], list[np.ndarray]] = {}  # one field's values, datum after datum
-        self.fields: list[list[tuple[str, tuple[str, np.dtype], list[int]]]] = []  # per datum: name, group, shape
+        self.fields: list[list[tuple[tuple[str, np.dtype], list[int]]]] = []  # per datum: (name, dtype), shape
         self.spans: list[tuple[list[ProvenanceSpan], list[ProvenanceSpan]]] = []  # per datum
         self.nbytes = 0  # of the decoded arrays, tokens widened to int64
 
@@ -121,7 +117,7 @@ class _Gathered:
             if rest or len(shape) > _MAX_NDIM or (shape and (min(shape) < 0 or math.prod(shape) != size)):
                 return False
             self.groups.setdefault((name, dtype), []).append(np.frombuffer(buf, dtype))
-            named.append((name, (name, dtype), shape))
+            named.append(((name, dtype), shape))
             self.nbytes += len(buf)
         try:
             spans = (_decode_spans(f"data[{i}].model_input_spans", datum.model_input_spans)
@@ -147,7 +143,7 @@ class _Gathered:
         try:
             for toks, named, (model_spans, input_spans) in zip(_split(tokens, self.token_counts), self.fields,
                                                                 self.spans):
-                inputs = {name: next(values[key]).reshape(shape or [-1]) for name, key, shape in named}
+                inputs = {key[0]: next(values[key]).reshape(shape or [-1]) for key, shape in named}
                 out.append(WireDatum(tokens=toks, loss_fn_inputs=inputs, model_input_spans=model_spans,
                                      loss_fn_input_spans=input_spans))
         except ValueError:  # numpy refuses a shape such as [0, 2**62, 2**62]
