@@ -5,9 +5,12 @@ The same forward_backward + optim_step loop, on the same model and batch, run
   (a) in-process: ``TrainingRuntime.forward_backward`` + ``optim_step`` called directly;
   (b) through the real ``tinker`` SDK against a ``hosted_tinker serve`` process on loopback,
       pipelined as the Tinker docs recommend (post fb, post optim, then wait on both);
-  (b') the same with a "naive" client that waits for fb before posting optim_step.
+  (b') the same with a "naive" client that waits for fb before posting optim_step;
+  (c) the pipelined SDK against a server that does no work (no_work_server.py): it answers from
+      memory, its pass a timer as long as the last (a) step. What (c) adds over (a) is the SDK's
+      and loopback HTTP's own share of a step on this machine, under any server: the floor of (b).
 
-Modes are interleaved step by step ((a), (b), (b'), then (b), (b'), (a), ...) after a warm-up
+Modes are interleaved step by step ((a), (b), (b'), (c), then (b), (b'), (c), (a), ...) after a warm-up
 of each, and never run concurrently: the server is idle while (a) runs, and (a)'s process is
 idle while (b) runs. Prints median / p90 step time of each, the median overhead (b - a) in ms
 (difference of medians, and median of the paired per-round differences, which is steadier
@@ -29,6 +32,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -150,19 +154,33 @@ def main() -> int:
 
     t0 = time.perf_counter()
     server = ServerProcess(tmp / "server", base_model=base_model, args=tuple(args.server_arg))
+    no_work = None
     try:
         server.start()
         print(f"server up in {time.perf_counter() - t0:.1f}s at {server.base_url} "
               f"({' '.join(args.server_arg) or 'default settings'})")
-        return run(args, server, base_model, model_dir)
+        no_work, no_work_url = start_no_work_server(server.base_url)
+        return run(args, server, no_work_url, base_model, model_dir)
     finally:
+        if no_work is not None:
+            no_work.terminate()
+            no_work.wait(timeout=30)
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
+def start_no_work_server(upstream: str) -> tuple[subprocess.Popen, str]:
+    """Mode (c)'s server (no_work_server.py), in a process of its own as a real server is."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "no_work_server.py"), "--upstream", upstream],
+                            stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline().split()[-1])
+    if proc.stdout.readline().strip() != "accepting connections":
+        raise RuntimeError("the no-work server did not start")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def run(args, server: ServerProcess, no_work_url: str, base_model: str, model_dir: Path) -> int:
     import tinker
-    from tinker import types
 
     # ---- (a) in-process runtime, loaded the way the server loads it ----
     from transformers.utils import logging as hf_logging
@@ -173,7 +191,6 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
     model, _tok = load_base_model(base_model, server.data_dir, device, pick_dtype("auto", device))
     runtime = TrainingRuntime(model, base_model, device=device)
     runtime.create_adapter("bench", LoRAConfig(rank=RANK, seed=0))
-    n_params = sum(p.numel() for p in model.parameters())
     seqs = make_batch(args.batch, args.seq_len, min(runtime.vocab_size, 1000))
     works = [FBWork(model_id="bench", loss_fn="cross_entropy",
                     loss_config=resolve_loss_config("cross_entropy", {}), forward_only=False,
@@ -183,11 +200,14 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
                           for s in seqs])]
     adam = AdamParams(learning_rate=LR)
 
+    last_a = [0.0]  # the latest (a) step: mode (c)'s pass lasts as long
+
     def step_a() -> float:
         t = time.perf_counter()
         runtime.forward_backward(works)
         runtime.optim_step("bench", adam)
-        return time.perf_counter() - t
+        last_a[0] = time.perf_counter() - t
+        return last_a[0]
 
     # ---- (b) the real SDK over loopback ----
     # One training client (one adapter) per SDK mode: the server adapts to how a client posts
@@ -196,18 +216,43 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
     sc = tinker.ServiceClient(base_url=server.base_url, api_key=API_KEY)
     tc_pipe = sc.create_lora_training_client(base_model=base_model, rank=RANK, seed=0).result()
     tc_naive = sc.create_lora_training_client(base_model=base_model, rank=RANK, seed=0).result()
+    sc_floor = tinker.ServiceClient(base_url=no_work_url, api_key=API_KEY)
+    tc_floor = sc_floor.create_lora_training_client(base_model=base_model, rank=RANK, seed=0).result()
+    try:
+        return measure(args, server, no_work_url, model, runtime, step_a, last_a, sdk_clock,
+                       (tc_pipe, tc_naive, tc_floor), seqs, device)
+    finally:
+        sc_floor.holder.close()
+        sc.holder.close()
+
+
+def measure(args, server, no_work_url, model, runtime, step_a, last_a, sdk_clock, clients, seqs, device) -> int:
+    from tinker import types
+
+    tc_pipe, tc_naive, tc_floor = clients
+    n_params = sum(p.numel() for p in model.parameters())
     datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
                           loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)})
               for s in seqs]
     sdk_adam = types.AdamParams(learning_rate=LR)
 
-    def step_pipelined() -> float:
+    def pipelined(tc) -> float:
         t = time.perf_counter()
-        fb = tc_pipe.forward_backward(datums, "cross_entropy")
-        opt = tc_pipe.optim_step(sdk_adam)
+        fb = tc.forward_backward(datums, "cross_entropy")
+        opt = tc.optim_step(sdk_adam)
         fb.result()
         opt.result()
         return time.perf_counter() - t
+
+    floor_passes: list[float] = []  # each (c) step's timer pass
+
+    def step_floor() -> float:
+        reply = httpx.post(f"{no_work_url}/_pass_seconds", content=str(last_a[0]), timeout=10)
+        reply.raise_for_status()
+        if floor_passes and not reply.json()["answering_from_memory"]:  # past its first step
+            raise RuntimeError("the no-work server still passes the steps on to the real server")
+        floor_passes.append(last_a[0])
+        return pipelined(tc_floor)
 
     def step_naive() -> float:
         t = time.perf_counter()
@@ -215,7 +260,7 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
         tc_naive.optim_step(sdk_adam).result()
         return time.perf_counter() - t
 
-    sdk_own: dict[str, list[tuple[float, float]]] = {"pipelined": [], "naive": []}
+    sdk_own: dict[str, list[tuple[float, float]]] = {"pipelined": [], "naive": [], "floor": []}
 
     def sdk_timed(step, mode):
         def timed() -> float:
@@ -227,7 +272,8 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
             return seconds
         return timed
 
-    modes = {"a": step_a, "pipelined": sdk_timed(step_pipelined, "pipelined"), "naive": sdk_timed(step_naive, "naive")}
+    modes = {"a": step_a, "pipelined": sdk_timed(lambda: pipelined(tc_pipe), "pipelined"),
+             "naive": sdk_timed(step_naive, "naive"), "floor": sdk_timed(step_floor, "floor")}
     times: dict[str, list[float]] = {m: [] for m in modes}
     # Per measured SDK step: (cycles, seconds in cycles, {route: http seconds}) from /metrics,
     # scraped between steps (outside the timed region).
@@ -250,7 +296,7 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
     while done < args.steps:
         n = min(args.block, args.steps - done)
         for m in order:
-            before = scrape(server.base_url) if m != "a" else None
+            before = scrape(server.base_url) if m in server_steps else None
             for _ in range(n):
                 times[m].append(modes[m]())
                 if before is not None:
@@ -272,7 +318,8 @@ def run(args, server: ServerProcess, base_model: str, model_dir: Path) -> int:
 
     for m in sdk_own:  # the warm-up's steps are not measured
         sdk_own[m] = sdk_own[m][-len(times[m]):] if times[m] else []
-    report(args, times, server_steps, sdk_own, busy)
+    floor_passes[:] = floor_passes[-len(times["floor"]):]  # the warm-up's are not measured
+    report(args, times, server_steps, sdk_own, busy, floor_passes)
     return 0
 
 
@@ -286,29 +333,35 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> tuple[float, fl
     return d("hosted_tinker_cycles_total"), d("hosted_tinker_cycle_seconds_total"), http
 
 
-def report(args, times: dict[str, list[float]], server_steps, sdk_own, busy: bool) -> None:
+def report(args, times: dict[str, list[float]], server_steps, sdk_own, busy: bool, floor_passes: list[float]) -> None:
     ms = {m: [1000 * t for t in ts] for m, ts in times.items()}
     med_a = statistics.median(ms["a"])
     print()
     print(f"{'mode':<22}{'steps':>6}{'median ms':>11}{'p90 ms':>9}{'overhead ms':>13}{'paired ms':>11}"
           f"{'ratio':>8}")
-    rows = [("(a) in-process", "a"), ("(b) SDK pipelined", "pipelined"), ("(b') SDK naive", "naive")]
+    rows = [("(a) in-process", "a"), ("(b) SDK pipelined", "pipelined"), ("(b') SDK naive", "naive"),
+            ("(c) no-work server", "floor")]
+    pairs = {m: ms["a"] for m in ms}
+    pairs["floor"] = [1000 * t for t in floor_passes]  # (c)'s own timer: the (a) step just before it
     for label, m in rows:
         med, p90 = statistics.median(ms[m]), pct(ms[m], 0.9)
         over = "" if m == "a" else f"{med - med_a:+.1f}"
-        paired = "" if m == "a" else f"{statistics.median(b - a for a, b in zip(ms['a'], ms[m])):+.1f}"
+        paired = "" if m == "a" else f"{statistics.median(b - a for a, b in zip(pairs[m], ms[m])):+.1f}"
         ratio = "" if m == "a" else f"{med / med_a:.3f}"
         print(f"{label:<22}{len(ms[m]):>6}{med:>11.1f}{p90:>9.1f}{over:>13}{paired:>11}{ratio:>8}")
     paired_b = statistics.median(b - a for a, b in zip(ms["a"], ms["pipelined"]))
     verdict = "not judged (busy machine)" if busy else ("MET" if paired_b <= 5.0 else "NOT MET")
     print(f"target (pipelined): paired overhead <= 5 ms -> {verdict}")
     print("  overhead = median(b) - median(a); paired = median over rounds of (b_i - a_i)")
+    floor = statistics.median(b - a for a, b in zip(pairs["floor"], ms["floor"]))
+    print(f"  (c): paired against its own timer pass. The SDK and loopback HTTP alone add {floor:+.1f} ms to a step"
+          f" on this machine: no server can add less; (b) - (c) = {paired_b - floor:+.1f} ms is this server's share")
 
     print()
     print("where (b)'s time goes, per step, medians over steps (server /metrics scraped between steps):")
     print(f"{'mode':<22}{'cycles':>8}{'in cycles':>11}{'- (a)':>8}{'outside':>9}{'fb http':>9}{'optim http':>12}"
           f"{'SDK first':>11}{'SDK last':>10}")
-    for label, m in rows[1:]:
+    for label, m in rows[1:3]:
         steps = server_steps[m]
         if not steps:
             continue
