@@ -200,14 +200,11 @@ def run(args, server: ServerProcess, no_work_url: str, base_model: str, model_di
                           for s in seqs])]
     adam = AdamParams(learning_rate=LR)
 
-    last_a = [0.0]  # the latest (a) step: mode (c)'s pass lasts as long
-
-    def step_a() -> float:
-        t = time.perf_counter()
-        runtime.forward_backward(works)
-        runtime.optim_step("bench", adam)
-        last_a[0] = time.perf_counter() - t
-        return last_a[0]
+    step_a = InProcessStep(runtime, works, adam)
+    print(f"model: hidden {args.hidden} x {args.layers} layers, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"LoRA rank {RANK}; batch {args.batch} x {args.seq_len} tokens; "
+          f"device {device}, torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")
 
     # ---- (b) the real SDK over loopback ----
     # One training client (one adapter) per SDK mode: the server adapts to how a client posts
@@ -219,18 +216,33 @@ def run(args, server: ServerProcess, no_work_url: str, base_model: str, model_di
     sc_floor = tinker.ServiceClient(base_url=no_work_url, api_key=API_KEY)
     tc_floor = sc_floor.create_lora_training_client(base_model=base_model, rank=RANK, seed=0).result()
     try:
-        return measure(args, server, no_work_url, model, runtime, step_a, last_a, sdk_clock,
-                       (tc_pipe, tc_naive, tc_floor), seqs, device)
+        return measure(args, server, no_work_url, step_a, sdk_clock, (tc_pipe, tc_naive, tc_floor), seqs)
     finally:
         sc_floor.holder.close()
         sc.holder.close()
 
 
-def measure(args, server, no_work_url, model, runtime, step_a, last_a, sdk_clock, clients, seqs, device) -> int:
+class InProcessStep:
+    """Mode (a): one step on the runtime in this process; the last one's seconds are (c)'s pass."""
+
+    def __init__(self, runtime: TrainingRuntime, works: list[FBWork], adam: AdamParams):
+        self.runtime, self.works, self.adam = runtime, works, adam
+        self.last = 0.0
+
+    def __call__(self) -> float:
+        t = time.perf_counter()
+        self.runtime.forward_backward(self.works)
+        self.runtime.optim_step("bench", self.adam)
+        self.last = time.perf_counter() - t
+        return self.last
+
+
+def measure(args, server: ServerProcess, no_work_url: str, step_a: InProcessStep, sdk_clock: SdkRequestClock,
+            clients, seqs: list[list[int]]) -> int:
+    """Every mode's steps, interleaved, and the report."""
     from tinker import types
 
     tc_pipe, tc_naive, tc_floor = clients
-    n_params = sum(p.numel() for p in model.parameters())
     datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
                           loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)})
               for s in seqs]
@@ -247,11 +259,11 @@ def measure(args, server, no_work_url, model, runtime, step_a, last_a, sdk_clock
     floor_passes: list[float] = []  # each (c) step's timer pass
 
     def step_floor() -> float:
-        reply = httpx.post(f"{no_work_url}/_pass_seconds", content=str(last_a[0]), timeout=10)
+        reply = httpx.post(f"{no_work_url}/_pass_seconds", content=str(step_a.last), timeout=10)
         reply.raise_for_status()
         if floor_passes and not reply.json()["answering_from_memory"]:  # past its first step
             raise RuntimeError("the no-work server still passes the steps on to the real server")
-        floor_passes.append(last_a[0])
+        floor_passes.append(step_a.last)
         return pipelined(tc_floor)
 
     def step_naive() -> float:
@@ -279,9 +291,6 @@ def measure(args, server, no_work_url, model, runtime, step_a, last_a, sdk_clock
     # scraped between steps (outside the timed region).
     server_steps: dict[str, list[tuple[float, float, dict[str, float]]]] = {"pipelined": [], "naive": []}
 
-    print(f"model: hidden {args.hidden} x {args.layers} layers, {n_params / 1e6:.1f}M params, "
-          f"LoRA rank {RANK}; batch {args.batch} x {args.seq_len} tokens; "
-          f"device {device}, torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs")
     for fn in modes.values():
         for _ in range(args.warmup):
             fn()
