@@ -29,9 +29,6 @@ import uuid
 import httpx
 import uvicorn
 
-PASSED_HEADERS = ("content-type", "content-encoding")
-
-
 class NoWorkServer:
     def __init__(self, upstream: str):
         self.upstream = httpx.AsyncClient(base_url=upstream, timeout=None)
