@@ -30,6 +30,33 @@ def process_cpu_ns(pid: int) -> int:
     return total
 
 
+def cpu_ms_per_post(http, pid: int, path: str, bodies: list[tuple[bytes, str]]) -> float:
+    """POST each (body, content type) to `path` with `http` (an httpx.Client), one after another;
+    the CPU that server process `pid` spent on them, in ms per POST."""
+    before = process_cpu_ns(pid)
+    for content, media in bodies:
+        http.post(path, content=content, headers={"Content-Type": media}).raise_for_status()
+    return (process_cpu_ns(pid) - before) / 1e6 / len(bodies)
+
+
+def sdk_datums(seqs: list[list[int]]) -> list:
+    """The SDK's cross-entropy datums of these token sequences: each predicts its own next tokens."""
+    from tinker import types
+
+    return [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
+                        loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)}) for s in seqs]
+
+
+def forward_backward_message(datums: list):
+    """A forward_backward of `datums` encoded as the SDK sends it (protobuf); set its model_id and seq_id
+    before each `SerializeToString()`."""
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    return forward_backward_request_to_proto(types.ForwardBackwardRequest(
+        model_id="", seq_id=0, forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn="cross_entropy")))
+
+
 def host_op_counts(fn) -> tuple[int, int]:
     """(all, top-level) aten ops that one call of fn dispatches (runtime/step_audit.py's count)."""
     from hosted_tinker.runtime.step_audit import host_op_counts as count

@@ -162,7 +162,7 @@ def training(args, tmp: Path) -> None:
 def overhead(args, tmp: Path, old_tree: Path) -> None:
     from tinker import types
 
-    from bench_common import fb_work
+    from bench_common import fb_work, sdk_datums
     from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model
     from overhead import API_KEY, LR, RANK, make_batch
     from server_process import ServerProcess
@@ -171,8 +171,7 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
                          intermediate_size=768)  # overhead.py's default model
     base_model = str(build_tiny_model(tmp / "model", spec))
     seqs = make_batch(4, 96, 1000)
-    datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                          loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)}) for s in seqs]
+    datums = sdk_datums(seqs)
     servers, steps = [], {}
     try:
         for tag, package in REVISIONS:
@@ -308,22 +307,16 @@ REQUEST_BODIES = ((4, 96), (64, 1000))  # (datums, tokens each): overhead.py's d
 
 def requests(args, tmp: Path, old_tree: Path) -> None:
     import httpx
-    from tinker import types
-    from tinker.proto.request_conv import forward_backward_request_to_proto
 
-    from bench_common import process_cpu_ns
+    from bench_common import cpu_ms_per_post, forward_backward_message, sdk_datums
     from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model
     from overhead import API_KEY, RANK, make_batch
     from server_process import ServerProcess
 
     base_model = str(build_tiny_model(tmp / "model", TinyModelSpec()))
-    messages = {}  # one encoded request per body, its model_id and seq_id set before each post
-    for n, tokens in REQUEST_BODIES:
-        datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                              loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * tokens})
-                  for s in make_batch(n, tokens, 1000)]
-        messages[(n, tokens)] = forward_backward_request_to_proto(types.ForwardBackwardRequest(
-            model_id="", seq_id=0, forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn="cross_entropy")))
+    # one encoded request per body, its model_id and seq_id set before each post
+    messages = {(n, tokens): forward_backward_message(sdk_datums(make_batch(n, tokens, 1000)))
+                for n, tokens in REQUEST_BODIES}
     servers, targets = [], {}
     try:
         for tag, _ in REVISIONS:
@@ -332,8 +325,7 @@ def requests(args, tmp: Path, old_tree: Path) -> None:
             servers.append(server.start())
             model_id = server.client(API_KEY).create_lora_training_client(  # closed by server.stop()
                 base_model=base_model, rank=RANK, seed=0).result().model_id
-            http = httpx.Client(base_url=server.base_url, timeout=60, headers={
-                "X-API-Key": API_KEY, "Content-Type": "application/x-protobuf"})
+            http = httpx.Client(base_url=server.base_url, timeout=60, headers={"X-API-Key": API_KEY})
             targets[tag] = (http, server.proc.pid, model_id)
         seq = 1  # seq_id 1 is never sent: every request stays queued behind it
         cpu: dict[tuple, list[float]] = {}
@@ -346,11 +338,8 @@ def requests(args, tmp: Path, old_tree: Path) -> None:
                     for _ in range(args.per_round):
                         seq += 1
                         msg.model_id, msg.seq_id = model_id, seq
-                        posts.append(msg.SerializeToString())
-                    ns = process_cpu_ns(pid)
-                    for content in posts:
-                        http.post("/api/v1/forward_backward", content=content).raise_for_status()
-                    cpu.setdefault((body, tag), []).append((process_cpu_ns(pid) - ns) / 1e6 / args.per_round)
+                        posts.append((msg.SerializeToString(), "application/x-protobuf"))
+                    cpu.setdefault((body, tag), []).append(cpu_ms_per_post(http, pid, "/api/v1/forward_backward", posts))
             order.reverse()
     finally:
         for http, _, _ in targets.values():

@@ -25,6 +25,7 @@ import json
 import socket
 import sys
 import uuid
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -122,5 +123,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # hosted_tinker, for the protobuf
     sys.exit(main())

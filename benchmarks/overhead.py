@@ -55,7 +55,7 @@ from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
-from bench_common import cpu_stall_us  # noqa: E402
+from bench_common import cpu_stall_us, sdk_datums  # noqa: E402
 
 API_KEY = "tml-bench"
 RANK = 32
@@ -243,9 +243,7 @@ def measure(args, server: ServerProcess, no_work_url: str, step_a: InProcessStep
     from tinker import types
 
     tc_pipe, tc_naive, tc_floor = clients
-    datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                          loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)})
-              for s in seqs]
+    datums = sdk_datums(seqs)
     sdk_adam = types.AdamParams(learning_rate=LR)
 
     def pipelined(tc) -> float:

@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import httpx  # noqa: E402
 
-from bench_common import process_cpu_ns  # noqa: E402
+from bench_common import cpu_ms_per_post, forward_backward_message, sdk_datums  # noqa: E402
 from overhead import API_KEY, LR, RANK, make_batch, start_no_work_server  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -60,17 +60,13 @@ def main() -> int:
 
     import tinker
     from tinker import types
-    from tinker.proto.request_conv import forward_backward_request_to_proto
 
     from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="ht-post-cost-"))
     base_model = str(build_tiny_model(tmp / "model", TinyModelSpec()))
-    datums = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1]),
-                          loss_fn_inputs={"target_tokens": s[1:], "weights": [1.0] * (len(s) - 1)})
-              for s in make_batch(4, 96, 1000)]
-    fb_message = forward_backward_request_to_proto(types.ForwardBackwardRequest(
-        model_id="", seq_id=0, forward_backward_input=types.ForwardBackwardInput(data=datums, loss_fn="cross_entropy")))
+    datums = sdk_datums(make_batch(4, 96, 1000))
+    fb_message = forward_backward_message(datums)
     server = ServerProcess(tmp / "server", base_model=base_model, args=("--gap-timeout-s", "3600"))
     no_work = None
     clients: list[httpx.Client] = []
@@ -112,11 +108,9 @@ def measure(args, targets: dict, fb_message) -> dict[tuple[str, str], list[float
             for route in ROUTES:
                 posts = bodies(model_id, seq, args.per_round, route, fb_message)
                 seq += args.per_round
-                before = process_cpu_ns(pid)
-                for content, media in posts:
-                    http.post(f"/api/v1/{route}", content=content, headers={"Content-Type": media}).raise_for_status()
+                ms = cpu_ms_per_post(http, pid, f"/api/v1/{route}", posts)
                 if r:
-                    cpu.setdefault((tag, route), []).append((process_cpu_ns(pid) - before) / 1e6 / args.per_round)
+                    cpu.setdefault((tag, route), []).append(ms)
     return cpu
 
 
