@@ -24,7 +24,7 @@ Presets: `gpu` (the default where CUDA is: the 1.4B Qwen3-1.7B-shaped body and t
 MoE body of multi_tenant.py) and `cpu` (the default elsewhere: the embedded tiny body and a 64x2,
 4-expert MoE, 32-token datums; seconds); both in bf16 unless --dtype says otherwise. `--moe-body a3b` profiles Qwen3-30B-A3B's layer
 shapes cut to 4 layers (benchmarks/bodies.py) instead. Sized for 3 minutes on an H100 or H200
-(not yet run on a GPU: the CPU preset is what tests/test_profile_step.py runs).
+(27 s on an H200 at 9b9bbbf; the CPU preset is what tests/test_profile_step.py runs).
 """
 
 from __future__ import annotations
