@@ -4,10 +4,10 @@ N tenants (default 1, 2, 4, 8, 16), each with its own LoRA adapter (rank 16, eve
 MLP projection, PEFT's "all-linear": lm_head is not adapted), each sending 2 datums x 128 tokens
 of cross_entropy per step, on several model sizes. Per (size, N), in one run, interleaved:
 
-  (a) fused:  one ``TrainingRuntime.forward_backward([FBWork of every tenant])`` + one
-              ``optim_steps`` over every tenant -- what one clock cycle of the server does;
-  (b) serial: the same work tenant after tenant: per tenant one ``forward_backward`` + its
-              ``optim_step``;
+  (a) fused:  one fused pass over every tenant's ``FBWork`` and one ``optim_steps`` over every
+              tenant, launched, then one wait for the device -- what one clock cycle of the
+              server does (bench_common.cycle_step);
+  (b) serial: the same work tenant after tenant: per tenant one such cycle of its own;
   (c) ideal:  a plain ``transformers`` model with ONE PEFT LoRA adapter of the same rank and
               targets: one forward/backward over all N x 2 rows + one AdamW step. The compute
               floor of the same token count (one adapter, one optimizer, no bookkeeping).
@@ -68,7 +68,7 @@ from hosted_tinker.requests.kinds import FBWork  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from bodies import LABELS, MOE, SIZES, build_models  # noqa: E402
-from bench_common import (cpu_stall_us, fb_work, host_op_counts, matmul_peak_tflops, paired_ratio,  # noqa: E402
+from bench_common import (cpu_stall_us, cycle_step, fb_work, host_op_counts, matmul_peak_tflops, paired_ratio,  # noqa: E402
                           tenant_rows)
 
 RANK = 16
@@ -114,14 +114,12 @@ def sync(device: torch.device) -> None:
 
 
 def fused_step(runtime: TrainingRuntime, works: list[FBWork], adam: AdamParams) -> None:
-    runtime.forward_backward(works)
-    runtime.optim_steps([(w.model_id, adam) for w in works])
+    cycle_step(runtime, works, [(w.model_id, adam) for w in works])
 
 
 def serial_step(runtime: TrainingRuntime, works: list[FBWork], adam: AdamParams) -> None:
     for w in works:
-        runtime.forward_backward([w])
-        runtime.optim_step(w.model_id, adam)
+        cycle_step(runtime, [w], [(w.model_id, adam)])
 
 
 def ideal_step(peft_model, opt, ids: torch.Tensor, targets: torch.Tensor) -> None:

@@ -56,7 +56,7 @@ from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.losses import resolve_loss_config  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
-from bench_common import cpu_stall_us, sdk_datums  # noqa: E402
+from bench_common import cpu_stall_us, cycle_step, sdk_datums  # noqa: E402
 
 API_KEY = "tml-bench"
 RANK = 32
@@ -224,11 +224,9 @@ def run(args, server: ServerProcess, no_work_url: str, base_model: str, model_di
 
 
 class InProcessStep:
-    """Mode (a): one step on the runtime in this process, done as a server cycle does it: the pass
-    and the AdamW step launched, one wait for the device, then both read. On a GPU this is the
-    fastest a caller of the runtime can go (forward_backward then optim_step would wait twice and
-    launch the optimizer only once the pass is done: 5-7 ms more a step on the 1.4B body, H200), so
-    (b) is held to what the server's own cycle could do. The last one's seconds are (c)'s pass."""
+    """Mode (a): one step on the runtime in this process, done as a server cycle does it
+    (bench_common.cycle_step), so that (b) is held to what the server's own cycle could do. The
+    last one's seconds are (c)'s pass."""
 
     def __init__(self, runtime: TrainingRuntime, works: list[FBWork], adam: AdamParams):
         self.runtime, self.works, self.adam = runtime, works, adam
@@ -236,11 +234,7 @@ class InProcessStep:
 
     def __call__(self) -> float:
         t = time.perf_counter()
-        fb = self.runtime.launch_forward_backward(self.works)
-        steps = self.runtime.launch_optim_steps([("bench", self.adam)])
-        self.runtime.wait()
-        fb.outcomes()
-        steps.results()
+        cycle_step(self.runtime, self.works, [("bench", self.adam)])
         self.last = time.perf_counter() - t
         return self.last
 

@@ -54,7 +54,7 @@ from hosted_tinker.models.loading import pick_device, pick_dtype  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.step_audit import SyncAudit  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
-from bench_common import fb_work, host_op_counts, tenant_rows  # noqa: E402
+from bench_common import cycle_step, fb_work, host_op_counts, tenant_rows  # noqa: E402
 from bodies import LABELS, build_models  # noqa: E402
 
 # Both run in bf16 by default (--dtype): the dtype decides which paths a step takes (LoRA GEMMs,
@@ -94,15 +94,14 @@ def make_runtime(body: str, tenants: int, device: torch.device, dtype: torch.dty
 
 
 def step_fn(runtime: TrainingRuntime, n: int, seq_len: int):
-    """One clock cycle's training work for tenants 0..n-1: fused fb + one optim_steps."""
+    """One clock cycle's training work for tenants 0..n-1: fused fb + one optim_steps, one wait."""
     vocab = min(runtime.vocab_size, 1000)
     rows = tenant_rows(n, ROWS, seq_len, vocab)
     works = [fb_work(f"tenant-{t}", rows[t]) for t in range(n)]
     adam = AdamParams(learning_rate=1e-4)
 
     def step() -> None:
-        runtime.forward_backward(works)
-        runtime.optim_steps([(w.model_id, adam) for w in works])
+        cycle_step(runtime, works, [(w.model_id, adam) for w in works])
     return step
 
 

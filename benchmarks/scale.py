@@ -50,7 +50,7 @@ from hosted_tinker.models.loading import load_base_model  # noqa: E402
 from hosted_tinker.runtime.adapters import AdamParams, LoRAConfig  # noqa: E402
 from hosted_tinker.runtime.trainer import TrainingRuntime  # noqa: E402
 from hosted_tinker.server.served_models import make_runtime  # noqa: E402
-from bench_common import cpu_stall_us, fb_work, paired_ratio, tenant_rows  # noqa: E402
+from bench_common import cpu_stall_us, cycle_step, fb_work, paired_ratio, tenant_rows  # noqa: E402
 
 LORA = LoRAConfig(rank=16, train_unembed=False)
 ADAM = AdamParams(learning_rate=1e-4)
@@ -73,8 +73,7 @@ What a run over several GPUs needs (one machine, N GPUs; docs/scale.md):
 
 def step(runtime, works, adam: AdamParams) -> float:
     t = time.perf_counter()
-    runtime.forward_backward(works)
-    runtime.optim_steps([(w.model_id, adam) for w in works])
+    cycle_step(runtime, works, [(w.model_id, adam) for w in works])
     if runtime.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t
