@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_common import first_module  # noqa: E402
+from bench_common import cycle_step, first_module  # noqa: E402
 
 PACKAGE = "hosted_tinker"
 OLD_PACKAGE = "hosted_tinker_at_old_revision"
@@ -164,8 +164,13 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
 
     from bench_common import fb_work, sdk_datums
     from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model
+    from hosted_tinker.runtime.cpu_threads import choose_threads
     from overhead import API_KEY, LR, RANK, make_batch
     from server_process import ServerProcess
+
+    # (a) computes on the threads the servers' device loops get (--cpu-threads auto), as in overhead.py:
+    # on 2 cores torch's default of 2 made (a) ~90 ms against the servers' ~140 ms and the ratio meaningless.
+    torch.set_num_threads(choose_threads("auto").threads)
 
     spec = TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
                          intermediate_size=768)  # overhead.py's default model
@@ -187,8 +192,7 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
             adam = adapters.AdamParams(learning_rate=LR)
 
             def in_process(runtime=runtime, works=works, adam=adam) -> None:
-                runtime.forward_backward(works)
-                runtime.optim_step("bench", adam)
+                cycle_step(runtime, works, [("bench", adam)])
 
             client = server.client(API_KEY).create_lora_training_client(
                 base_model=base_model, rank=RANK, seed=0).result()
