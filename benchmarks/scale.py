@@ -73,9 +73,7 @@ What a run over several GPUs needs (one machine, N GPUs; docs/scale.md):
 
 def step(runtime, works, adam: AdamParams) -> float:
     t = time.perf_counter()
-    cycle_step(runtime, works, [(w.model_id, adam) for w in works])
-    if runtime.device.type == "cuda":
-        torch.cuda.synchronize()
+    cycle_step(runtime, works, [(w.model_id, adam) for w in works])  # its one wait is the device's
     return time.perf_counter() - t
 
 
