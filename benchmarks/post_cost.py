@@ -7,7 +7,8 @@ requests with the same uvicorn/httptools stack and answers them from memory. The
 this server's own work per POST (routing, key, decoding, validation, the future's SQLite row,
 queueing, the access log, the thread hop); the no-work server's figure is the floor no server on
 this stack goes under. No pass runs: the real server's requests wait behind a seq_id never sent.
-CPU is the server process's threads' (/proc schedstat), read around each burst of POSTs.
+CPU is the server process's threads' (/proc schedstat), read around each burst of POSTs. Then
+the parts of that difference, each timed alone in this process (post_parts.py).
 
     .venv/bin/python benchmarks/post_cost.py [--rounds 8] [--per-round 50]
 
@@ -34,6 +35,7 @@ import httpx  # noqa: E402
 
 from bench_common import cpu_ms_per_post, forward_backward_message, sdk_datums  # noqa: E402
 from overhead import API_KEY, LR, RANK, make_batch, start_no_work_server  # noqa: E402
+from post_parts import measure_parts, report_parts  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 ROUTES = ("forward_backward", "optim_step")
@@ -96,6 +98,9 @@ def main() -> int:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     report(args, cpu)
+    fb_message.model_id, fb_message.seq_id = "m", 1
+    report_parts(measure_parts(fb_message.SerializeToString()),
+                 min(statistics.median(cpu[("no-work server", route)]) for route in ROUTES))
     return 0
 
 
