@@ -38,7 +38,7 @@ Here both revisions' code runs in every round, in rotating order:
 
     .venv/bin/python benchmarks/compare_revisions.py training --old REV [--sizes tiny,small,medium]
         [--tenants 1,2,4,8,16] [--rounds-scale 1.0] [--threads 1]
-    .venv/bin/python benchmarks/compare_revisions.py overhead --old REV [--rounds 150]
+    .venv/bin/python benchmarks/compare_revisions.py overhead --old REV [--rounds 150] [--hidden 256 --layers 4]
     .venv/bin/python benchmarks/compare_revisions.py images --old REV
     .venv/bin/python benchmarks/compare_revisions.py requests --old REV [--rounds 7] [--per-round 20]
     .venv/bin/python benchmarks/compare_revisions.py sampling --old REV [--rounds 5] [--preset small]
@@ -163,18 +163,16 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
     from tinker import types
 
     from bench_common import fb_work, sdk_datums
-    from hosted_tinker.models.embedded import TinyModelSpec, build_tiny_model
+    from hosted_tinker.models.embedded import build_tiny_model
     from hosted_tinker.runtime.cpu_threads import choose_threads
-    from overhead import API_KEY, LR, RANK, make_batch
+    from overhead import API_KEY, LR, RANK, body_spec, make_batch
     from server_process import ServerProcess
 
     # (a) computes on the threads the servers' device loops get (--cpu-threads auto), as in overhead.py:
     # on 2 cores torch's default of 2 made (a) ~90 ms against the servers' ~140 ms and the ratio meaningless.
     torch.set_num_threads(choose_threads("auto").threads)
 
-    spec = TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
-                         intermediate_size=768)  # overhead.py's default model
-    base_model = str(build_tiny_model(tmp / "model", spec))
+    base_model = str(build_tiny_model(tmp / "model", body_spec(args.hidden, args.layers)))
     seqs = make_batch(4, 96, 1000)
     datums = sdk_datums(seqs)
     servers, steps = [], {}
@@ -219,8 +217,8 @@ def overhead(args, tmp: Path, old_tree: Path) -> None:
         for server in servers:
             server.stop()
     med = {m: statistics.median(v) for m, v in times.items()}
-    print(f"overhead: old = {args.old}, new = this checkout; {args.rounds} rounds; (a) in-process, "
-          "(b) SDK pipelined")
+    print(f"overhead: old = {args.old}, new = this checkout; {args.rounds} rounds; hidden {args.hidden} x "
+          f"{args.layers} layers; (a) in-process, (b) SDK pipelined")
     for tag, _ in REVISIONS:
         print(f"  {tag}: (a) {med['a ' + tag]:.1f} ms, (b) {med['b ' + tag]:.1f} ms, "
               f"ratio median(b)/median(a) {med['b ' + tag] / med['a ' + tag]:.3f}, "
@@ -456,6 +454,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="training, sampling: torch intra-op threads (default 1)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="overhead (default 150), requests (default 7), sampling (default 5): rounds")
+    ap.add_argument("--hidden", type=int, default=256, help="overhead: the model's hidden size (default 256; "
+                    "overhead.py's tiny body: 64)")
+    ap.add_argument("--layers", type=int, default=4, help="overhead: the model's layers (default 4; tiny: 1)")
     ap.add_argument("--per-round", type=int, default=20, help="requests: POSTs per body and server a round (default 20)")
     ap.add_argument("--preset", default="small", help="sampling: the model, a preset of embedded_model (default small)")
     ap.add_argument("--requests", type=int, default=64, help="sampling: concurrent requests (default 64)")

@@ -118,6 +118,15 @@ class SdkRequestClock:
 STEP_ROUTES = {"/api/v1/forward_backward", "/api/v1/optim_step", "/api/v1/retrieve_future"}
 
 
+def body_spec(hidden: int, layers: int) -> TinyModelSpec:
+    """The model of `--hidden` and `--layers` (256 x 4 by default; 64 x 1 the tiny body)."""
+    head_dim = 64 if hidden >= 256 else 16
+    heads = max(1, hidden // head_dim)
+    return TinyModelSpec(hidden_size=hidden, num_layers=layers, num_heads=heads,
+                         num_kv_heads=max(1, heads // 2) if heads % 2 == 0 else heads,
+                         head_dim=head_dim, intermediate_size=3 * hidden)
+
+
 def make_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, seq_len + 1).tolist() for _ in range(batch)]
@@ -145,12 +154,7 @@ def main() -> int:
     torch.set_num_threads(choose_threads(given[-1] if given else "auto").threads)
 
     tmp = Path(tempfile.mkdtemp(prefix="ht-overhead-"))
-    head_dim = 64 if args.hidden >= 256 else 16
-    heads = max(1, args.hidden // head_dim)
-    spec = TinyModelSpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
-                         num_kv_heads=max(1, heads // 2) if heads % 2 == 0 else heads,
-                         head_dim=head_dim, intermediate_size=3 * args.hidden)
-    model_dir = build_tiny_model(tmp / "model", spec)
+    model_dir = build_tiny_model(tmp / "model", body_spec(args.hidden, args.layers))
     base_model = str(model_dir)
 
     t0 = time.perf_counter()
