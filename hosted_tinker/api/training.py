@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
-from starlette.datastructures import State
 from pydantic import Field
+from starlette.datastructures import State
 
 from ..accounts.access import Access, owned
 from ..checkpoints.encryption import parse_recipients
@@ -118,10 +118,11 @@ INLINE_BODY_BYTES = 64 * 1024
 
 
 async def on_loop_if_writer_free(state: State, route: str, submit: Callable[[], dict]) -> dict:
-    """`submit()` (a training request's submission: reads, then its future's row written) on the event
-    loop if SQLite's writer is free, so that the write waits for nothing (database.py); else in the
-    thread pool, where a write may wait. On the loop it saves the hop to the pool and back, ~0.25 ms
-    of CPU per POST on a small VM (benchmarks/post_parts.py, issue 42). Counted by where it ran."""
+    """`submit()` (a training request's submission: SQLite reads by key, which wait for nothing in
+    WAL mode, then its future's row written) on the event loop if SQLite's writer is free, so that
+    the write waits for nothing either (database.py); else in the thread pool, where it may. On the
+    loop it saves the hop to the pool and back, ~0.25 ms of CPU per POST on a small VM
+    (benchmarks/post_parts.py, issue 42). Counted by where it ran."""
     with state.training.store.db.writer_if_free() as free:
         if free:
             state.metrics.training_posts.labels(route, "event_loop").inc()
