@@ -5,16 +5,12 @@ The server runs in this process (uvicorn in a thread, as tests/test_event_loop.p
 can see which code answered: a real SDK's training step must not reach FastAPI's dependency solving,
 and every request of a catalog (valid, refused by its body, its key, its model, its size) gets the
 same status, body and content type from the fast path as from the FastAPI route it stands for,
-which the test reaches by letting `HotRoutes` pass every request on. A step's `forward_backward` and
-`optim_step` are submitted on the event loop itself while SQLite's writer is free (no hop to the
-thread pool and back); a body over `INLINE_BODY_BYTES` is decoded and submitted in the pool.
+which the test reaches by letting `HotRoutes` pass every request on.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 import socket
 
 import fastapi.routing
@@ -26,10 +22,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from helpers import BASE_MODEL, sft_batch
 from hosted_tinker.api import hot_routes
-from hosted_tinker.api import training as training_routes
 from hosted_tinker.config.settings import ServerConfig
 from hosted_tinker.server.core import Server
-from hosted_tinker.services.training import TrainingRequests
 from server_process import free_port, serve_in_process
 
 pytestmark = pytest.mark.e2e
@@ -62,53 +56,6 @@ def test_a_training_step_never_reaches_fastapis_dependency_solving(in_process_se
     hot = set(hot_routes.HOT_ROUTES)
     assert not [path for path in solved if path in hot], solved
     assert "/api/v1/forward_backward" in hot  # the routes the fast path stands for, named where it checks
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # a thread of the pool runs no event loop
-        return False
-    return True
-
-
-def test_a_steps_requests_are_submitted_on_the_event_loop_and_a_large_body_in_the_pool(in_process_server,
-                                                                                       monkeypatch):
-    where: list[tuple[str, bool]] = []  # (method, on the event loop) per submission
-    for name in ("forward_backward", "optim_step"):
-        def recorded(self, *args, _real=getattr(TrainingRequests, name), _name=name):
-            where.append((_name, _on_event_loop()))
-            return _real(self, *args)
-        monkeypatch.setattr(TrainingRequests, name, recorded)
-    with tinker.ServiceClient(base_url=in_process_server, api_key=KEY) as sc:
-        tc = sc.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
-        for _ in range(3):
-            fb = tc.forward_backward(sft_batch(2), "cross_entropy")
-            opt = tc.optim_step(types.AdamParams(learning_rate=1e-3))
-            assert fb.result().loss_fn_outputs and opt.result() is not None
-        steps = list(where)
-        big = forward_backward_request_to_proto(types.ForwardBackwardRequest(
-            forward_backward_input=types.ForwardBackwardInput(data=sft_batch(8, min_len=600, max_len=700),
-                                                              loss_fn="cross_entropy"),
-            model_id=tc.model_id, seq_id=tc._request_id_counter + 1)).SerializeToString()
-    assert len(big) > training_routes.INLINE_BODY_BYTES
-    with httpx.Client(base_url=in_process_server, timeout=60) as http:
-        r = http.post("/api/v1/forward_backward", content=big,
-                      headers={"Content-Type": "application/x-protobuf", "X-API-Key": KEY})
-        assert r.status_code == 200, r.text
-        metrics = http.get("/metrics").text
-    assert where[len(steps):] == [("forward_backward", False)]  # the large body: in the pool
-    counted = {(route, thread): float(n) for route, thread, n in re.findall(
-        r'hosted_tinker_training_posts_total\{route="/api/v1/(\w+)",thread="(\w+)"\} (\S+)', metrics)}
-    for method in ("forward_backward", "optim_step"):
-        ran = [on_loop for name, on_loop in steps if name == method]
-        assert len(ran) == 3
-        # A background writer (the accounting's flush, a heartbeat's) may hold SQLite's writer at the
-        # moment a POST arrives: that one goes to the pool, counted there. Three of each never all do.
-        assert any(ran), f"every {method} of the steps was submitted in the thread pool"
-        assert counted.get((method, "event_loop"), 0) == ran.count(True)
-        pooled = ran.count(False) + (method == "forward_backward")
-        assert counted.get((method, "thread_pool"), 0) == pooled, counted
 
 
 def _catalog(model_id: str, request_id: str, fb_body: bytes, seq: int) -> list[tuple[str, str, dict, bytes]]:

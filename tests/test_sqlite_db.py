@@ -9,10 +9,6 @@ a time budget for the queries a user shapes; real SQLite files, real threads, a 
 - Writes queued while the writer is busy are committed in one transaction, and one that fails is
   undone alone.
 - kill -9 of a process writing from eight threads at once loses no write that had returned.
-- `writer_if_free` (the event loop's way to write, issue 42): with no other writer, its block's
-  writes commit at once (another thread reads them before the block ends; a write that fails is undone
-  alone; `transaction()` works inside); while another thread commits, it says so at once and holds
-  nothing, and the writes queued meanwhile go on.
 """
 
 from __future__ import annotations
@@ -132,43 +128,6 @@ def writer(k):
 for k in range(8):
     threading.Thread(target=writer, args=(k,)).start()
 """
-
-
-def test_writer_if_free_writes_at_once_or_holds_nothing(db):
-    def failing(c):
-        c.execute("INSERT INTO t VALUES (2, 'undone')")
-        raise ValueError("this write fails")
-
-    seen_elsewhere = []
-    with db.writer_if_free() as free:
-        assert free
-        assert db.write(lambda c: c.execute("INSERT INTO t VALUES (1, 'a')").rowcount) == 1
-        reader = threading.Thread(target=lambda: seen_elsewhere.extend(db.all("SELECT id FROM t")))
-        reader.start()
-        reader.join(WAIT)
-        with pytest.raises(ValueError):
-            db.write(failing)
-        with db.transaction() as c:
-            c.execute("INSERT INTO t VALUES (3, 'c')")
-    assert [tuple(r) for r in seen_elsewhere] == [(1,)]  # committed before the block ended
-
-    started, release = threading.Event(), threading.Event()
-    busy = threading.Thread(target=db.write, args=(lambda c: started.set() or release.wait(WAIT),))
-    busy.start()
-    assert started.wait(WAIT)
-    with db.writer_if_free() as free:  # another thread commits: told at once (waiting would take WAIT)
-        assert not free and not release.is_set()
-    queued = threading.Thread(target=db.write, args=(lambda c: c.execute("INSERT INTO t VALUES (4, 'd')"),))
-    queued.start()
-    wait_until(lambda: db.pending_writes() == 1, "a write queued behind the busy one")
-    with db.writer_if_free() as free:
-        assert not free
-    release.set()
-    for t in (busy, queued):
-        t.join(WAIT)
-    assert [tuple(r) for r in db.all("SELECT id, v FROM t ORDER BY id")] == [(1, "a"), (3, "c"), (4, "d")]
-    with db.writer_if_free() as free:  # free again: the block held nothing
-        assert free
 
 
 def test_kill9_loses_no_write_that_returned(tmp_path):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -51,14 +51,12 @@ def _json_model(model: type[BaseModel]) -> Callable[[Request, bytes], BaseModel]
 
 async def _forward_backward(request: Request, owner: str, body: bytes):
     training.check_protobuf(request.headers.get("content-type", ""))
-    return await training.submit_forward_backward(request.app.state, owner, body,
+    return await training.submit_forward_backward(request.app.state.training, owner, body,
                                                   request.headers.get("content-encoding"))
 
 
 async def _optim_step(request: Request, owner: str, body: OptimStepRequest):
-    state = request.app.state
-    return await training.on_loop_if_writer_free(state, "/api/v1/optim_step",
-                                                 partial(training.submit_optim_step, state.training, owner, body))
+    return await run_in_threadpool(training.submit_optim_step, request.app.state.training, owner, body)
 
 
 async def _retrieve_future(request: Request, owner: str, body: RetrieveFutureRequest):

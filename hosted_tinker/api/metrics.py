@@ -56,10 +56,6 @@ class Metrics:
         self.request_latency = Histogram("hosted_tinker_http_request_duration_seconds",
                                          "time to answer a request, by route", ["route"], buckets=_SECONDS,
                                          registry=r)
-        self.training_posts = Counter(
-            "hosted_tinker_training_posts", "forward_backward and optim_step POSTs by where they were submitted: on "
-            "the event loop (SQLite's writer free) or in the thread pool (the writer busy, images, a body over 64 KiB)",
-            ["route", "thread"], registry=r)
         self.queue_wait = Histogram("hosted_tinker_queue_wait_seconds",
                                     "time a training request waited between arriving and its cycle starting, by kind",
                                     ["base_model", "kind"], buckets=_SECONDS, registry=r)

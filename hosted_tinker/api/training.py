@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from pydantic import Field
-from starlette.datastructures import State
 
 from ..accounts.access import Access, owned
 from ..checkpoints.encryption import parse_recipients
@@ -19,7 +16,7 @@ from ..requests.kinds import SaveSpec
 from ..server.core import Server
 from ..services.training import TrainingRequests, checkpoint_to_load
 from ..store.retention import SNAPSHOT_NAME
-from ..wire.codec import ForwardBackwardCall, WireError, decode_forward_backward_request
+from ..wire.codec import WireError, decode_forward_backward_request
 from .deps import get_access, get_server, get_training, require_owner
 from .schemas import (
     Body, CreateModelRequest, LoadWeightsRequest, LoraConfigIn, ModelRef, OptimStepRequest,
@@ -78,7 +75,7 @@ async def forward_backward(request: Request, owner: str = Depends(require_owner)
                            training: TrainingRequests = Depends(get_training)):
     check_protobuf(request.headers.get("content-type", ""))
     body = await request.body()  # bounded by the body limit (api/limits.py)
-    return await submit_forward_backward(request.app.state, owner, body, content_encoding)
+    return await submit_forward_backward(training, owner, body, content_encoding)
 
 
 def check_protobuf(content_type: str) -> None:
@@ -87,48 +84,22 @@ def check_protobuf(content_type: str) -> None:
                                  "(Content-Type: application/x-protobuf), as sent by tinker>=0.25")
 
 
-async def submit_forward_backward(state: State, owner: str, body: bytes, content_encoding: str | None) -> dict:
-    """The route's work, shared with its fast path (hot_routes.py). `state`: the app's."""
-    training: TrainingRequests = state.training
-    route = "/api/v1/forward_backward"
-
-    def decode() -> ForwardBackwardCall:
+async def submit_forward_backward(training: TrainingRequests, owner: str, body: bytes,
+                                  content_encoding: str | None) -> dict:
+    """The route's work, shared with its fast path (hot_routes.py)."""
+    def decode_and_submit() -> dict:
+        # One trip to the thread pool, not one to decode and another to submit: the request is on
+        # the critical path of every training step (a pipelining client posts optim_step after it).
         try:
-            return decode_forward_backward_request(body, content_encoding,
+            call = decode_forward_backward_request(body, content_encoding,
                                                    max_decompressed_bytes=training.config.max_request_bytes)
         except WireError as e:
             if e.request is not None:
                 training.refused(owner, *e.request)
             raise HTTPException(400, f"malformed forward_backward body: {e}") from None
+        return training.forward_backward(owner, call)
 
-    if len(body) > INLINE_BODY_BYTES:  # one trip to the pool, not one to decode and another to submit
-        state.metrics.training_posts.labels(route, "thread_pool").inc()
-        return await run_in_threadpool(lambda: training.forward_backward(owner, decode()))
-    call = decode()
-    if any(d.images for d in call.data):  # each image is decoded to be checked: never on the event loop
-        state.metrics.training_posts.labels(route, "thread_pool").inc()
-        return await run_in_threadpool(training.forward_backward, owner, call)
-    return await on_loop_if_writer_free(state, route, partial(training.forward_backward, owner, call))
-
-
-# A forward_backward body up to this size is decoded on the event loop, and submitted there too if it
-# holds no image (the SDK's 4 x 96-token step: ~4 KB, ~0.2 ms): well under the interpreter's 5 ms
-# switch interval, for which a thread decoding it would hold the loop as well.
-INLINE_BODY_BYTES = 64 * 1024
-
-
-async def on_loop_if_writer_free(state: State, route: str, submit: Callable[[], dict]) -> dict:
-    """`submit()` (a training request's submission: SQLite reads by key, which wait for nothing in
-    WAL mode, then its future's row written) on the event loop if SQLite's writer is free, so that
-    the write waits for nothing either (database.py); else in the thread pool, where it may. On the
-    loop it saves the hop to the pool and back, ~0.25 ms of CPU per POST on a small VM
-    (benchmarks/post_parts.py, issue 42). Counted by where it ran."""
-    with state.training.store.db.writer_if_free() as free:
-        if free:
-            state.metrics.training_posts.labels(route, "event_loop").inc()
-            return submit()
-    state.metrics.training_posts.labels(route, "thread_pool").inc()
-    return await run_in_threadpool(submit)
+    return await run_in_threadpool(decode_and_submit)
 
 
 @router.post("/api/v1/optim_step")
@@ -138,8 +109,7 @@ def optim_step(body: OptimStepRequest, owner: str = Depends(require_owner),
 
 
 def submit_optim_step(training: TrainingRequests, owner: str, body: OptimStepRequest) -> dict:
-    """The route's work, shared with its fast path (hot_routes.py), which runs it with
-    `on_loop_if_writer_free`: it writes SQLite."""
+    """The route's work, shared with its fast path (hot_routes.py). Writes SQLite: off the event loop."""
     adam = body.adam_params.model_dump() if body.adam_params is not None else None
     return training.optim_step(owner, body.model_id, body.seq_id, adam, (body.optimizer_params or {}).get("type"))
 

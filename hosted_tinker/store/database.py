@@ -19,14 +19,6 @@ until a batch holds its write, or until it may commit the next one itself. A thr
 most one batch besides its own write's wait: the device loops never become everyone's writer.
 `transaction()` is a block of statements on the writer connection, committed on its own.
 
-The event loop must never wait for a writer, yet a training POST writes its future's row before it
-is answered. `writer_if_free()` lets it write without waiting or handing its work to a thread (a
-hop costs ~0.25 ms of CPU on a small VM, issue 42): if no other writer holds, commits or waits for
-the writer connection, the block holds it and each of its writes commits at once, as a batch of
-one; else the block gets False, holds nothing, and the caller hands its work to the thread pool.
-Writers arriving meanwhile wait in their own threads, as they do behind a batch. No other process
-writes this file (data_dir_lock.py), so the connection is all a write waits for.
-
 A query a user shapes (a search, a listing's page) is read with `budgeted=True`: SQLite checks its
 time every `BUDGET_CHECK_STEPS` steps (a progress handler) and stops it past `query_budget_s`
 (the `max_query_s` setting); the caller gets `QueryTooSlow`, which names the setting.
@@ -40,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -75,12 +67,6 @@ class _Write:
     error: BaseException | None = None
     done: bool = False
 
-    def outcome(self) -> Any:
-        """Its result, once done; its error raised."""
-        if self.error is not None:
-            raise self.error
-        return self.result
-
 
 class _Budget:
     """A budgeted query's progress handler: true (stop the statement) once its time is spent."""
@@ -104,7 +90,7 @@ class SQLiteDB:
         self._state = threading.Condition()  # over the queue and who commits it: a batch's writers wake when it is done
         self._queued: deque[_Write] = deque()
         self._leading = False  # a writer is committing a batch
-        self._local = threading.local()  # this thread's reading connection; whether it holds the writer
+        self._local = threading.local()  # this thread's reading connection
         self._readers: dict[threading.Thread, sqlite3.Connection] = {}
         self._readers_lock = threading.Lock()
         self._closed = False
@@ -195,30 +181,11 @@ class SQLiteDB:
         return connection
 
     # -- writes ---------------------------------------------------------------------------------
-    @contextmanager
-    def writer_if_free(self) -> Iterator[bool]:
-        """True, holding the writer connection for this thread's writes in the block (each committed at
-        once), if no other writer holds it or is queued for it; else False at once, holding nothing."""
-        with self._state:
-            free = not self._leading and not self._queued
-        if not free or not self.lock.acquire(blocking=False):
-            yield False
-            return
-        self._local.holding = True
-        try:
-            yield True
-        finally:
-            self._local.holding = False
-            self.lock.release()
-
     def write(self, run: Callable[[sqlite3.Connection], T]) -> T:
         """`run(connection)` on the writer connection, inside a transaction, committed (perhaps with
         other threads' writes) before this returns its result. If it raises, what it did is undone and
         its exception raised here; the others' writes stand. `run` may be called on another thread."""
         write = _Write(run)
-        if getattr(self._local, "holding", False):  # inside writer_if_free: committed now, alone
-            self._commit([write])
-            return write.outcome()
         with self._state:
             self._queued.append(write)
         while not write.done:
@@ -236,7 +203,9 @@ class SQLiteDB:
                 with self._state:
                     self._leading = False
                     self._state.notify_all()
-        return write.outcome()
+        if write.error is not None:
+            raise write.error
+        return write.result
 
     def execute(self, sql: str, args: tuple | dict = ()) -> sqlite3.Cursor:
         """One write statement, committed; its cursor's `rowcount` says how many rows it changed."""
@@ -249,8 +218,7 @@ class SQLiteDB:
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """The writer connection, inside one transaction (committed at the end of the block, rolled
         back if it raises). The block holds the writer: keep it to writes."""
-        held = getattr(self._local, "holding", False)  # inside writer_if_free: this thread has the lock
-        with nullcontext() if held else self.lock:
+        with self.lock:
             self.connection.execute("BEGIN IMMEDIATE")
             try:
                 yield self.connection
